@@ -1,0 +1,36 @@
+# The two commands of the README: `make run` and `make test`. Both install what they need into .venv first,
+# idempotently (the stamp is redone only when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch, pinned: a looser requirement pulls several GB of CUDA packages into a CPU install.
+# On an accelerator machine override it, e.g. `make install TORCH_SPEC="torch==2.13.0 --index-url <cuda index>"`.
+TORCH_SPEC ?= torch==2.13.0
+MODEL ?= smollm2-135m-instruct
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test bench fetch-model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+fetch-model: install
+	$(BIN)/specserve fetch $(MODEL)
+
+run: fetch-model
+	$(BIN)/specserve demo --model $(MODEL)
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: fetch-model
+	$(BIN)/specserve bench --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
