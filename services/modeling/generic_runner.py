@@ -1,0 +1,76 @@
+"""Fallback runner for any transformers causal LM: one sequence at a time, a DynamicCache per sequence.
+
+Slower than the llama-family runner (no batching across rows) but it lets every architecture transformers can
+run serve, speculation included: rollback is DynamicCache.crop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from services.modeling.runner import ForwardOutput, RowInput
+
+
+class GenericRunner:
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int) -> None:
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self._caches: dict[Hashable, DynamicCache] = {}
+        self._lengths: dict[Hashable, int] = {}
+
+    def add_sequence(self, seq_id: Hashable) -> None:
+        if seq_id in self._caches:
+            raise ValueError(f"sequence {seq_id!r} already added")
+        if len(self._caches) >= self.max_num_seqs:
+            raise RuntimeError(f"no free slot (max_num_seqs={self.max_num_seqs})")
+        self._caches[seq_id] = DynamicCache(config=self.model.config)
+        self._lengths[seq_id] = 0
+
+    def remove_sequence(self, seq_id: Hashable) -> None:
+        del self._caches[seq_id]
+        del self._lengths[seq_id]
+
+    def num_free_slots(self) -> int:
+        return self.max_num_seqs - len(self._caches)
+
+    def length(self, seq_id: Hashable) -> int:
+        return self._lengths[seq_id]
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        if length > self._lengths[seq_id]:
+            raise ValueError("truncate can only shorten a sequence")
+        if length < self._lengths[seq_id]:
+            self._caches[seq_id].crop(length - self._lengths[seq_id])  # negative: tokens to drop
+        self._lengths[seq_id] = length
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
+        logits, hidden = [], []
+        for row in rows:
+            start, n = self._lengths[row.seq_id], len(row.token_ids)
+            if start + n > self.max_model_len:
+                raise ValueError(f"row {row.seq_id!r} would exceed max_model_len={self.max_model_len}")
+            out = self.model(
+                input_ids=torch.tensor([list(row.token_ids)], device=self.device),
+                position_ids=torch.arange(start, start + n, device=self.device)[None, :],
+                past_key_values=self._caches[row.seq_id],
+                use_cache=True,
+                output_hidden_states=True,
+            )
+            self._lengths[row.seq_id] = start + n
+            logits.append(out.logits[0, n - row.num_logits :].float())  # [m, V]
+            hidden.append(out.hidden_states[-1][0])  # [n, H]
+        num_selected = max(r.num_logits for r in rows)
+        width = max(h.shape[0] for h in hidden)
+        padded_logits = torch.zeros(len(rows), num_selected, self.vocab_size, device=self.device)
+        padded_hidden = torch.zeros(len(rows), width, hidden[0].shape[-1], device=self.device, dtype=hidden[0].dtype)
+        for b, (row_logits, row_hidden) in enumerate(zip(logits, hidden, strict=True)):
+            padded_logits[b, : row_logits.shape[0]] = row_logits
+            padded_hidden[b, : row_hidden.shape[0]] = row_hidden
+        return ForwardOutput(logits=padded_logits, hidden_states=padded_hidden)

@@ -1,0 +1,164 @@
+"""Own forward for the llama / qwen2 / qwen3 / mistral family over pre-allocated KV slots.
+
+The weights and the per-token modules (embedding, RMSNorm, q/k/v/o projections with optional bias, q/k norms,
+SwiGLU MLP, rotary tables) are the transformers model's own modules, called directly; only what decides speed
+and batching is ours: a batch of rows, each fed at its own offset into its own KV slot, attention through
+scaled_dot_product_attention with per-row masks, logits only for the positions asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from services.modeling.kv_cache import SlotKVCache
+from services.modeling.runner import ForwardOutput, RowInput
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether `model` has the module layout this runner calls into."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(
+        model, "lm_head"
+    )
+
+
+class LlamaFamilyRunner:
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int) -> None:
+        if not supports(model):
+            raise ValueError(f"{type(model).__name__} is not a llama-family model this runner supports")
+        config = model.config
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(config.vocab_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        layers = model.model.layers
+        self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
+        self.cache = SlotKVCache(
+            len(layers), max_num_seqs, self.num_kv_heads, max_model_len, self.head_dim, self.dtype, self.device
+        )
+
+    @staticmethod
+    def _sliding_window(attention: torch.nn.Module, config) -> int | None:
+        if hasattr(attention, "sliding_window"):
+            return attention.sliding_window
+        if config.model_type == "mistral":
+            return getattr(config, "sliding_window", None)
+        return None
+
+    # -- sequence bookkeeping -------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: Hashable) -> None:
+        self.cache.add(seq_id)
+
+    def remove_sequence(self, seq_id: Hashable) -> None:
+        self.cache.remove(seq_id)
+
+    def num_free_slots(self) -> int:
+        return self.cache.num_free()
+
+    def length(self, seq_id: Hashable) -> int:
+        return self.cache.length(seq_id)
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        if length > self.cache.length(seq_id):
+            raise ValueError("truncate can only shorten a sequence")
+        self.cache.set_length(seq_id, length)
+
+    # -- forward --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
+        if not rows:
+            raise ValueError("forward needs at least one row")
+        ordered = sorted(range(len(rows)), key=lambda i: self.cache.slot(rows[i].seq_id))
+        rows = [rows[i] for i in ordered]  # slot order keeps the KV read a view
+        slots = [self.cache.slot(r.seq_id) for r in rows]
+        starts = [self.cache.length(r.seq_id) for r in rows]
+        lengths = [len(r.token_ids) for r in rows]
+        for row, start, n in zip(rows, starts, lengths, strict=True):
+            if n == 0 or not 0 <= row.num_logits <= n:
+                raise ValueError(f"row {row.seq_id!r}: {n} tokens, {row.num_logits} logits asked")
+            if start + n > self.max_model_len:
+                raise ValueError(f"row {row.seq_id!r} would exceed max_model_len={self.max_model_len}")
+        batch, width = len(rows), max(lengths)
+        span = max(s + n for s, n in zip(starts, lengths, strict=True))
+        device = self.device
+
+        input_ids = torch.tensor(
+            [list(r.token_ids) + [0] * (width - n) for r, n in zip(rows, lengths, strict=True)], device=device
+        )  # [B, L]
+        start_t = torch.tensor(starts, device=device)
+        positions = start_t[:, None] + torch.arange(width, device=device)[None, :]  # [B, L]
+        row_of = [b for b, n in enumerate(lengths) for _ in range(n)]
+        col_of = [j for n in lengths for j in range(n)]
+        write_rows = torch.tensor(row_of, device=device)  # [N]
+        write_cols = torch.tensor(col_of, device=device)
+        write_slots = torch.tensor([slots[b] for b in row_of], device=device)
+        write_positions = positions[write_rows, write_cols]
+
+        key_positions = torch.arange(span, device=device)
+        causal = key_positions[None, None, :] <= positions[:, :, None]  # [B, L, T]
+        masks: dict[int | None, torch.Tensor] = {}
+        for window in set(self._windows):
+            mask = causal if window is None else causal & (key_positions[None, None, :] > positions[:, :, None] - window)
+            masks[window] = mask[:, None]  # [B, 1, L, T]
+
+        inner = self.model.model
+        hidden = inner.embed_tokens(input_ids)  # [B, L, H]
+        cos, sin = inner.rotary_emb(hidden, positions)
+        for index, layer in enumerate(inner.layers):
+            attention = layer.self_attn
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            q = attention.q_proj(hidden).view(batch, width, -1, self.head_dim)  # [B, L, Hq, D]
+            k = attention.k_proj(hidden).view(batch, width, -1, self.head_dim)  # [B, L, Hkv, D]
+            v = attention.v_proj(hidden).view(batch, width, -1, self.head_dim)
+            if hasattr(attention, "q_norm"):  # qwen3
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+            layer_keys, layer_values = self.cache.keys[index], self.cache.values[index]
+            layer_keys[write_slots, :, write_positions] = k[write_rows, write_cols]  # [N, Hkv, D]
+            layer_values[write_slots, :, write_positions] = v[write_rows, write_cols]
+            keys, values = self.cache.layer_view(index, slots, span)  # [B, Hkv, T, D]
+            attended = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys,
+                values,
+                attn_mask=masks[self._windows[index]],
+                scale=attention.scaling,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )  # [B, Hq, L, D]
+            hidden = residual + attention.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = inner.norm(hidden)  # [B, L, H]
+
+        for row, start, n in zip(rows, starts, lengths, strict=True):
+            self.cache.set_length(row.seq_id, start + n)
+
+        num_selected = max(r.num_logits for r in rows)
+        select = torch.tensor(
+            [[n - r.num_logits + min(i, r.num_logits - 1) if r.num_logits else n - 1 for i in range(num_selected)]
+             for r, n in zip(rows, lengths, strict=True)],
+            device=device,
+            dtype=torch.int64,
+        ).reshape(batch, num_selected)  # [B, M]
+        selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
+        logits = self.model.lm_head(selected).float()  # [B, M, V]
+
+        if ordered == sorted(ordered):
+            return ForwardOutput(logits=logits, hidden_states=hidden)
+        restore = torch.tensor(sorted(range(batch), key=lambda i: ordered[i]), device=device)
+        return ForwardOutput(logits=logits[restore], hidden_states=hidden[restore])

@@ -1,0 +1,47 @@
+"""Tiny random causal LMs built in-process, so unit tests need no download."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = VOCAB) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    return _sharpen(LlamaForCausalLM(config).eval())
+
+
+def tiny_qwen2(seed: int = 0, vocab_size: int = VOCAB) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    return _sharpen(Qwen2ForCausalLM(config).eval())
+
+
+def _sharpen(model: torch.nn.Module) -> torch.nn.Module:
+    """Random init gives near-uniform logits; scale the head so distributions have structure (some tokens
+    likely, many not), which makes acceptance and sampling tests meaningful."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0) if not model.config.tie_word_embeddings else model.lm_head.weight.mul_(4.0)
+    return model
