@@ -1,0 +1,81 @@
+"""Per-row sampling parameters of one engine step, as tensors (built once per step on the host)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.verifier.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Sampling parameters for B rows. The `any_*` flags are host booleans derived from the parameters (not
+    from tensors), so skipping unused work never needs a device sync."""
+
+    temperature: torch.Tensor  # [B] float32; greedy rows hold 1.0 (their distribution is untempered)
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor  # [B] int64; disabled rows hold the vocabulary size
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    output_counts: torch.Tensor | None  # [B, V] float32: generated-token counts (penalties only)
+    prompt_mask: torch.Tensor | None  # [B, V] bool: tokens seen in the prompt (repetition penalty only)
+    any_sampled: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalties: bool
+    num_logprobs: int  # the largest top-n asked in the batch (0 when none)
+
+    @staticmethod
+    def build(
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+        output_counts: Sequence[torch.Tensor | None] | None = None,
+        prompt_masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> SamplingBatch:
+        """output_counts / prompt_masks: per row a [V] tensor, or None for rows without penalties."""
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        any_penalties = any(p.uses_penalties for p in params)
+        counts = masks = None
+        if any_penalties:
+            zeros = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            no_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            rows = output_counts or [None] * len(params)
+            counts = torch.stack([c if c is not None else zeros for c in rows])
+            rows = prompt_masks or [None] * len(params)
+            masks = torch.stack([m if m is not None else no_prompt for m in rows])
+        return SamplingBatch(
+            temperature=floats([1.0 if p.greedy else p.temperature for p in params]),
+            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
+            top_k=torch.tensor(
+                [min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params],
+                dtype=torch.int64,
+                device=device,
+            ),
+            top_p=floats([p.top_p for p in params]),
+            min_p=floats([p.min_p for p in params]),
+            presence_penalty=floats([p.presence_penalty for p in params]),
+            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            repetition_penalty=floats([p.repetition_penalty for p in params]),
+            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+            output_counts=counts,
+            prompt_mask=masks,
+            any_sampled=any(not p.greedy for p in params),
+            any_top_k=any(p.top_k_enabled and p.top_k < vocab_size for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+            any_penalties=any_penalties,
+            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        )

@@ -1,0 +1,92 @@
+"""Per-request sampling and speculation parameters, validated once when a request enters the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the target distribution looks like for one request, and when the request stops.
+
+    The verifier applies these to every verified position (drafted ones included), so speculation never
+    changes which distribution a token is drawn from. Field names follow the OpenAI / vLLM request bodies.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob plus n alternatives
+
+    def __post_init__(self) -> None:
+        errors = list(self._errors())
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def _errors(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            yield f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+        if not self.temperature >= 0.0:
+            yield f"temperature must be >= 0, got {self.temperature!r}"
+        if not 0.0 < self.top_p <= 1.0:
+            yield f"top_p must be in (0, 1], got {self.top_p!r}"
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            yield f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
+        if not 0.0 <= self.min_p <= 1.0:
+            yield f"min_p must be in [0, 1], got {self.min_p!r}"
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            yield f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            yield f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"
+        if not self.repetition_penalty > 0.0:
+            yield f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"
+        if self.seed is not None and not isinstance(self.seed, int):
+            yield f"seed must be an integer, got {self.seed!r}"
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+            yield f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    """Which proposer drafts for a request and how many tokens per step (K). method None: no speculation."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None and self.method != "none" and self.num_speculative_tokens > 0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request as the engine sees it: token ids in, sampling and speculation settings."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculation: SpeculationParams = field(default_factory=SpeculationParams)
