@@ -1,0 +1,41 @@
+"""The one proposer protocol every drafter implements (ngram, suffix, draft model, EAGLE, or a remote drafter
+reached over gRPC). The verifier engine talks to proposers only through this protocol and never branches on
+the method name.
+
+Each engine step calls `propose` once per proposer with every running sequence that uses it. The call is async
+so that a remote drafter can await the network; the engine bounds it with a deadline and runs a sequence with
+K = 0 when its proposal is missing. Sequences are identified by id; `token_ids` always holds the whole committed
+sequence (prompt + output), so a stateful proposer can derive what changed since the last step and resync when
+it has lost track.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    seq_id: Hashable
+    token_ids: Sequence[int]  # committed tokens, prompt first; read-only
+    num_speculative_tokens: int  # K wanted now (the engine already clamped it to the room left)
+
+
+@dataclass(frozen=True)
+class Draft:
+    token_ids: Sequence[int]  # at most K proposed tokens (fewer, or none, is fine)
+    probs: torch.Tensor | None = None  # [len(token_ids), V] q, only from drafters that really sample
+
+
+class Proposer(Protocol):
+    method: str  # label for stats and metrics, never for control flow
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> Sequence[Draft]:
+        """One draft per input, in order."""
+
+    def release(self, seq_id: Hashable) -> None:
+        """The sequence finished or was aborted; forget it."""

@@ -1,0 +1,46 @@
+"""Mutable state of one request inside the engine (owned by the engine's event-loop thread)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts
+from services.verifier.sampling_params import GenerationRequest
+
+
+@dataclass
+class RequestState:
+    request: GenerationRequest
+    seed: int
+    token_ids: list[int]  # prompt + committed output
+    outputs: asyncio.Queue[RequestOutput]
+    num_computed: int = 0  # tokens whose K/V are in the runner's cache
+    finish_reason: FinishReason | None = None
+    output_counts: torch.Tensor | None = None  # [V] float32, penalties only
+    prompt_mask: torch.Tensor | None = None  # [V] bool, penalties only
+    spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    has_slot: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """The prompt is not fully in the cache yet (decode rows always hold len(token_ids) - 1 tokens)."""
+        return self.num_computed < self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

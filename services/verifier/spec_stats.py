@@ -1,0 +1,90 @@
+"""Engine-wide speculation counters and the periodic log line operators read (vLLM's spec-decode family)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
+    drafts_per_position: list[int] = field(default_factory=list)  # [i]: drafts that proposed a token i
+    num_fallbacks: int = 0  # proposer calls that missed the deadline or failed (their rows ran with K = 0)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        grow = num_draft - len(self.drafts_per_position)
+        if grow > 0:
+            self.drafts_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(num_draft):
+            self.drafts_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
+class PeriodicStatsLogger:
+    """Logs the change in counters since the last line, at most once per interval."""
+
+    interval_s: float
+    _last_time: float = field(default_factory=time.monotonic)
+    _last: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    def maybe_log(self, stats: SpecDecodeStats, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self._last_time
+        if self.interval_s <= 0 or elapsed < self.interval_s:
+            return
+        drafts = stats.num_drafts - self._last.num_drafts
+        drafted = stats.num_draft_tokens - self._last.num_draft_tokens
+        accepted = stats.num_accepted_tokens - self._last.num_accepted_tokens
+        if drafts:
+            per_position = [
+                (a - a0) / max(1, d - d0)
+                for a, a0, d, d0 in zip(
+                    stats.accepted_per_position,
+                    self._last.accepted_per_position + [0] * len(stats.accepted_per_position),
+                    stats.drafts_per_position,
+                    self._last.drafts_per_position + [0] * len(stats.drafts_per_position),
+                    strict=False,
+                )
+            ]
+            logger.info(
+                "spec decode: mean acceptance length %.2f, acceptance rate %.1f%%, per-position acceptance %s, "
+                "drafted %.1f tok/s, accepted %.1f tok/s, fallbacks %d",
+                1 + accepted / drafts,
+                100.0 * accepted / max(1, drafted),
+                "[" + ", ".join(f"{x:.2f}" for x in per_position) + "]",
+                drafted / elapsed,
+                accepted / elapsed,
+                stats.num_fallbacks - self._last.num_fallbacks,
+            )
+        self._last_time = now
+        self._last = SpecDecodeStats(
+            stats.num_drafts,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            list(stats.accepted_per_position),
+            list(stats.drafts_per_position),
+            stats.num_fallbacks,
+        )

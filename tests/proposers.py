@@ -1,0 +1,103 @@
+"""Proposers used by tests: adversarial (random tokens), perfect (an oracle of the target's own output) and
+sampling drafters that send q. They implement the same Proposer protocol as the real drafters."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+
+from services.common.proposer import Draft, DraftInput
+
+
+class RandomProposer:
+    """Proposes uniformly random tokens: almost everything is rejected."""
+
+    method = "random"
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        return [
+            Draft([self.rng.randrange(self.vocab_size) for _ in range(item.num_speculative_tokens)])
+            for item in inputs
+        ]
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
+class OracleProposer:
+    """Proposes the continuation of a known reference sequence: 100% acceptance when the reference is the
+    target's own greedy output."""
+
+    method = "oracle"
+
+    def __init__(self, references: Mapping[Hashable, Sequence[int]]) -> None:
+        self.references = references
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        drafts = []
+        for item in inputs:
+            reference = list(self.references[item.seq_id])
+            n = len(item.token_ids)
+            assert reference[:n] == list(item.token_ids), "sequence diverged from the reference"
+            drafts.append(Draft(reference[n : n + item.num_speculative_tokens]))
+        return drafts
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
+class ModelSamplingProposer:
+    """Samples K tokens autoregressively from a (tiny) draft model at a temperature and optionally sends q.
+
+    With the target itself as the draft model acceptance is high; with an unrelated model it is low.
+    """
+
+    def __init__(self, model: torch.nn.Module, temperature: float, send_q: bool, seed: int, method: str) -> None:
+        self.model = model
+        self.temperature = temperature
+        self.send_q = send_q
+        self.generator = torch.Generator().manual_seed(seed)
+        self.method = method
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        return [self._draft(list(item.token_ids), item.num_speculative_tokens) for item in inputs]
+
+    @torch.inference_mode()
+    def _draft(self, tokens: list[int], k: int) -> Draft:
+        proposed, probs = [], []
+        for _ in range(k):
+            logits = self.model(input_ids=torch.tensor([tokens + proposed])).logits[0, -1].float()
+            q = torch.softmax(logits / self.temperature, dim=-1)
+            proposed.append(int(torch.multinomial(q, 1, generator=self.generator)))
+            probs.append(q)
+        return Draft(proposed, torch.stack(probs) if self.send_q and probs else None)
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
+class FailingProposer:
+    """Raises, or sleeps past any deadline: the engine must fall back to K = 0 and stay correct."""
+
+    def __init__(self, method: str, mode: str) -> None:
+        self.method = method
+        self.mode = mode
+        self.calls = 0
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        import asyncio
+
+        self.calls += 1
+        if self.mode == "raise":
+            raise ConnectionError("drafter unavailable")
+        await asyncio.sleep(3600)
+        return []
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
