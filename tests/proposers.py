@@ -66,17 +66,27 @@ class ModelSamplingProposer:
         self.method = method
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
-        return [self._draft(list(item.token_ids), item.num_speculative_tokens) for item in inputs]
+        drafts: list[Draft | None] = [None] * len(inputs)
+        by_length: dict[tuple[int, int], list[int]] = {}
+        for i, item in enumerate(inputs):  # equal lengths share one batched draft-model forward
+            by_length.setdefault((len(item.token_ids), item.num_speculative_tokens), []).append(i)
+        for (_, k), members in by_length.items():
+            for i, draft in zip(members, self._draft([list(inputs[i].token_ids) for i in members], k), strict=True):
+                drafts[i] = draft
+        return drafts
 
     @torch.inference_mode()
-    def _draft(self, tokens: list[int], k: int) -> Draft:
+    def _draft(self, sequences: list[list[int]], k: int) -> list[Draft]:
+        tokens = torch.tensor(sequences)  # [B, T]
         proposed, probs = [], []
         for _ in range(k):
-            logits = self.model(input_ids=torch.tensor([tokens + proposed])).logits[0, -1].float()
-            q = torch.softmax(logits / self.temperature, dim=-1)
-            proposed.append(int(torch.multinomial(q, 1, generator=self.generator)))
+            logits = self.model(input_ids=torch.cat([tokens, *proposed], dim=1)).logits[:, -1].float()
+            q = torch.softmax(logits / self.temperature, dim=-1)  # [B, V]
+            proposed.append(torch.multinomial(q, 1, generator=self.generator))  # [B, 1]
             probs.append(q)
-        return Draft(proposed, torch.stack(probs) if self.send_q and probs else None)
+        drafted = torch.cat(proposed, dim=1).tolist() if k else [[] for _ in sequences]
+        q_all = torch.stack(probs, dim=1) if k else None  # [B, K, V]
+        return [Draft(row, q_all[b] if self.send_q and q_all is not None else None) for b, row in enumerate(drafted)]
 
     def release(self, seq_id: Hashable) -> None:
         pass

@@ -13,40 +13,11 @@ import torch
 from services.verifier.rejection import verify
 from services.verifier.sampling_batch import SamplingBatch
 from services.verifier.sampling_params import SamplingParams
-from tests.stats import ALPHA, chi_square_p_value, total_variation
+from tests.stats import ALPHA, chi_square_p_value, reference_processed, total_variation
 
 V = 10
 K = 3
 N = 40_000
-
-
-def reference_processed(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Textbook top-k / top-p / min-p / temperature, written independently of the code under test."""
-    z = logits.astype(np.float64) / params.temperature
-    order = np.argsort(-z)
-    keep = np.zeros(V, dtype=bool)
-    if params.top_k > 0:
-        keep[order[: params.top_k]] = True
-    else:
-        keep[:] = True
-    p = np.exp(z - z.max()) * keep
-    p /= p.sum()
-    if params.top_p < 1.0:
-        nucleus = np.zeros(V, dtype=bool)
-        mass = 0.0
-        for token in order:
-            if not keep[token]:
-                continue
-            nucleus[token] = True
-            mass += p[token]
-            if mass >= params.top_p:
-                break
-        p = p * nucleus
-        p /= p.sum()
-    if params.min_p > 0:
-        p = p * (p >= params.min_p * p.max())
-        p /= p.sum()
-    return p
 
 
 def target_logits(seed: int) -> np.ndarray:
