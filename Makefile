@@ -24,7 +24,7 @@ fetch-model: install
 	$(BIN)/specserve fetch $(MODEL)
 
 run: fetch-model
-	$(BIN)/specserve demo --model $(MODEL)
+	$(BIN)/specserve generate --model $(MODEL) --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
 
 test: install
 	$(BIN)/python -m pytest

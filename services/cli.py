@@ -1,0 +1,123 @@
+"""`specserve` command line. Flags follow vLLM's names (--model, --dtype, --device, --max-num-seqs,
+--max-model-len, --max-num-batched-tokens, --speculative-config JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+
+from services.common.speculative_config import SpeculativeConfig
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="registered name, local transformers folder, local .gguf file, or hub id")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    from services.modeling.fetch import fetch_registered_model
+
+    path = fetch_registered_model(args.name)
+    print(path)
+    return 0
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from services.inprocess import LocalEngineOptions, build_local_engine, default_speculation
+    from services.verifier.sampling_params import GenerationRequest, SamplingParams
+
+    spec_config = SpeculativeConfig.parse(args.speculative_config)
+    options = LocalEngineOptions(
+        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        speculative_config=spec_config,
+    )
+    engine, loaded = build_local_engine(options)
+    tokenizer = loaded.tokenizer
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(prompt, "keys"):
+        prompt = prompt["input_ids"]
+    request = GenerationRequest(
+        f"cli-{uuid.uuid4().hex[:8]}",
+        tuple(int(t) for t in prompt),
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed),
+        default_speculation(spec_config),
+    )
+    generated: list[int] = []
+    printed = ""
+    started = time.perf_counter()
+    last = None
+    async with engine:
+        async for output in engine.generate(request):
+            generated.extend(output.token_ids)
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # never print half a multi-byte character
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+            last = output
+    elapsed = time.perf_counter() - started
+    assert last is not None
+    print(
+        f"\n\n[{last.num_output_tokens} tokens in {elapsed:.2f} s = {last.num_output_tokens / elapsed:.1f} tok/s; "
+        f"finish_reason={last.finish_reason}; speculation: drafts={last.spec.num_drafts}, "
+        f"acceptance rate={last.spec.acceptance_rate:.2f}, mean acceptance length={last.spec.mean_acceptance_length:.2f}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    from services.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Speculative decoding, split into services.")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch", help="download a registered model into the cache (sha256-verified)")
+    fetch.add_argument("name")
+    generate = sub.add_parser("generate", help="generate one completion in-process (engine + local drafter)")
+    _add_engine_flags(generate)
+    generate.add_argument("--prompt", default="Write a Python function that returns the n-th Fibonacci number.")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int, default=None)
+    sub.add_parser("bench", help="benchmark (see `specserve bench --help`)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return _cmd_bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "fetch":
+            return _cmd_fetch(args)
+        if args.command == "generate":
+            return asyncio.run(_generate(args))
+    except ValueError as error:
+        print(f"specserve: error: {error}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

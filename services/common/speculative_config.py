@@ -1,0 +1,51 @@
+"""`--speculative-config` (server default) and the per-request `speculative_config`, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Method = Literal["ngram", "suffix", "draft_model", "eagle", "none"]
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Method = "ngram"
+    num_speculative_tokens: int = Field(5, ge=0, le=64)
+    # ngram (prompt lookup)
+    prompt_lookup_min: int = Field(1, ge=1)
+    prompt_lookup_max: int = Field(4, ge=1)
+    # draft_model / eagle
+    model: str | None = None
+    # suffix decoding (Arctic Inference)
+    suffix_decoding_max_tree_depth: int = Field(24, ge=1)
+    suffix_decoding_max_cached_requests: int = Field(10_000, ge=0)
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ValueError(f"method {self.method!r} needs a 'model'")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_speculative_tokens > 0
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig:
+        """Parse the JSON of a --speculative-config flag; empty means no speculation."""
+        if not text:
+            return cls(method="none", num_speculative_tokens=0)
+        try:
+            return cls.model_validate(json.loads(text))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config is not valid JSON: {error}") from error
+        except ValidationError as error:
+            raise ValueError(f"invalid --speculative-config: {error}") from error
