@@ -1,0 +1,227 @@
+"""Load a causal LM and its tokenizer from whatever `--model` names: folder, .gguf file, registered name, hub id.
+
+One resolver for every service keeps `--model` meaning the same thing in the verifier and in model-based
+drafters (which must share a tokenizer). It also decides early, and loudly, when a model cannot be had: on
+machines without a hub connection a hub id must fail in seconds with a list of what would work, never hang in
+download retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
+
+import torch
+
+from services.common.device import resolve_device, resolve_dtype
+from services.modeling.fetch import default_cache_dir, fetch_registered_model
+from services.modeling.registry import find_registered_model, registered_model_names
+
+logger = logging.getLogger(__name__)
+
+SourceKind = Literal["folder", "gguf", "registered", "hub"]
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_HUB_PROBE_TIMEOUT_S = 3.0
+
+
+class ModelUnavailableError(RuntimeError):
+    """`--model` names nothing that can be loaded from here; the message says what would work."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from. `path` is a folder (for gguf kinds: the folder holding `gguf_file`) or,
+    for `hub`, the repo id; `model_id` is the name reported to users and metrics."""
+
+    kind: SourceKind
+    path: str
+    model_id: str
+    gguf_file: str | None = None
+
+    def pretrained_kwargs(self) -> dict[str, Any]:
+        """Arguments that `from_pretrained(self.path, ...)` needs for this kind of source."""
+        return {"gguf_file": self.gguf_file} if self.gguf_file is not None else {}
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A model ready for inference (eval mode, on `device`, in `dtype`) with its tokenizer."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    model_id: str
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A missing local path should say 'not found', not be sent to the hub as a repo id."""
+    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+
+
+def resolve_model_source(spec: str, cache_dir: Path | None = None, *, fetch: bool = True) -> ModelSource:
+    """Decide what `spec` names; a registered name is fetched into `cache_dir` unless `fetch` is False."""
+    text = spec.strip()
+    path = Path(text).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return ModelSource("gguf", str(path.resolve()), ggufs[0].name, gguf_file=ggufs[0].name)
+        return ModelSource("folder", str(path.resolve()), path.resolve().name)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {text!r} is not a .gguf file; pass a .gguf file or a model folder")
+        path = path.resolve()
+        return ModelSource("gguf", str(path.parent), path.name, gguf_file=path.name)
+
+    registered = find_registered_model(text)
+    if registered is not None:
+        if fetch:
+            file = fetch_registered_model(registered, cache_dir)
+        else:
+            file = Path(cache_dir or default_cache_dir()) / registered.name / registered.filename
+        return ModelSource("registered", str(file.parent), registered.name, gguf_file=file.name)
+
+    if _looks_like_path(text):
+        raise FileNotFoundError(
+            f"model path {text!r} does not exist; registered models: {', '.join(registered_model_names())}"
+        )
+    return ModelSource("hub", text, text)
+
+
+def _folder_weight_kwargs(folder: Path, allow_pickle: bool) -> dict[str, Any]:
+    """Refuse pickled checkpoints unless asked: unpickling runs arbitrary code from the model files."""
+    if any(folder.glob("*.safetensors")):
+        return {"use_safetensors": True}
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        if allow_pickle:
+            return {"use_safetensors": False}
+        raise ValueError(
+            f"{folder} holds only pickled weights ({', '.join(pickled[:3])}); loading them can run arbitrary "
+            "code. Convert them to safetensors, or pass allow_pickle=True if you trust this folder"
+        )
+    raise FileNotFoundError(f"{folder} has no model weights (*.safetensors) and no .gguf file")
+
+
+def _connect_target(endpoint: str) -> tuple[str, int] | None:
+    """Host and port a hub request would first connect to: the proxy if one applies, else the endpoint."""
+    parts = urlsplit(endpoint)
+    if not parts.hostname:
+        return None
+    scheme = parts.scheme or "https"
+    target = (parts.hostname, parts.port or (443 if scheme == "https" else 80))
+    proxy = getproxies().get(scheme)
+    if proxy and not proxy_bypass(parts.hostname):
+        proxy_parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        if proxy_parts.hostname:
+            target = (proxy_parts.hostname, proxy_parts.port or 80)
+    return target
+
+
+def hub_reachable(endpoint: str | None = None, timeout_s: float = _HUB_PROBE_TIMEOUT_S) -> bool:
+    """One TCP connect, bounded in time including DNS (which `socket` cannot time out on its own)."""
+    if endpoint is None:
+        from huggingface_hub import constants as hf_constants
+
+        endpoint = hf_constants.ENDPOINT
+    target = _connect_target(endpoint)
+    if target is None:
+        return False
+    outcome: list[bool] = []
+
+    def probe() -> None:
+        try:
+            with socket.create_connection(target, timeout=timeout_s):
+                outcome.append(True)
+        except OSError:
+            outcome.append(False)
+
+    worker = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return bool(outcome and outcome[0])
+
+
+def _from_pretrained(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool, **extra: Any):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    common = {"trust_remote_code": trust_remote_code, **source.pretrained_kwargs(), **extra}
+    tokenizer_kwargs = {k: v for k, v in common.items() if k != "use_safetensors"}
+    model_kwargs: dict[str, Any] = {}
+    if source.gguf_file is not None:
+        # transformers keeps GGUF weights packed when the `kernels` package is installed; the model runner
+        # reads plain dense weights, so ask for them whatever happens to be installed
+        model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **common, **model_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, **tokenizer_kwargs)
+    return model, tokenizer
+
+
+def _load_from_hub(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool):
+    """The local HF cache first; the network only when the hub answers, so offline machines fail fast."""
+    from huggingface_hub import constants as hf_constants
+
+    weights = {} if allow_pickle else {"use_safetensors": True}
+    try:
+        return _from_pretrained(source, dtype, trust_remote_code, local_files_only=True, **weights)
+    except OSError as exc:
+        local_error = exc
+    names = ", ".join(registered_model_names())
+    why = None
+    if hf_constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE is set"
+    elif not hub_reachable(hf_constants.ENDPOINT):
+        why = f"the Hugging Face Hub ({hf_constants.ENDPOINT}) is not reachable from here"
+    if why is not None:
+        raise ModelUnavailableError(
+            f"model {source.path!r} is not a local folder, a .gguf file or a registered model, it is not in "
+            f"the local Hugging Face cache, and {why}; registered models: {names}"
+        ) from local_error
+    logger.info("%s not in the local HF cache; downloading from %s", source.path, hf_constants.ENDPOINT)
+    return _from_pretrained(source, dtype, trust_remote_code, **weights)
+
+
+def load_model(
+    spec: str,
+    *,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    cache_dir: Path | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> LoadedModel:
+    """Resolve `spec`, load model and tokenizer, move the model to the device in eval mode."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    source = resolve_model_source(spec, cache_dir)
+    started = time.perf_counter()
+    if source.kind == "hub":
+        model, tokenizer = _load_from_hub(source, torch_dtype, trust_remote_code, allow_pickle)
+    elif source.kind == "folder":
+        weights = _folder_weight_kwargs(Path(source.path), allow_pickle)
+        model, tokenizer = _from_pretrained(source, torch_dtype, trust_remote_code, **weights)
+    else:
+        model, tokenizer = _from_pretrained(source, torch_dtype, trust_remote_code)
+    # from_pretrained already chose the dtype; a blanket .to(dtype) would also cast float32-by-design buffers
+    model = model.to(torch_device).eval()
+    elapsed = time.perf_counter() - started
+    logger.info(
+        "loaded %s (%s) on %s as %s in %.1f s",
+        source.model_id,
+        source.kind,
+        torch_device,
+        torch_dtype,
+        elapsed,
+    )
+    return LoadedModel(model, tokenizer, source.model_id, source, torch_device, torch_dtype, elapsed)
