@@ -3,7 +3,7 @@
 The weights and the per-token modules (embedding, RMSNorm, q/k/v/o projections with optional bias, q/k norms,
 SwiGLU MLP, rotary tables) are the transformers model's own modules, called directly; only what decides speed
 and batching is ours: a batch of rows, each fed at its own offset into its own KV slot, attention through
-scaled_dot_product_attention with per-row masks, logits only for the positions asked.
+two matmuls with per-row masks (attention.py), logits only for the positions asked.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from services.modeling.attention import additive_mask, grouped_attention
 from services.modeling.kv_cache import SlotKVCache
 from services.modeling.runner import ForwardOutput, RowInput
 
@@ -113,7 +113,7 @@ class LlamaFamilyRunner:
         masks: dict[int | None, torch.Tensor] = {}
         for window in set(self._windows):
             mask = causal if window is None else causal & (key_positions[None, None, :] > positions[:, :, None] - window)
-            masks[window] = mask[:, None]  # [B, 1, L, T]
+            masks[window] = additive_mask(mask, torch.float32)  # [B, 1, 1, L, T]
 
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids)  # [B, L, H]
@@ -132,15 +132,8 @@ class LlamaFamilyRunner:
             layer_keys[write_slots, :, write_positions] = k[write_rows, write_cols]  # [N, Hkv, D]
             layer_values[write_slots, :, write_positions] = v[write_rows, write_cols]
             keys, values = self.cache.layer_view(index, slots, span)  # [B, Hkv, T, D]
-            attended = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                keys,
-                values,
-                attn_mask=masks[self._windows[index]],
-                scale=attention.scaling,
-                enable_gqa=self.num_kv_heads != self.num_heads,
-            )  # [B, Hq, L, D]
-            hidden = residual + attention.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
+            attended = grouped_attention(q, keys, values, masks[self._windows[index]], attention.scaling)
+            hidden = residual + attention.o_proj(attended)  # attended: [B, L, Hq*D]
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = inner.norm(hidden)  # [B, L, H]

@@ -1,0 +1,38 @@
+"""Attention over the KV slots for a batch of rows with per-row masks and grouped-query heads.
+
+Written as two matmuls instead of calling scaled_dot_product_attention: on CPU, torch's flash kernel with an
+explicit mask and GQA took ~6.6 ms per layer for one decode token over 600 cached positions (about 90% of a
+SmolLM2 step), while the matmul form reads each cached K/V once, without repeating KV heads, in a fraction of
+that. Query lengths here are small (K+1 for verification, a bounded chunk for prefill), so the [L, T] score
+matrix is cheap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, L, T] bool (True = may attend) -> [B, 1, 1, L, T] with 0 / -inf, broadcastable over heads."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))[:, None, None]
+
+
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, L, Hq, D]; keys/values [B, Hkv, T, D] (views into the cache); mask [B, 1, 1, L, T] additive.
+
+    Returns [B, L, Hq * D]. Query head h attends with KV head h // (Hq / Hkv), as transformers' repeat_kv does.
+    """
+    batch, length, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    groups = num_heads // num_kv_heads
+    q = q.view(batch, length, num_kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, L, D]
+    q = q.reshape(batch, num_kv_heads, groups * length, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G*L, T]
+    scores = scores.view(batch, num_kv_heads, groups, length, -1) + mask  # [B, Hkv, G, L, T]
+    probs = scores.softmax(dim=-1).to(values.dtype).view(batch, num_kv_heads, groups * length, -1)
+    out = torch.matmul(probs, values)  # [B, Hkv, G*L, D]
+    out = out.view(batch, num_kv_heads, groups, length, head_dim).permute(0, 3, 1, 2, 4)  # [B, L, Hkv, G, D]
+    return out.reshape(batch, length, num_heads * head_dim)
