@@ -1,0 +1,242 @@
+"""`specserve bench`: specserve's engine against transformers `generate`, with and without n-gram speculation.
+
+One run measures every row of the table and derives the target ratios from those same numbers, so a reader
+never compares figures taken on different machines or at different times. Greedy outputs are compared while
+benchmarking: a speculative output that differs from speculation off fails the run (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.bench import specserve_runs, transformers_baseline
+from services.bench.prompts import Workload
+from services.bench.report import BenchResult, Check, Measurement, compare, format_report, summarize
+from services.drafter.ngram import NgramSettings
+
+__all__ = ["BenchSettings", "main", "run_benchmark"]
+
+Progress = Callable[[str], None]
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    k: int = 8  # draft tokens per step (ngram and transformers prompt lookup): best of a K=3..8 sweep
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    concurrency: int = 8
+    repeats: int = 1
+
+
+def measure_transformers(
+    model: torch.nn.Module,
+    workloads: Sequence[Workload],
+    settings: BenchSettings,
+    eos_token_ids: Sequence[int],
+    progress: Progress,
+) -> list[Measurement]:
+    """Plain greedy generate, then prompt lookup with the same K and maximum n-gram size as specserve."""
+    measurements = []
+    systems = (
+        ("hf-plain", "transformers generate", None),
+        ("hf-pld", f"transformers prompt lookup K={settings.k}", (settings.k, settings.prompt_lookup_max)),
+    )
+    for key, system, lookup in systems:
+        progress(f"warm-up: {system}")
+        warmup_prompt = workloads[0].prompts[0]
+        transformers_baseline.generate_one(model, warmup_prompt, WARMUP_TOKENS, eos_token_ids, lookup)
+        for w in workloads:
+            progress(f"{w.name}: {system}")
+            runs = tuple(
+                transformers_baseline.run_transformers(
+                    model, w.prompts, w.max_tokens, eos_token_ids, lookup, progress
+                )
+                for _ in range(settings.repeats)
+            )
+            measurements.append(Measurement(key, w.name, system, 1, runs, speculative=lookup is not None))
+    return measurements
+
+
+async def _sequential(engine, ids, workloads, settings, k, label, progress) -> list[Measurement]:
+    """One request at a time: the latency-bound case speculation is for."""
+    progress(f"warm-up: {label}")
+    await specserve_runs.generate_one(engine, ids.next("warmup"), workloads[0].prompts[0], WARMUP_TOKENS, k)
+    measurements = []
+    for w in workloads:
+        progress(f"{w.name}: {label}, 1 request at a time")
+        runs = [
+            await specserve_runs.run_sequential(engine, ids, w.prompts, w.max_tokens, k, progress)
+            for _ in range(settings.repeats)
+        ]
+        key = "ngram-1" if k else "off-1"
+        measurements.append(Measurement(key, w.name, label, 1, tuple(runs), speculative=k > 0))
+    return measurements
+
+
+async def _concurrent(engine, ids, workloads, settings, k, label, progress) -> list[Measurement]:
+    """`concurrency` requests at once: the throughput case, one batched forward per step."""
+    n = settings.concurrency
+    measurements = []
+    for w in workloads:
+        progress(f"{w.name}: {label}, {n} concurrent")
+        batches = [
+            await specserve_runs.run_concurrent(engine, ids, w.prompts, w.max_tokens, k, n, progress)
+            for _ in range(settings.repeats)
+        ]
+        runs, walls = zip(*batches, strict=True)
+        key = "ngram-N" if k else "off-N"
+        measurements.append(Measurement(key, w.name, label, n, tuple(runs), tuple(walls), speculative=k > 0))
+    return measurements
+
+
+async def measure_specserve(
+    model: torch.nn.Module,
+    workloads: Sequence[Workload],
+    settings: BenchSettings,
+    eos_token_ids: Sequence[int],
+    progress: Progress,
+) -> list[Measurement]:
+    """Speculation off and ngram, one request at a time and `concurrency` at once, all on one engine."""
+    longest = max(len(p) for w in workloads for p in w.prompts) + max(w.max_tokens for w in workloads)
+    ngram = NgramSettings(settings.prompt_lookup_min, settings.prompt_lookup_max)
+    max_model_len = longest + settings.k + 2
+    engine = specserve_runs.build_engine(model, eos_token_ids, ngram, settings.concurrency, max_model_len)
+    ids = specserve_runs.RequestIds()
+    modes = ((0, "specserve off"), (settings.k, f"specserve ngram K={settings.k}"))
+    measurements = []
+    async with engine:
+        for k, label in modes:
+            measurements += await _sequential(engine, ids, workloads, settings, k, label, progress)
+        for k, label in modes:
+            measurements += await _concurrent(engine, ids, workloads, settings, k, label, progress)
+    return measurements
+
+
+def equality_checks(measurements: Sequence[Measurement]) -> list[Check]:
+    """Speculation must not change greedy output (required); transformers vs specserve is informational, since
+    float reassociation in a differently shaped computation may legitimately flip a near-tie."""
+    by_key = {(m.workload, m.key): m for m in measurements}
+    workloads = dict.fromkeys(m.workload for m in measurements)
+    plan = (
+        ("specserve ngram vs off, 1 request", "ngram-1", "off-1", True),
+        ("specserve ngram vs off, concurrent", "ngram-N", "off-N", True),
+        ("specserve off vs transformers plain", "off-1", "hf-plain", False),
+        ("transformers prompt lookup vs plain", "hf-pld", "hf-plain", False),
+    )
+    checks = []
+    for workload in workloads:
+        for name, a, b, required in plan:
+            if (workload, a) in by_key and (workload, b) in by_key:
+                checks.append(compare(name, workload, by_key[workload, a], by_key[workload, b], required))
+    return checks
+
+
+def run_benchmark(
+    model: torch.nn.Module,
+    workloads: Sequence[Workload],
+    settings: BenchSettings,
+    eos_token_ids: Sequence[int],
+    header: dict[str, str],
+    progress: Progress,
+) -> BenchResult:
+    """Every row of the table on already-tokenized workloads (the smoke test calls this with a tiny model)."""
+    measurements = measure_transformers(model, workloads, settings, eos_token_ids, progress)
+    measurements += asyncio.run(measure_specserve(model, workloads, settings, eos_token_ids, progress))
+    order = {w.name: i for i, w in enumerate(workloads)}
+    measurements.sort(key=lambda m: order[m.workload])  # stable: keeps the system order within a workload
+    return BenchResult(header, [summarize(m) for m in measurements], equality_checks(measurements))
+
+
+# -- command line --------------------------------------------------------------------------------------------
+
+
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the host's count, inside containers)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-prompts", type=int, default=None, help="HumanEval problems (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="HumanEval max new tokens (default 128)")
+    parser.add_argument("--edit-max-tokens", type=int, default=None, help="code-edit max new tokens (256)")
+    parser.add_argument("--k", type=int, default=BenchSettings.k, help="speculative tokens per step")
+    parser.add_argument("--prompt-lookup-min", type=int, default=BenchSettings.prompt_lookup_min)
+    parser.add_argument("--prompt-lookup-max", type=int, default=BenchSettings.prompt_lookup_max)
+    parser.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default 8)")
+    parser.add_argument("--repeats", type=int, default=BenchSettings.repeats)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: available cores)")
+    parser.add_argument("--quick", action="store_true", help="a tiny run that checks the setup")
+    parser.add_argument("--json", type=str, default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults = {  # (--quick, full run)
+        "num_prompts": (2, 4),
+        "max_tokens": (16, 128),
+        "edit_max_tokens": (32, 256),
+        "concurrency": (4, 8),
+    }
+    for name, (quick_value, full_value) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick_value if quick else full_value)
+    return args
+
+
+def stderr_progress() -> Progress:
+    """Progress lines with elapsed time on stderr, so stdout holds only the report."""
+    started = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from services.bench.prompts import build_workloads
+    from services.modeling.loading import load_model
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads or available_cores())
+    progress = stderr_progress()
+    progress(f"loading {args.model}")
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    workloads = build_workloads(loaded.tokenizer, args.num_prompts, args.max_tokens, args.edit_max_tokens)
+    eos = loaded.model.generation_config.eos_token_id
+    eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [loaded.tokenizer.eos_token_id])
+    settings = BenchSettings(
+        args.k, args.prompt_lookup_min, args.prompt_lookup_max, args.concurrency, args.repeats
+    )
+    header = {
+        "model": f"{loaded.model_id} ({loaded.dtype}, {loaded.device}), greedy, chat template",
+        "machine": f"{platform.machine()}, {available_cores()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}",
+        "workloads": ", ".join(
+            f"{w.name}: {len(w.prompts)} prompt(s) of {min(map(len, w.prompts))}-{max(map(len, w.prompts))} "
+            f"tokens, max {w.max_tokens} new"
+            for w in workloads
+        ),
+        "speculation": f"ngram K={args.k}, prompt_lookup_min={args.prompt_lookup_min}, "
+        f"prompt_lookup_max={args.prompt_lookup_max}; concurrency {args.concurrency}; repeats {args.repeats}",
+        "tok/s": "single-request rows: median over prompts of per-prompt tok/s; concurrent rows: aggregate",
+    }
+    result = run_benchmark(loaded.model, workloads, settings, eos_token_ids, header, progress)
+    print(format_report(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result.to_json(), handle, indent=2)
+    return 1 if result.failed_checks else 0

@@ -1,0 +1,109 @@
+"""specserve's engine under the benchmark: one request at a time, or a batch of concurrent requests.
+
+Requests go through the public Engine API (add a request, await its stream) with the engine's own background
+loop, exactly as the verifier service drives it, so the timings include the scheduler and asyncio overhead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from services.bench.report import Generation
+from services.drafter.ngram import NgramProposer, NgramSettings
+from services.modeling.runner_factory import create_runner
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+
+
+def build_engine(
+    model: torch.nn.Module,
+    eos_token_ids: Sequence[int],
+    ngram: NgramSettings,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> Engine:
+    """One engine for every run: slots for the concurrent batch, the ngram proposer for speculative ones."""
+    runner = create_runner(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    config = EngineConfig(max_num_batched_tokens=512, log_stats_interval_s=0)
+    return Engine(runner, config, proposers={"ngram": NgramProposer(ngram)}, eos_token_ids=eos_token_ids)
+
+
+def speculation(k: int) -> SpeculationParams:
+    """K = 0 means speculation off."""
+    return SpeculationParams(method="ngram", num_speculative_tokens=k) if k > 0 else SpeculationParams()
+
+
+class RequestIds:
+    """Unique request ids across the whole run (the engine refuses a reused id while it is live)."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def next(self, label: str) -> str:
+        return f"{label}-{next(self._counter)}"
+
+
+async def generate_one(
+    engine: Engine, request_id: str, prompt: Sequence[int], max_tokens: int, k: int
+) -> Generation:
+    """Time one request from submission to its last token."""
+    request = GenerationRequest(
+        request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), speculation(k)
+    )
+    tokens: list[int] = []
+    steps = 0
+    started = time.perf_counter()
+    last = None
+    async for output in engine.generate(request):
+        tokens += output.token_ids
+        steps += bool(output.token_ids)
+        last = output
+    seconds = time.perf_counter() - started
+    spec = last.spec if last is not None else None
+    return Generation(
+        tuple(tokens), seconds, steps, spec.num_drafts if spec else 0, spec.num_accepted_tokens if spec else 0
+    )
+
+
+async def run_sequential(
+    engine: Engine,
+    ids: RequestIds,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    k: int,
+    progress: Callable[[str], None],
+) -> tuple[Generation, ...]:
+    """Each prompt alone in the engine: the latency-bound case that speculation targets."""
+    results = []
+    for i, prompt in enumerate(prompts):
+        result = await generate_one(engine, ids.next("seq"), prompt, max_tokens, k)
+        progress(f"  prompt {i + 1}/{len(prompts)}: {len(result.tokens)} tokens in {result.seconds:.1f} s")
+        results.append(result)
+    return tuple(results)
+
+
+async def run_concurrent(
+    engine: Engine,
+    ids: RequestIds,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    k: int,
+    concurrency: int,
+    progress: Callable[[str], None],
+) -> tuple[tuple[Generation, ...], float]:
+    """`concurrency` requests submitted at once (prompts cycled); returns them and the batch's wall time."""
+    batch = list(itertools.islice(itertools.cycle(prompts), concurrency))
+    started = time.perf_counter()
+    results = await asyncio.gather(
+        *(generate_one(engine, ids.next("batch"), prompt, max_tokens, k) for prompt in batch)
+    )
+    seconds = time.perf_counter() - started
+    total = sum(len(r.tokens) for r in results)
+    progress(f"  {concurrency} requests: {total} tokens in {seconds:.1f} s ({total / seconds:.1f} tok/s)")
+    return tuple(results), seconds
