@@ -9,11 +9,13 @@ two matmuls with per-row masks (attention.py), logits only for the positions ask
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from services.modeling.attention import additive_mask, grouped_attention
+from services.modeling.cpu_linear import LinearFn, packed_linear
 from services.modeling.kv_cache import SlotKVCache
 from services.modeling.runner import ForwardOutput, RowInput
 
@@ -31,8 +33,38 @@ def supports(model: torch.nn.Module) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class LayerKernels:
+    """Packed linears of one decoder layer: q/k/v and gate/up fused into one matmul each."""
+
+    qkv: LinearFn
+    qkv_sizes: tuple[int, int, int]
+    o_proj: LinearFn
+    gate_up: LinearFn
+    down_proj: LinearFn
+
+    @staticmethod
+    def build(layer: torch.nn.Module) -> LayerKernels | None:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        kernels = (
+            packed_linear([p.weight for p in projections], [p.bias for p in projections]),
+            packed_linear([attention.o_proj.weight], [attention.o_proj.bias]),
+            packed_linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
+            packed_linear([mlp.down_proj.weight], [mlp.down_proj.bias]),
+        )
+        if any(k is None for k in kernels):
+            return None
+        sizes = tuple(p.weight.shape[0] for p in projections)
+        return LayerKernels(kernels[0], sizes, kernels[1], kernels[2], kernels[3])
+
+
 class LlamaFamilyRunner:
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, pack_weights: bool = True
+    ) -> None:
+        """pack_weights: keep a oneDNN-reordered copy of the linear weights on CPU (cpu_linear.py); costs one
+        more copy of those weights in memory, saves about half of each step."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a llama-family model this runner supports")
         config = model.config
@@ -46,6 +78,9 @@ class LlamaFamilyRunner:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         layers = model.model.layers
+        self._kernels = [LayerKernels.build(layer) for layer in layers] if pack_weights else [None] * len(layers)
+        self._lm_head = packed_linear([model.lm_head.weight], [model.lm_head.bias]) if pack_weights else None
+        self._lm_head = self._lm_head or model.lm_head
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
         self.cache = SlotKVCache(
             len(layers), max_num_seqs, self.num_kv_heads, max_model_len, self.head_dim, self.dtype, self.device
@@ -58,6 +93,23 @@ class LlamaFamilyRunner:
         if config.model_type == "mistral":
             return getattr(config, "sliding_window", None)
         return None
+
+    def _qkv(self, index: int, attention: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        kernels = self._kernels[index]
+        if kernels is None:
+            return attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
+        return kernels.qkv(hidden).split(kernels.qkv_sizes, dim=-1)
+
+    def _o_proj(self, index: int, attention: torch.nn.Module, attended: torch.Tensor) -> torch.Tensor:
+        kernels = self._kernels[index]
+        return attention.o_proj(attended) if kernels is None else kernels.o_proj(attended)
+
+    def _mlp(self, index: int, mlp: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        kernels = self._kernels[index]
+        if kernels is None:
+            return mlp(hidden)
+        gate, up = kernels.gate_up(hidden).chunk(2, dim=-1)
+        return kernels.down_proj(mlp.act_fn(gate) * up)
 
     # -- sequence bookkeeping -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable) -> None:
@@ -122,9 +174,8 @@ class LlamaFamilyRunner:
             attention = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)
-            q = attention.q_proj(hidden).view(batch, width, -1, self.head_dim)  # [B, L, Hq, D]
-            k = attention.k_proj(hidden).view(batch, width, -1, self.head_dim)  # [B, L, Hkv, D]
-            v = attention.v_proj(hidden).view(batch, width, -1, self.head_dim)
+            qkv = self._qkv(index, attention, hidden)
+            q, k, v = (t.view(batch, width, -1, self.head_dim) for t in qkv)  # [B, L, Hq|Hkv, D]
             if hasattr(attention, "q_norm"):  # qwen3
                 q, k = attention.q_norm(q), attention.k_norm(k)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
@@ -133,9 +184,9 @@ class LlamaFamilyRunner:
             layer_values[write_slots, :, write_positions] = v[write_rows, write_cols]
             keys, values = self.cache.layer_view(index, slots, span)  # [B, Hkv, T, D]
             attended = grouped_attention(q, keys, values, masks[self._windows[index]], attention.scaling)
-            hidden = residual + attention.o_proj(attended)  # attended: [B, L, Hq*D]
+            hidden = residual + self._o_proj(index, attention, attended)  # attended: [B, L, Hq*D]
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = residual + self._mlp(index, layer.mlp, layer.post_attention_layernorm(hidden))
         hidden = inner.norm(hidden)  # [B, L, H]
 
         for row, start, n in zip(rows, starts, lengths, strict=True):
@@ -149,7 +200,7 @@ class LlamaFamilyRunner:
             dtype=torch.int64,
         ).reshape(batch, num_selected)  # [B, M]
         selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
-        logits = self.model.lm_head(selected).float()  # [B, M, V]
+        logits = self._lm_head(selected).float()  # [B, M, V]
 
         if ordered == sorted(ordered):
             return ForwardOutput(logits=logits, hidden_states=hidden)

@@ -23,7 +23,13 @@ def model(request):
     return tiny_llama() if request.param == "llama" else tiny_qwen2()
 
 
-@pytest.fixture(params=[LlamaFamilyRunner, GenericRunner], ids=["llama_runner", "generic"])
+def unpacked_llama_runner(model, max_num_seqs, max_model_len):
+    return LlamaFamilyRunner(model, max_num_seqs, max_model_len, pack_weights=False)
+
+
+@pytest.fixture(
+    params=[LlamaFamilyRunner, unpacked_llama_runner, GenericRunner], ids=["llama_runner", "unpacked", "generic"]
+)
 def runner_class(request):
     return request.param
 
@@ -46,7 +52,7 @@ def test_batched_rows_at_different_offsets_match(model, runner_class):
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in (5, 17, 9)]
     for i, prompt in enumerate(prompts):
         runner.add_sequence(i)
-        runner.forward([RowInput(i, prompt[:-3], num_logits=0 if runner_class is LlamaFamilyRunner else 1)])
+        runner.forward([RowInput(i, prompt[:-3], num_logits=0 if runner_class is not GenericRunner else 1)])
     # one batched step feeds each row's last 3 tokens; rows have different lengths and offsets
     out = runner.forward([RowInput(i, prompt[-3:], num_logits=3) for i, prompt in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
