@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -76,6 +77,20 @@ def group_by_length(lengths: Sequence[int], max_padding: float = 0.25) -> list[l
                 continue
         groups.append([index])
     return groups
+
+
+def adaptive_draft_length(acceptance: float, limit: int, min_accept_probability: float) -> int:
+    """The longest K whose last draft position is still likely enough to be accepted.
+
+    With per-token acceptance rate a (drafts accepted as a run, so position j survives with probability a**j),
+    verifying position j is worth its cost while a**j >= min_accept_probability. A batch then stops paying K+1
+    verify positions per row for requests whose drafts keep being rejected; the output never depends on K.
+    """
+    if acceptance >= 1.0:
+        return limit
+    if acceptance <= 0.0:
+        return 1
+    return max(1, min(limit, int(math.log(min_accept_probability) / math.log(acceptance))))
 
 
 class RequestStream:
@@ -295,17 +310,24 @@ class Engine:
                 self.proposers[spec.method].release(state.request_id)
             self._states.pop(state.request_id, None)
 
-    def _num_speculative(self, state: RequestState) -> int:
+    def _num_speculative(self, state: RequestState, num_decoding: int) -> int:
+        """K for this step. Adaptive K applies only when several requests decode together: alone, a step reads
+        the weights once whatever K is (extra draft positions are nearly free); in a batch, every rejected
+        position is paid for by all rows."""
         spec = state.request.speculation
         if not spec.enabled:
             return 0
         room_in_output = state.request.sampling.max_tokens - state.num_output_tokens - 1
         room_in_context = self.runner.max_model_len - len(state.token_ids) - 1
-        return max(0, min(spec.num_speculative_tokens, room_in_output, room_in_context))
+        wanted = spec.num_speculative_tokens
+        if self.config.adaptive_speculation and num_decoding > 1:
+            acceptance = state.acceptance.rate
+            wanted = adaptive_draft_length(acceptance, wanted, self.config.adaptive_min_accept_probability)
+        return max(0, min(wanted, room_in_output, room_in_context))
 
     def _plan_prefill(self, decode: Sequence[RequestState]) -> list[_PrefillChunk]:
         budget_total = self.config.max_num_batched_tokens
-        decode_tokens = sum(1 + self._num_speculative(s) for s in decode)
+        decode_tokens = sum(1 + self._num_speculative(s, len(decode)) for s in decode)
         budget = max(budget_total - decode_tokens, budget_total // 4, 1)
         chunks = []
         for state in self._running:
@@ -322,7 +344,7 @@ class Engine:
         drafts = [_NO_DRAFT] * len(decode)
         groups: dict[str, list[tuple[int, int]]] = {}
         for index, state in enumerate(decode):
-            k = self._num_speculative(state)
+            k = self._num_speculative(state, len(decode))
             if k > 0:
                 groups.setdefault(state.request.speculation.method, []).append((index, k))
 
@@ -452,6 +474,7 @@ class Engine:
             state.spec.num_draft_tokens += row.num_draft
             state.spec.num_accepted_tokens += row.num_accepted
             self.stats.record(row.num_draft, row.num_accepted)
+            state.acceptance.observe(row.num_draft, row.num_accepted)
         elif not state.prefilling:
             state.num_computed = len(state.token_ids)
         if state.finished:  # aborted while the step ran

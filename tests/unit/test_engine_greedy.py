@@ -29,9 +29,12 @@ def repetitive_prompt(rng: random.Random, length: int) -> tuple[int, ...]:
     return tuple(tokens[:length])
 
 
-def make_engine(model, proposers, max_num_seqs=4, max_num_batched_tokens=24) -> Engine:
+def make_engine(model, proposers, max_num_seqs=4, max_num_batched_tokens=24, adaptive=False) -> Engine:
+    """Adaptive K stays off unless asked, so that every K in 1..8 is really exercised."""
     runner = LlamaFamilyRunner(model, max_num_seqs=max_num_seqs, max_model_len=160)
-    config = EngineConfig(max_num_batched_tokens=max_num_batched_tokens, log_stats_interval_s=0)
+    config = EngineConfig(
+        max_num_batched_tokens=max_num_batched_tokens, log_stats_interval_s=0, adaptive_speculation=adaptive
+    )
     return Engine(runner, config, proposers, eos_token_ids=())
 
 
@@ -190,3 +193,36 @@ async def test_greedy_with_penalties_matches_without_speculation():
         {0: [GenerationRequest("x", prompts[0], SamplingParams(max_tokens=30, temperature=0))]},
     )
     assert unpenalised["x"].tokens != baseline["r0"].tokens  # the penalties really act
+
+
+async def test_adaptive_k_shrinks_for_rejected_drafts_and_keeps_output(model):
+    rng = random.Random(13)
+    prompts = [repetitive_prompt(rng, 20) for _ in range(3)]
+    requests = lambda spec: [  # noqa: E731
+        GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=30, temperature=0.0), spec) for i, p in enumerate(prompts)
+    ]
+    baseline = await run_schedule(make_engine(model, {}), {0: requests(SpeculationParams())})
+    fixed = make_engine(model, {"random": RandomProposer(VOCAB, seed=2)})
+    adaptive = make_engine(model, {"random": RandomProposer(VOCAB, seed=2)}, adaptive=True)
+    fixed_out = await run_schedule(fixed, {0: requests(SpeculationParams("random", 8))})
+    adaptive_out = await run_schedule(adaptive, {0: requests(SpeculationParams("random", 8))})
+    for i in range(3):
+        assert fixed_out[f"r{i}"].tokens == adaptive_out[f"r{i}"].tokens == baseline[f"r{i}"].tokens
+    # random drafts are rejected, so the adaptive engine drafts far fewer tokens per draft
+    assert adaptive.stats.num_draft_tokens / adaptive.stats.num_drafts < 3
+    assert fixed.stats.num_draft_tokens / fixed.stats.num_drafts > 6
+
+
+def test_adaptive_draft_length():
+    from services.verifier.engine import adaptive_draft_length
+    from services.verifier.request_state import AcceptanceEstimate
+
+    assert adaptive_draft_length(1.0, 8, 0.3) == 8
+    assert adaptive_draft_length(0.9, 8, 0.3) == 8  # 0.9**8 = 0.43
+    assert adaptive_draft_length(0.7, 8, 0.3) == 3  # 0.7**3 = 0.34, 0.7**4 = 0.24
+    assert adaptive_draft_length(0.1, 8, 0.3) == 1
+    estimate = AcceptanceEstimate()
+    assert estimate.rate == 0.8  # optimistic start
+    for _ in range(20):
+        estimate.observe(num_draft=5, num_accepted=0)
+    assert estimate.rate < 0.2

@@ -68,7 +68,8 @@ async def test_greedy_equality_on_smollm2(smollm2):
 
     def engine(proposers):
         runner = LlamaFamilyRunner(smollm2.model, max_num_seqs=3, max_model_len=512)
-        return Engine(runner, EngineConfig(max_num_batched_tokens=64, log_stats_interval_s=0), proposers, eos)
+        config = EngineConfig(max_num_batched_tokens=64, log_stats_interval_s=0, adaptive_speculation=False)
+        return Engine(runner, config, proposers, eos)
 
     def schedule(specs):
         requests = [
