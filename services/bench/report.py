@@ -120,6 +120,28 @@ class BenchResult:
         }
 
 
+def merge_rounds(rounds: Sequence[Sequence[Measurement]]) -> list[Measurement]:
+    """Join the same (workload, system) measurement of several rounds into one with a repeat per round."""
+    merged: dict[tuple[str, str], Measurement] = {}
+    for measurements in rounds:
+        for m in measurements:
+            key = (m.workload, m.key)
+            if key not in merged:
+                merged[key] = m
+                continue
+            first = merged[key]
+            merged[key] = Measurement(
+                first.key,
+                first.workload,
+                first.system,
+                first.concurrency,
+                first.generations + m.generations,
+                first.batch_seconds + m.batch_seconds,
+                first.speculative,
+            )
+    return list(merged.values())
+
+
 def summarize(m: Measurement) -> Row:
     """Median over repeats (per prompt, or per batch) first, so one noisy repeat does not move the row."""
     flat = [g for repeat in m.generations for g in repeat]

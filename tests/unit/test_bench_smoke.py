@@ -31,7 +31,7 @@ def test_bench_pipeline_on_tiny_model():
         Workload("humaneval", tuple(repetitive_prompt(rng, n) for n in (12, 20)), max_tokens=10),
         Workload("code-edit", (repetitive_prompt(rng, 30),), max_tokens=16),
     ]
-    settings = BenchSettings(k=3, prompt_lookup_min=1, prompt_lookup_max=3, concurrency=3, repeats=1)
+    settings = BenchSettings(k=3, prompt_lookup_min=1, prompt_lookup_max=3, concurrency=3, repeats=2)
     messages: list[str] = []
 
     result = run_benchmark(model, workloads, settings, [], {"model": "tiny llama"}, messages.append)
