@@ -6,14 +6,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from services.verifier.outputs import SpecDecodeCounts
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SpecDecodeStats:
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+class SpecDecodeStats(SpecDecodeCounts):
+    """Engine-wide counters: the per-request ones (and their rates) plus per-position and fallback counts."""
+
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
     drafts_per_position: list[int] = field(default_factory=list)  # [i]: drafts that proposed a token i
     num_fallbacks: int = 0  # proposer calls that missed the deadline or failed (their rows ran with K = 0)
@@ -32,14 +33,6 @@ class SpecDecodeStats:
             self.drafts_per_position[i] += 1
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 @dataclass
