@@ -9,9 +9,13 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL ?= smollm2-135m-instruct
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench fetch-model clean
+.PHONY: install proto run test bench fetch-model clean
 
-install: $(STAMP)
+install: $(STAMP) proto
+
+# Python code for proto/ is generated, never committed; cheap when nothing changed (a hash stamp).
+proto: $(STAMP)
+	$(BIN)/python -c "from services.common.protos import ensure_generated; ensure_generated()"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -1,0 +1,162 @@
+"""Protobuf <-> dataclass translation for the Drafter link (proto/specserve/v1/drafter.proto).
+
+Both ends of the link need it (the drafter's servicer and the verifier's RemoteProposer), and services never
+import each other, so it lives in common/. Everything here is a small pure function: the servicer and the
+client hold the state, this module only changes representation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.common.protos import load
+
+drafter_pb2, drafter_pb2_grpc = load("drafter")
+
+
+@dataclass(frozen=True)
+class DrafterDescription:
+    """DrafterInfo: what a verifier checks before it trusts a drafter's token ids."""
+
+    method: str
+    vocab_size: int = 0  # 0: works on any vocabulary (copies committed token ids)
+    tokenizer_fingerprint: str = ""  # empty: needs no tokenizer
+    needs_hidden_states: bool = False
+    max_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    seq_id: str
+    base_length: int  # committed tokens the drafter is assumed to hold; 0 (re)opens the sequence
+    new_token_ids: tuple[int, ...]
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class SequenceDraft:
+    seq_id: str
+    base_length: int  # committed length the proposal continues from
+    token_ids: tuple[int, ...] = ()
+    probs: torch.Tensor | None = None  # [len(token_ids), V]
+    resync_needed: bool = False
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    step_id: int
+    updates: tuple[SequenceUpdate, ...] = ()
+    closed_seq_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    step_id: int
+    drafts: tuple[SequenceDraft, ...] = field(default_factory=tuple)
+
+
+# -- tensors ------------------------------------------------------------------------------------------------
+def encode_probs(probs: torch.Tensor | None) -> bytes:
+    """[N, V] float tensor -> little-endian float16 bytes (empty for None)."""
+    if probs is None:
+        return b""
+    return probs.detach().to("cpu", torch.float16).contiguous().numpy().astype("<f2", copy=False).tobytes()
+
+
+def decode_probs(data: bytes, num_tokens: int) -> torch.Tensor | None:
+    """Little-endian float16 bytes -> [num_tokens, V] float32; None when absent or not a whole matrix."""
+    values = np.frombuffer(data, dtype="<f2")
+    if not data or num_tokens == 0 or values.size % num_tokens:
+        return None
+    return torch.from_numpy(values.astype(np.float32).reshape(num_tokens, -1))
+
+
+# -- Info ---------------------------------------------------------------------------------------------------
+def description_to_proto(info: DrafterDescription):
+    return drafter_pb2.DrafterInfo(
+        method=info.method,
+        vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        needs_hidden_states=info.needs_hidden_states,
+        max_speculative_tokens=info.max_speculative_tokens,
+    )
+
+
+def description_from_proto(message) -> DrafterDescription:
+    return DrafterDescription(
+        method=message.method,
+        vocab_size=message.vocab_size,
+        tokenizer_fingerprint=message.tokenizer_fingerprint,
+        needs_hidden_states=message.needs_hidden_states,
+        max_speculative_tokens=message.max_speculative_tokens,
+    )
+
+
+# -- Draft (verifier -> drafter) ----------------------------------------------------------------------------
+def step_to_proto(step: DraftStep):
+    return drafter_pb2.DraftRequest(
+        step_id=step.step_id,
+        updates=[
+            drafter_pb2.SequenceUpdate(
+                seq_id=u.seq_id,
+                base_length=u.base_length,
+                new_token_ids=u.new_token_ids,
+                num_speculative_tokens=u.num_speculative_tokens,
+            )
+            for u in step.updates
+        ],
+        closed_seq_ids=step.closed_seq_ids,
+    )
+
+
+def step_from_proto(message) -> DraftStep:
+    return DraftStep(
+        step_id=message.step_id,
+        updates=tuple(
+            SequenceUpdate(u.seq_id, u.base_length, tuple(u.new_token_ids), u.num_speculative_tokens)
+            for u in message.updates
+        ),
+        closed_seq_ids=tuple(message.closed_seq_ids),
+    )
+
+
+# -- Draft (drafter -> verifier) ----------------------------------------------------------------------------
+def reply_to_proto(reply: DraftReply):
+    return drafter_pb2.DraftResponse(
+        step_id=reply.step_id,
+        drafts=[
+            drafter_pb2.SequenceDraft(
+                seq_id=d.seq_id,
+                base_length=d.base_length,
+                token_ids=d.token_ids,
+                probs_fp16=encode_probs(d.probs),
+                resync_needed=d.resync_needed,
+            )
+            for d in reply.drafts
+        ],
+    )
+
+
+def reply_from_proto(message) -> DraftReply:
+    return DraftReply(
+        step_id=message.step_id,
+        drafts=tuple(
+            SequenceDraft(
+                seq_id=d.seq_id,
+                base_length=d.base_length,
+                token_ids=tuple(d.token_ids),
+                probs=decode_probs(d.probs_fp16, len(d.token_ids)),
+                resync_needed=d.resync_needed,
+            )
+            for d in message.drafts
+        ),
+    )
+
+
+def new_tokens(committed: Sequence[int], base_length: int) -> tuple[int, ...]:
+    """The committed tokens a peer that holds `base_length` of them is missing."""
+    return tuple(int(t) for t in committed[base_length:])

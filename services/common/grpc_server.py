@@ -1,0 +1,90 @@
+"""The gRPC server bootstrap every service shares: grpc.aio server, standard health service, reflection,
+graceful stop and a SIGTERM hook.
+
+Graceful stop is two-phase, the way Kubernetes expects: first report NOT_SERVING (readiness probes and
+health-watching clients move traffic away while the server still answers), then `server.stop(grace)` lets the
+RPCs in flight finish and refuses new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+OVERALL_HEALTH = ""  # the health service's name for "the whole server"
+
+
+@dataclass
+class GrpcServer:
+    server: grpc.aio.Server
+    port: int  # the bound port (the real one when 0 was asked for)
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in (OVERALL_HEALTH, *self.service_names):
+            await self.health.set(name, status)
+
+    async def graceful_stop(self, drain_s: float = 0.0, grace_s: float = 5.0) -> None:
+        """NOT_SERVING now, keep answering for `drain_s` so load balancers notice, then stop with `grace_s`
+        for the RPCs still in flight."""
+        await self.health.enter_graceful_shutdown()
+        if drain_s > 0:
+            await asyncio.sleep(drain_s)
+        await self.server.stop(grace_s)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_grpc_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    options: Sequence[tuple[str, int | str]] = (),
+) -> GrpcServer:
+    """Start a server with the services `register` adds (full names, e.g. "specserve.v1.Drafter", for health
+    and reflection). Port 0 binds a free port; the bound one is returned. Raises OSError if binding fails."""
+    server = grpc.aio.server(options=list(options))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind a gRPC server to {host}:{port}")
+    await server.start()
+    running = GrpcServer(server, bound, health_servicer, tuple(service_names))
+    await running.set_serving(True)
+    logger.info("gRPC server for %s listening on %s:%d", ", ".join(service_names), host, bound)
+    return running
+
+
+def install_sigterm_handler(on_signal: Callable[[], Awaitable[None]]) -> None:
+    """Run `on_signal()` (typically a graceful stop) once on SIGTERM or SIGINT, on the running loop."""
+    loop = asyncio.get_running_loop()
+    started: list[asyncio.Task] = []  # keeps the task referenced; a second signal does not start another
+
+    def handle(signum: int) -> None:
+        logger.info("received %s; stopping gracefully", signal.Signals(signum).name)
+        if not started:
+            started.append(loop.create_task(on_signal()))
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, handle, signum)

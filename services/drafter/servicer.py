@@ -1,0 +1,116 @@
+"""The Drafter gRPC servicer: a thin shell that lets any Proposer serve verifiers over the network.
+
+Sequence state belongs to the Draft stream that opened it: each verifier link has its own table, a broken link
+takes its sequences with it (released from the proposer), and two verifiers using the same sequence id do not
+collide, because the proposer sees ids namespaced by link. The servicer keeps the committed tokens of every
+open sequence so that proposers keep receiving whole sequences (the Proposer protocol's contract), exactly as
+they do in-process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.drafter_wire import (
+    DrafterDescription,
+    DraftReply,
+    DraftStep,
+    SequenceDraft,
+    description_to_proto,
+    drafter_pb2_grpc,
+    reply_to_proto,
+    step_from_proto,
+)
+from services.common.proposer import DraftInput, Proposer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LinkState:
+    """What one Draft stream has told the drafter: the committed tokens of each open sequence."""
+
+    link_id: int
+    sequences: dict[str, list[int]] = field(default_factory=dict)
+
+    def key(self, seq_id: str) -> tuple[int, str]:
+        return (self.link_id, seq_id)
+
+
+def apply_step(link: LinkState, step: DraftStep) -> tuple[list[SequenceDraft | None], list[str]]:
+    """Apply a step's updates to `link`. Returns, per update, a ready answer (resync) or None (draft it), and
+    the ids whose state was dropped (to release in the proposer). Pure apart from mutating `link`."""
+    answers: list[SequenceDraft | None] = []
+    dropped: list[str] = []
+    for seq_id in step.closed_seq_ids:
+        if link.sequences.pop(seq_id, None) is not None:
+            dropped.append(seq_id)
+    for update in step.updates:
+        known = link.sequences.get(update.seq_id)
+        if update.base_length == 0:
+            if known is not None:
+                dropped.append(update.seq_id)  # re-opened: the proposer starts afresh
+            link.sequences[update.seq_id] = list(update.new_token_ids)
+        elif known is None or len(known) != update.base_length:
+            if known is not None:
+                del link.sequences[update.seq_id]
+                dropped.append(update.seq_id)
+            answers.append(SequenceDraft(update.seq_id, update.base_length, resync_needed=True))
+            continue
+        else:
+            known.extend(update.new_token_ids)
+        answers.append(None)
+    return answers, dropped
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, proposer: Proposer, description: DrafterDescription) -> None:
+        self.proposer = proposer
+        self.description = description
+        self._link_ids = itertools.count(1)
+
+    async def Info(self, request, context: grpc.aio.ServicerContext):
+        return description_to_proto(self.description)
+
+    async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        link = LinkState(next(self._link_ids))
+        try:
+            async for message in request_iterator:
+                yield reply_to_proto(await self._step(link, step_from_proto(message)))
+        finally:
+            for seq_id in link.sequences:  # the verifier went away: nothing will close these
+                self.proposer.release(link.key(seq_id))
+
+    async def _step(self, link: LinkState, step: DraftStep) -> DraftReply:
+        answers, dropped = apply_step(link, step)
+        for seq_id in dropped:
+            self.proposer.release(link.key(seq_id))
+        pending = [i for i, answer in enumerate(answers) if answer is None]
+        inputs = []
+        for i in pending:
+            update = step.updates[i]
+            k = update.num_speculative_tokens
+            if self.description.max_speculative_tokens:
+                k = min(k, self.description.max_speculative_tokens)
+            inputs.append(DraftInput(link.key(update.seq_id), link.sequences[update.seq_id], k))
+        wanted = [j for j, item in enumerate(inputs) if item.num_speculative_tokens > 0]
+        proposed = list(await self.proposer.propose([inputs[j] for j in wanted])) if wanted else []
+        if len(proposed) != len(wanted):
+            raise RuntimeError(
+                f"proposer {self.proposer.method!r} returned {len(proposed)} drafts for {len(wanted)}"
+            )
+        by_input = dict(zip(wanted, proposed, strict=True))
+        for j, i in enumerate(pending):
+            update, draft = step.updates[i], by_input.get(j)
+            answers[i] = SequenceDraft(
+                update.seq_id,
+                len(inputs[j].token_ids),
+                tuple(int(t) for t in draft.token_ids) if draft else (),
+                draft.probs if draft else None,
+            )
+        return DraftReply(step.step_id, tuple(answers))

@@ -1,0 +1,284 @@
+"""A Proposer that lives in another process: the verifier's end of the Drafter gRPC link.
+
+One Draft bidi stream per link, one request/response pair per engine step. Per sequence the link remembers how
+many committed tokens it has sent, so a step carries only what the engine committed since (the drafter keeps
+the rest). Everything that can go wrong — a drafter that is down, slow, restarted or replaced — surfaces as an
+exception from `propose` (the engine then runs those rows with K = 0) and is repaired on a later step:
+
+- a broken stream is dropped together with everything sent on it; the next link re-opens every sequence
+  (base_length 0), after an exponential backoff so a dead drafter is not hammered;
+- a drafter that lost a sequence answers resync_needed, and the sequence is re-sent whole on the next step;
+- every link starts with Info under a deadline, and a drafter whose vocabulary differs is refused.
+
+Responses are read by a background task into a queue, so the engine's deadline can cancel a step without
+cancelling the stream; a late answer is recognised by its step_id and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.drafter_wire import (
+    DrafterDescription,
+    DraftReply,
+    DraftStep,
+    SequenceUpdate,
+    description_from_proto,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    new_tokens,
+    reply_from_proto,
+    step_to_proto,
+)
+from services.common.proposer import Draft, DraftInput
+
+logger = logging.getLogger(__name__)
+
+
+class DrafterUnavailableError(ConnectionError):
+    """The drafter cannot answer now (down, slow, stream broken); speculation resumes when it is back."""
+
+
+class DrafterLateError(DrafterUnavailableError):
+    """The drafter missed one step's deadline; the link stays up and its late answer is dropped."""
+
+
+class IncompatibleDrafterError(RuntimeError):
+    """The drafter proposes from a different vocabulary than the target's: its token ids would be wrong."""
+
+
+@dataclass(frozen=True)
+class RemoteProposerConfig:
+    target: str  # "host:port"
+    vocab_size: int  # the verifier's (target model's) vocabulary size
+    tokenizer_fingerprint: str = ""  # the verifier's; compared when both sides have one
+    info_timeout_s: float = 2.0
+    step_timeout_s: float = 0.45  # keep below EngineConfig.draft_timeout_s
+    stream_lifetime_s: float = 600.0  # the Draft stream's deadline; the link is renewed before it expires
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 2.0
+    max_missed_steps: int = 4  # unanswered steps in a row before the link is considered dead
+    channel_options: tuple[tuple[str, int], ...] = (
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    )
+
+
+def check_compatible(info: DrafterDescription, config: RemoteProposerConfig) -> None:
+    if info.vocab_size and info.vocab_size != config.vocab_size:
+        raise IncompatibleDrafterError(
+            f"drafter at {config.target} ({info.method}) proposes from a vocabulary of "
+            f"{info.vocab_size} tokens but the target model has {config.vocab_size}; "
+            "refusing it (use a drafter built for this model)"
+        )
+    if (
+        info.tokenizer_fingerprint
+        and config.tokenizer_fingerprint
+        and (info.tokenizer_fingerprint != config.tokenizer_fingerprint)
+    ):
+        raise IncompatibleDrafterError(
+            f"drafter at {config.target} ({info.method}) uses a different tokenizer (fingerprint "
+            f"{info.tokenizer_fingerprint[:12]} vs the target's {config.tokenizer_fingerprint[:12]}); refused"
+        )
+
+
+@dataclass
+class _Link:
+    """One Draft stream and what has been sent on it; dropped as a whole when the stream breaks."""
+
+    call: grpc.aio.StreamStreamCall
+    replies: asyncio.Queue  # DraftReply | DrafterUnavailableError, filled by `reader`
+    reader: asyncio.Task
+    info: DrafterDescription
+    opened_at: float
+    sent: dict[str, int] = field(default_factory=dict)  # seq_id -> committed tokens the drafter holds
+    closed: list[str] = field(default_factory=list)  # released since the last request
+    next_step_id: int = 1
+    missed_steps: int = 0
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.call.cancel()
+
+
+async def _read_replies(call: grpc.aio.StreamStreamCall, replies: asyncio.Queue) -> None:
+    try:
+        async for message in call:
+            replies.put_nowait(reply_from_proto(message))
+        replies.put_nowait(DrafterUnavailableError("the drafter ended the Draft stream"))
+    except grpc.aio.AioRpcError as error:
+        replies.put_nowait(
+            DrafterUnavailableError(f"Draft stream broke: {error.code().name}: {error.details()}")
+        )
+
+
+class RemoteProposer:
+    def __init__(self, config: RemoteProposerConfig, method: str = "remote") -> None:
+        self.config = config
+        self.method = method  # replaced by the drafter's own method once Info has answered
+        self._channel: grpc.aio.Channel | None = None
+        self._link: _Link | None = None
+        self._lock = asyncio.Lock()
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+
+    @classmethod
+    async def connect(cls, config: RemoteProposerConfig) -> RemoteProposer:
+        """A proposer whose drafter has been reached and checked (raises IncompatibleDrafterError or
+        grpc.aio.AioRpcError); use at startup to fail fast on a misconfigured drafter."""
+        proposer = cls(config)
+        await proposer.info()
+        return proposer
+
+    async def info(self) -> DrafterDescription:
+        """Ask the drafter what it is (under info_timeout_s) and refuse it if it cannot serve this target."""
+        stub = drafter_pb2_grpc.DrafterStub(self._get_channel())
+        message = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.config.info_timeout_s)
+        described = description_from_proto(message)
+        check_compatible(described, self.config)
+        self.method = described.method
+        return described
+
+    async def close(self) -> None:
+        self._drop_link()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    # -- Proposer protocol ----------------------------------------------------------------------------------
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        if not inputs:
+            return []
+        async with self._lock:
+            now = time.monotonic()
+            if now < self._retry_at:
+                raise DrafterUnavailableError(
+                    f"drafter at {self.config.target} unavailable; retrying in {self._retry_at - now:.2f}s"
+                )
+            try:
+                link = await self._get_link()
+                drafts = await self._exchange(link, inputs)
+            except DrafterLateError:
+                raise
+            except (grpc.aio.AioRpcError, DrafterUnavailableError, IncompatibleDrafterError) as error:
+                self._fail()
+                if isinstance(error, grpc.aio.AioRpcError):
+                    raise DrafterUnavailableError(
+                        f"drafter at {self.config.target}: {error.code().name}: {error.details()}"
+                    ) from error
+                raise
+            self._backoff_s = 0.0
+            return drafts
+
+    def release(self, seq_id: Hashable) -> None:
+        link, key = self._link, str(seq_id)
+        if link is not None and link.sent.pop(key, None) is not None:
+            link.closed.append(key)
+
+    # -- the link -------------------------------------------------------------------------------------------
+    def _get_channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.config.target, options=list(self.config.channel_options)
+            )
+        return self._channel
+
+    async def _get_link(self) -> _Link:
+        link = self._link
+        if link is not None and time.monotonic() - link.opened_at > 0.9 * self.config.stream_lifetime_s:
+            self._drop_link()  # renew before the stream's deadline cuts it mid-step
+            link = None
+        if link is None:
+            info = await self.info()
+            call = drafter_pb2_grpc.DrafterStub(self._get_channel()).Draft(
+                timeout=self.config.stream_lifetime_s
+            )
+            replies: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.create_task(_read_replies(call, replies), name="specserve-drafter-replies")
+            link = self._link = _Link(call, replies, reader, info, time.monotonic())
+        return link
+
+    def _drop_link(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def _fail(self) -> None:
+        """Forget the link (the drafter then sees every sequence re-opened); back off before the next try."""
+        self._drop_link()
+        self._backoff_s = min(
+            self.config.backoff_max_s, max(self.config.backoff_initial_s, 2 * self._backoff_s)
+        )
+        self._retry_at = time.monotonic() + self._backoff_s
+
+    async def _exchange(self, link: _Link, inputs: Sequence[DraftInput]) -> list[Draft]:
+        max_k = link.info.max_speculative_tokens
+        updates = []
+        for item in inputs:
+            key, committed = str(item.seq_id), item.token_ids
+            base = link.sent.get(key, 0)
+            if base > len(committed):
+                base = 0  # cannot happen with an append-only engine; re-open rather than send garbage
+            k = min(item.num_speculative_tokens, max_k) if max_k else item.num_speculative_tokens
+            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), k))
+        step = DraftStep(link.next_step_id, tuple(updates), tuple(link.closed))
+        link.next_step_id += 1
+        try:
+            await link.call.write(step_to_proto(step))
+        except BaseException:
+            self._drop_link()  # whether the drafter got the request is unknown: start over on a new link
+            raise
+        link.closed.clear()
+        for update in updates:
+            link.sent[update.seq_id] = update.base_length + len(update.new_token_ids)
+        reply = await self._await_reply(link, step.step_id)
+        return self._drafts_from(link, inputs, reply)
+
+    async def _await_reply(self, link: _Link, step_id: int) -> DraftReply:
+        try:
+            async with asyncio.timeout(self.config.step_timeout_s):
+                while True:
+                    item = await link.replies.get()
+                    if isinstance(item, DrafterUnavailableError):
+                        raise item
+                    if item.step_id == step_id:
+                        link.missed_steps = 0
+                        return item
+                    # an answer to a step the engine already gave up on: drop it
+        except TimeoutError:
+            link.missed_steps += 1
+            if link.missed_steps >= self.config.max_missed_steps:
+                raise DrafterUnavailableError(
+                    f"drafter at {self.config.target} missed {link.missed_steps} steps in a row"
+                ) from None
+            raise DrafterLateError(
+                f"drafter at {self.config.target} did not answer within {self.config.step_timeout_s}s"
+            ) from None
+
+    def _drafts_from(self, link: _Link, inputs: Sequence[DraftInput], reply: DraftReply) -> list[Draft]:
+        if len(reply.drafts) != len(inputs):
+            raise DrafterUnavailableError(
+                f"drafter answered {len(reply.drafts)} drafts for {len(inputs)} sequences"
+            )
+        drafts = []
+        for item, proposed in zip(inputs, reply.drafts, strict=True):
+            key = str(item.seq_id)
+            if proposed.seq_id != key:
+                raise DrafterUnavailableError(
+                    f"drafter answered for {proposed.seq_id!r} where {key!r} was asked"
+                )
+            if proposed.resync_needed:
+                link.sent.pop(key, None)  # re-sent whole on the next step
+                drafts.append(Draft(()))
+            elif proposed.base_length != len(item.token_ids):
+                drafts.append(Draft(()))  # continues some other length: useless now
+            else:
+                drafts.append(Draft(proposed.token_ids, proposed.probs))
+        return drafts

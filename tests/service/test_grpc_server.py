@@ -1,0 +1,85 @@
+"""The shared gRPC bootstrap: health reports SERVING, and NOT_SERVING as soon as a graceful stop begins (while
+the server still answers, so probes see it); reflection lists the services; the drafter command runs as a
+process and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.common.drafter_wire import drafter_pb2, drafter_pb2_grpc
+from services.drafter.server import SERVICE_NAME
+
+REPO = Path(__file__).resolve().parents[2]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_health_goes_not_serving_when_graceful_stop_begins(ngram_drafter):
+    server, port = ngram_drafter
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        assert (await watch.read()).status == SERVING
+
+        stopping = asyncio.create_task(server.graceful_stop(drain_s=0.5, grace_s=1.0))
+        assert (await asyncio.wait_for(watch.read(), 5)).status == NOT_SERVING
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)  # still answering
+        assert reply.status == NOT_SERVING
+        await asyncio.wait_for(stopping, 5)
+
+
+async def test_reflection_lists_the_services(ngram_drafter):
+    _, port = ngram_drafter
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=5)
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        reply = await call.read()
+        names = {s.name for s in reply.list_services_response.service}
+        assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+        call.cancel()
+
+
+async def test_drafter_command_serves_and_stops_on_sigterm():
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.drafter.server",
+        "--port",
+        "0",
+        "--num-speculative-tokens",
+        "4",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        port = None
+        while port is None:
+            line = (await asyncio.wait_for(process.stdout.readline(), 20)).decode()
+            assert line, "the drafter exited before listening"
+            if match := re.search(r"listening on [\d.]+:(\d+)", line):
+                port = int(match.group(1))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = await drafter_pb2_grpc.DrafterStub(channel).Info(
+                drafter_pb2.DrafterInfoRequest(), timeout=5
+            )
+        assert (info.method, info.max_speculative_tokens, info.vocab_size) == ("ngram", 4, 0)
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 10) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -1,0 +1,138 @@
+"""The engine drafting through a real Drafter server: greedy output is token-identical to speculation off, the
+drafter dying mid-run costs only speed, and speculation resumes when a drafter comes back on the same port."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.server import serve
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.engine_harness import Collected, run_schedule
+from tests.tiny_models import VOCAB, tiny_llama
+
+
+def repetitive_prompt(rng: random.Random, length: int) -> tuple[int, ...]:
+    phrases = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 5))] for _ in range(4)]
+    tokens: list[int] = []
+    while len(tokens) < length:
+        tokens += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(VOCAB)]
+    return tuple(tokens[:length])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+def make_engine(model, proposers) -> Engine:
+    runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=200)
+    return Engine(
+        runner,
+        EngineConfig(max_num_batched_tokens=32, log_stats_interval_s=0, draft_timeout_s=2.0),
+        proposers,
+    )
+
+
+def remote_config(port: int, **overrides) -> RemoteProposerConfig:
+    return RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, step_timeout_s=1.5, **overrides)
+
+
+def requests(prompts, max_tokens, specs) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens[i], temperature=0.0), spec)
+        for i, (prompt, spec) in enumerate(zip(prompts, specs, strict=True))
+    ]
+
+
+async def test_remote_ngram_is_greedy_identical_and_accepted(model, ngram_drafter):
+    _, port = ngram_drafter
+    rng = random.Random(5)
+    n = 6
+    prompts = [repetitive_prompt(rng, rng.randint(3, 40)) for _ in range(n)]
+    max_tokens = [rng.randint(8, 30) for _ in range(n)]
+    plain = requests(prompts, max_tokens, [SpeculationParams()] * n)
+    baseline = await run_schedule(make_engine(model, {}), {0: plain[:3], 2: plain[3:]})
+
+    remote = await RemoteProposer.connect(remote_config(port))
+    assert remote.method == "ngram"
+    try:
+        for k in range(1, 6):
+            engine = make_engine(model, {"ngram": remote})
+            specs = [SpeculationParams("ngram", k if i % 2 else 1 + (k + i) % 5) for i in range(n)]
+            spec_requests = requests(prompts, max_tokens, specs)
+            result = await run_schedule(engine, {0: spec_requests[:3], 2: spec_requests[3:]})
+            for i in range(n):
+                assert result[f"r{i}"].tokens == baseline[f"r{i}"].tokens, f"K={k} r{i}"
+            assert engine.stats.num_fallbacks == 0
+            assert engine.stats.num_drafts > 0 and engine.stats.num_accepted_tokens > 0, f"K={k}"
+            assert max(len(engine.stats.drafts_per_position), 1) <= 5
+    finally:
+        await remote.close()
+
+
+async def test_drafter_outage_falls_back_and_recovers_on_the_same_port(model):
+    server, port = await serve(NgramProposer(NgramSettings(1, 3)), "127.0.0.1", 0)
+    rng = random.Random(9)
+    prompts = [repetitive_prompt(rng, 30) for _ in range(3)]
+    max_tokens = [120] * 3
+    baseline = await run_schedule(
+        make_engine(model, {}), {0: requests(prompts, max_tokens, [SpeculationParams()] * 3)}
+    )
+
+    remote = RemoteProposer(remote_config(port, backoff_initial_s=0.05, backoff_max_s=0.3))
+    engine = make_engine(model, {"ngram": remote})
+    streams = {
+        r.request_id: engine.add_request(r)
+        for r in requests(prompts, max_tokens, [SpeculationParams("ngram", 2)] * 3)
+    }
+    collected = {request_id: Collected() for request_id in streams}
+
+    async def steps(count: int, pause_s: float = 0.0) -> None:
+        for _ in range(count):
+            if engine.num_running == 0 and engine.num_waiting == 0:
+                return
+            await engine.step()
+            for request_id, stream in streams.items():
+                for output in stream.ready_outputs():
+                    collected[request_id].tokens.extend(output.token_ids)
+                    collected[request_id].outputs.append(output)
+            await asyncio.sleep(pause_s)
+
+    restarted = None
+    try:
+        await steps(6)
+        drafts_before_outage = engine.stats.num_drafts
+        assert drafts_before_outage > 0 and engine.stats.num_fallbacks == 0
+
+        await server.server.stop(0)  # the drafter dies between two steps
+        await steps(6, pause_s=0.02)
+        assert engine.stats.num_fallbacks > 0
+        assert engine.stats.num_drafts == drafts_before_outage
+        assert engine.num_running > 0, "requests should still be running for the restart part"
+
+        restarted, _ = await serve(NgramProposer(NgramSettings(1, 3)), "127.0.0.1", port)
+        fallbacks_at_restart = engine.stats.num_fallbacks
+        for _ in range(200):  # bounded: backoff (<= 0.3 s) plus the channel's reconnect (<= 2 s)
+            if engine.stats.num_drafts > drafts_before_outage:
+                break
+            await steps(1, pause_s=0.02)
+        assert engine.stats.num_drafts > drafts_before_outage, "speculation did not resume after the restart"
+        assert engine.stats.num_fallbacks >= fallbacks_at_restart
+        await steps(1000)
+        assert engine.num_running == 0
+        for request_id in streams:
+            assert collected[request_id].tokens == baseline[request_id].tokens, request_id
+            assert collected[request_id].finish_reason == "length"
+    finally:
+        await remote.close()
+        await server.server.stop(0)
+        if restarted is not None:
+            await restarted.server.stop(0)
