@@ -1,0 +1,326 @@
+"""The FastAPI application: OpenAI routes, health, metrics.
+
+Bodies are read and parsed by hand (size limit, strict UTF-8, JSON, then pydantic) so every failure has the
+OpenAI error shape and a 400/413 status rather than FastAPI's 422. Streaming responses wait for the first
+token before sending headers, so the verifier refusing a request (prompt too long, overloaded) still yields a
+proper HTTP status; errors after that arrive as an SSE `error` object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from services.gateway import schemas as s
+from services.gateway.errors import ApiError, from_grpc, install_error_handlers
+from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_choice
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.responses import Accounting, LogprobFormatter, sse
+from services.gateway.sampling import build_request, resolve_max_tokens
+from services.gateway.settings import GatewaySettings
+from services.gateway.tokenizer import encode_chat, encode_prompt, load_tokenizer, make_decode, token_text
+from services.gateway.verifier_client import VerifierClient, pb
+
+_DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
+                   pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+@dataclass
+class GatewayState:
+    """What the routes share: settings, the verifier client, the tokenizer, metrics, and the verifier's model
+    facts (fetched once, on first need, so the gateway can start before the verifier)."""
+
+    settings: GatewaySettings
+    client: VerifierClient
+    metrics: GatewayMetrics
+    tokenizer: Any = None
+    info: Any = None
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def model_info(self) -> Any:
+        if self.info is None:
+            async with self._lock:
+                if self.info is None:
+                    try:
+                        self.info = await self.client.info()
+                    except grpc.RpcError as exc:
+                        raise from_grpc(exc) from exc
+        return self.info
+
+    async def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            spec = self.settings.model or (await self.model_info()).model_id
+            tokenizer = await run_in_threadpool(load_tokenizer, spec)
+            self.tokenizer = self.tokenizer or tokenizer
+        return self.tokenizer
+
+    async def served_name(self) -> str:
+        return self.settings.served_model_name or (await self.model_info()).model_id
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                       code="invalid_encoding") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
+                       code="invalid_json") from exc
+
+
+def _parse(model: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_value")
+    return model.model_validate(data)  # ValidationError -> 400 by the installed handler
+
+
+def create_app(settings: GatewaySettings, tokenizer: Any = None, client: VerifierClient | None = None) -> FastAPI:
+    client = client or VerifierClient(settings.verifier, info_timeout_s=settings.info_timeout_s,
+                                      request_timeout_s=settings.request_timeout_s,
+                                      root_cert=settings.grpc_root_cert)
+    state = GatewayState(settings=settings, client=client, metrics=GatewayMetrics(), tokenizer=tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            await state.get_tokenizer()  # fail early on a bad --model; tolerate a verifier not up yet
+        except ApiError:
+            pass
+        yield
+        await client.close()
+
+    app = FastAPI(title="specserve gateway", lifespan=lifespan)
+    app.state.gateway = state
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        path = request.url.path if request.url.path in _ROUTES else "other"
+        state.metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    async def require_api_key(request: Request) -> None:
+        key = settings.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 key.get_secret_value().encode()):
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    async def check_model(name: str) -> str:
+        served = await state.served_name()
+        if name != served:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
+                           param="model", code="model_not_found")
+        return served
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            info = await client.info()
+        except grpc.RpcError as exc:
+            return JSONResponse({"status": "unavailable", "verifier": client.address,
+                                 "error": from_grpc(exc).message}, status_code=503)
+        drafters = [{"name": d.name, "method": d.method, "address": d.address,
+                     "state": _DRAFTER_STATES.get(d.state, "unknown"), "detail": d.detail,
+                     "num_fallbacks": d.num_fallbacks} for d in info.drafters]
+        degraded = any(d["state"] != "serving" for d in drafters)
+        return JSONResponse({"status": "degraded" if degraded else "ok", "model": info.model_id,
+                             "verifier": client.address, "num_running": info.num_running,
+                             "num_waiting": info.num_waiting, "drafters": drafters})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    async def models() -> JSONResponse:
+        info = await state.model_info()
+        card = s.ModelCard(id=await state.served_name(), created=int(time.time()),
+                           max_model_len=info.max_model_len or None)
+        return JSONResponse(s.ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
+    async def completions(request: Request) -> Response:
+        req: s.CompletionRequest = _parse(s.CompletionRequest, await _read_json(request,
+                                                                               settings.max_request_body_bytes))
+        served = await check_model(req.model)
+        tokenizer = await state.get_tokenizer()
+        prompts = [await run_in_threadpool(encode_prompt, tokenizer, p) for p in req.prompts()]
+        echo = [make_decode(tokenizer)(ids) if req.echo else "" for ids in prompts]
+        return await _generate(state, "completion", req, served, prompts, req.max_tokens, req.logprobs, echo)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+    async def chat_completions(request: Request) -> Response:
+        req: s.ChatCompletionRequest = _parse(s.ChatCompletionRequest,
+                                              await _read_json(request, settings.max_request_body_bytes))
+        served = await check_model(req.model)
+        tokenizer = await state.get_tokenizer()
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = await run_in_threadpool(encode_chat, tokenizer, messages)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return await _generate(state, "chat", req, served, [ids], req.requested_max_tokens, logprobs, [""])
+
+    return app
+
+
+async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str,
+                    prompts: list[list[int]], requested_max: int | None, logprobs: int | None,
+                    echo: list[str]) -> Response:
+    info = await state.model_info()
+    tokenizer = state.tokenizer
+    start = time.perf_counter()
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    decode = make_decode(tokenizer)
+    streams, choice_echo = [], {}
+    for p, ids in enumerate(prompts):
+        param_max = resolve_max_tokens(requested_max, len(ids), info.max_model_len)
+        for i in range(req.n):
+            index = p * req.n + i
+            choice_echo[index] = echo[p]
+            grpc_req = build_request(req, request_id=f"{rid}-{index}", prompt_ids=ids, max_tokens=param_max,
+                                     choice=index, logprobs=logprobs)
+            timer = ChoiceTimer(state.metrics, served, start)
+            streams.append(run_choice(state.client, grpc_req, index, decode, req.stop_strings, timer))
+    accounting = Accounting(prompt_tokens=sum(len(ids) for ids in prompts), num_choices=len(streams))
+    formatter = LogprobFormatter(lambda t: token_text(tokenizer, t))
+    events = merge(streams)
+
+    def finish_metrics() -> None:
+        state.metrics.e2e_latency.labels(served).observe(time.perf_counter() - start)
+        state.metrics.prompt_tokens.labels(served).inc(accounting.prompt_tokens)
+        usage = accounting.usage()
+        state.metrics.generation_tokens.labels(served).inc(usage.completion_tokens)
+        spec = accounting.speculation()
+        state.metrics.observe_speculation(served, spec.method, spec.num_drafts, spec.num_draft_tokens,
+                                          spec.num_accepted_tokens)
+
+    try:
+        first = await anext(events)
+    except grpc.RpcError as exc:
+        await events.aclose()
+        raise from_grpc(exc) from exc
+    except StopAsyncIteration:
+        raise ApiError(503, "the verifier returned no output") from None
+    except BaseException:
+        await events.aclose()
+        raise
+
+    async def all_events() -> AsyncIterator[ChoiceEvent]:
+        yield first
+        async for event in events:
+            yield event
+
+    if not req.stream:
+        async with aclosing(events):
+            texts = {i: choice_echo[i] for i in choice_echo}
+            lps: dict[int, list[Any]] = {i: [] for i in choice_echo}
+            try:
+                async for event in all_events():
+                    texts[event.index] += event.text
+                    lps[event.index].extend(event.logprobs)
+                    accounting.record(event)
+            except grpc.RpcError as exc:
+                raise from_grpc(exc) from exc
+        finish_metrics()
+        reasons = {i: e.finish_reason for i, e in accounting.finished.items()}
+        if kind == "chat":
+            body: BaseModel = s.ChatCompletionResponse(
+                id=rid, created=created, model=served, usage=accounting.usage(),
+                speculative_decoding=accounting.speculation().model(),
+                choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content=texts[i]),
+                                      logprobs=formatter.chat(lps[i]) if logprobs is not None else None,
+                                      finish_reason=reasons.get(i)) for i in sorted(texts)])
+        else:
+            body = s.CompletionResponse(
+                id=rid, created=created, model=served, usage=accounting.usage(),
+                speculative_decoding=accounting.speculation().model(),
+                choices=[s.CompletionChoice(index=i, text=texts[i], finish_reason=reasons.get(i),
+                                            logprobs=formatter.completion(lps[i], len(choice_echo[i]))
+                                            if logprobs is not None else None) for i in sorted(texts)])
+        return JSONResponse(body.model_dump())
+
+    async def stream() -> AsyncIterator[bytes]:
+        offsets = {i: len(choice_echo[i]) for i in choice_echo}
+        async with aclosing(events):
+            for i in sorted(choice_echo):  # chat: the first chunk of each choice carries the role
+                if kind == "chat":
+                    yield sse(s.ChatCompletionChunk(id=rid, created=created, model=served, choices=[
+                        s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""))]))
+                elif choice_echo[i]:
+                    yield sse(s.CompletionChunk(id=rid, created=created, model=served, choices=[
+                        s.CompletionChoice(index=i, text=choice_echo[i])]))
+            try:
+                async for event in all_events():
+                    accounting.record(event)
+                    if not event.text and not event.logprobs and event.finish_reason is None:
+                        continue
+                    last = accounting.all_finished and not req.include_usage
+                    spec = accounting.speculation().model() if last else None
+                    if kind == "chat":
+                        chunk: BaseModel = s.ChatCompletionChunk(
+                            id=rid, created=created, model=served, speculative_decoding=spec, choices=[
+                                s.ChatChunkChoice(index=event.index, finish_reason=event.finish_reason,
+                                                  delta=s.ChatDelta(content=event.text or None),
+                                                  logprobs=formatter.chat(event.logprobs)
+                                                  if logprobs is not None else None)])
+                    else:
+                        chunk = s.CompletionChunk(
+                            id=rid, created=created, model=served, speculative_decoding=spec, choices=[
+                                s.CompletionChoice(index=event.index, text=event.text,
+                                                   finish_reason=event.finish_reason,
+                                                   logprobs=formatter.completion(event.logprobs,
+                                                                                 offsets[event.index])
+                                                   if logprobs is not None else None)])
+                    offsets[event.index] += len(event.text)
+                    yield sse(chunk)
+            except (grpc.RpcError, ApiError) as exc:
+                error = from_grpc(exc) if isinstance(exc, grpc.RpcError) else exc
+                yield sse(error.body())
+                yield sse("[DONE]")
+                return
+        finish_metrics()
+        if req.include_usage:
+            cls = s.ChatCompletionChunk if kind == "chat" else s.CompletionChunk
+            yield sse(cls(id=rid, created=created, model=served, choices=[], usage=accounting.usage(),
+                          speculative_decoding=accounting.speculation().model()))
+        yield sse("[DONE]")
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,106 @@
+"""OpenAI-shaped errors, `{"error": {"message", "type", "param", "code"}}`, and the one place where gRPC status
+codes and validation failures become HTTP statuses. SDKs read `error.message`; a FastAPI-style `{"detail": ...}`
+or a 422 would surface to users as an opaque failure."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
+    grpc.StatusCode.ALREADY_EXISTS: HTTPStatus.BAD_REQUEST,
+    grpc.StatusCode.OUT_OF_RANGE: HTTPStatus.BAD_REQUEST,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: HTTPStatus.SERVICE_UNAVAILABLE,
+    grpc.StatusCode.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: HTTPStatus.SERVICE_UNAVAILABLE,
+    grpc.StatusCode.CANCELLED: HTTPStatus.SERVICE_UNAVAILABLE,
+}
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error the client should see as-is."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _TYPE_BY_STATUS.get(self.status, "server_error" if self.status >= 500 else
+                                                 "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def from_grpc(error: grpc.RpcError) -> ApiError:
+    code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = error.details() if callable(getattr(error, "details", None)) else str(error)
+    status = _GRPC_TO_HTTP.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        message = f"the server is overloaded, retry later ({details})"
+    elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        message = f"the verifier is unavailable: {details}"
+    else:
+        message = details or code.name
+    return ApiError(status, message, code=code.name.lower())
+
+
+def from_validation(error: ValidationError | RequestValidationError) -> ApiError:
+    """First problem only, named by its field path: what a person fixing the request needs."""
+    problems = error.errors()
+    if not problems:
+        return ApiError(400, "invalid request")
+    first = problems[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    # Unions report the branch tried (e.g. `prompt.str`); the field path is what the caller wrote.
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"{param}: {message}"
+    extra = len(problems) - 1
+    if extra > 0:
+        message += f" (and {extra} more problem{'s' if extra > 1 else ''})"
+    return ApiError(400, message, param=loc[0] if loc else None, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(ValidationError)
+    async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(grpc.RpcError)
+    async def _grpc(_: Request, exc: grpc.RpcError) -> JSONResponse:
+        return from_grpc(exc).response()

@@ -1,0 +1,110 @@
+"""One OpenAI request becomes one Generate call per choice; this module runs those calls and turns their token
+messages into text events.
+
+Each choice has its own detokenizer and stop-string matcher. n > 1 (or several prompts) run concurrently and
+their events are merged in arrival order, each tagged with its choice index. When a stop string matches, the
+choice ends at once and its call is cancelled (the verifier frees the slot); when the consumer goes away (client
+disconnect), every call still running is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from services.gateway.errors import ApiError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.verifier_client import VerifierClient, pb
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    logprobs: list[Any]  # pb.TokenLogprob of the tokens in this event
+    finish_reason: str | None
+    completion_tokens: int  # tokens generated so far by this choice
+    speculation: Any  # pb.SpeculationStats, cumulative
+
+
+@dataclass
+class ChoiceTimer:
+    """Feeds the latency histograms from one choice's message arrivals."""
+
+    metrics: GatewayMetrics
+    model_name: str
+    start: float
+    last: float | None = None
+
+    def on_message(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.time_to_first_token.labels(self.model_name).observe(now - self.start)
+        else:
+            self.metrics.inter_token_latency.labels(self.model_name).observe(now - self.last)
+        self.last = now
+
+
+async def run_choice(client: VerifierClient, request: Any, index: int, decode: Callable[[list[int]], str],
+                     stops: Sequence[str], timer: ChoiceTimer) -> AsyncIterator[ChoiceEvent]:
+    detok = IncrementalDetokenizer(decode, request.prompt_token_ids)
+    matcher = StopStringMatcher(stops)
+    generated = 0
+    async with aclosing(client.generate(request)) as stream:
+        async for response in stream:
+            timer.on_message()
+            generated += len(response.token_ids)
+            text, stopped = matcher.push(detok.push(response.token_ids))
+            finish = "stop" if stopped else None
+            if not stopped and response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                tail, stopped = matcher.push(detok.flush())
+                text += tail if stopped else tail + matcher.flush()
+                finish = "stop" if stopped else _FINISH.get(response.finish_reason, "stop")
+            yield ChoiceEvent(index, text, list(response.logprobs), finish, generated, response.speculation)
+            if finish is not None:
+                return  # leaving the `async with` cancels the call when a stop string ended it early
+    raise ApiError(503, "the verifier ended a generation without finishing it", code="incomplete_stream")
+
+
+async def merge(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[ChoiceEvent]:
+    """Events of all streams as they arrive. The first error ends everything; so does closing this iterator."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for event in only:
+                yield event
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[ChoiceEvent]) -> None:
+        try:
+            async with aclosing(stream) as s:
+                async for event in s:
+                    queue.put_nowait(event)
+        except Exception as exc:  # noqa: BLE001 -- handed to the consumer, which raises it
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

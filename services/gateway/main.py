@@ -1,0 +1,41 @@
+"""`specserve gateway`: run the OpenAI-compatible HTTP gateway in front of a verifier."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.gateway.settings import GatewaySettings
+
+
+def parse_args(argv: list[str] | None) -> GatewaySettings:
+    parser = argparse.ArgumentParser(prog="specserve gateway", description=__doc__)
+    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    parser.add_argument("--verifier", help="verifier gRPC address host:port (default 127.0.0.1:50051)")
+    parser.add_argument("--model", help="model spec for the tokenizer (default: the verifier's model id)")
+    parser.add_argument("--served-model-name", help="name clients send as 'model' (default: verifier's)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 (or SPECSERVE_API_KEY)")
+    parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
+    args = parser.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    return GatewaySettings(**given)  # flags override SPECSERVE_GATEWAY_* environment values
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from services.gateway.app import create_app
+
+    settings = parse_args(argv)
+    app = create_app(settings)
+    base = f"http://{settings.host}:{settings.port}"
+    print(f"specserve gateway -> verifier {settings.verifier}", file=sys.stderr)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):
+        print(f"  {base}{path}", file=sys.stderr)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

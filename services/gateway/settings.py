@@ -1,0 +1,35 @@
+"""Gateway configuration, from flags or environment (`SPECSERVE_GATEWAY_*`, plus `SPECSERVE_API_KEY`).
+
+The api key also answers to the project-wide `SPECSERVE_API_KEY` so one secret can be mounted for every
+service; it is a SecretStr so it never shows up in logs or reprs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_GATEWAY_", populate_by_name=True, extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    verifier: str = "127.0.0.1:50051"
+    # The --model spec the verifier was started with; loads the tokenizer. None: use the verifier's model_id.
+    model: str | None = None
+    # Name clients put in "model"; None: the verifier's Info.model_id.
+    served_model_name: str | None = None
+    api_key: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices("api_key", "SPECSERVE_GATEWAY_API_KEY", "SPECSERVE_API_KEY"),
+    )
+    max_request_body_bytes: int = Field(1 << 20, ge=1)
+    # Deadline of one Generate call (the whole generation) and of Info calls.
+    request_timeout_s: float = Field(600.0, gt=0)
+    info_timeout_s: float = Field(5.0, gt=0)
+    # PEM root certificate: when set, the gRPC channel to the verifier uses TLS.
+    grpc_root_cert: Path | None = None
+    max_n: int = Field(16, ge=1)

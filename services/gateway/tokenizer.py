@@ -1,0 +1,44 @@
+"""Loading the target's tokenizer and turning requests into prompt token ids.
+
+The gateway tokenizes (and applies the chat template) so the verifier's engine only ever sees ids; it must use
+exactly the tokenizer the verifier's model was saved with, hence the same `--model` spec resolution.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.modeling.loading import resolve_model_source
+
+
+def load_tokenizer(spec: str) -> Any:
+    from transformers import AutoTokenizer
+
+    source = resolve_model_source(spec)
+    return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        return list(prompt)
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Render with the model's chat template, then tokenize without adding special tokens again (the template
+    already wrote BOS where the model wants one)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def make_decode(tokenizer: Any):
+    """Decoding used for output text: special tokens (eos, stop ids) are not text."""
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return decode
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
