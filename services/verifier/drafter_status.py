@@ -1,0 +1,102 @@
+"""Per-drafter health as the verifier observes it, for Info and metrics.
+
+RemoteProposer repairs its link by itself and reports trouble only as exceptions from `propose`; this wrapper
+watches those outcomes (and the engine's deadline cancelling a call) and keeps the last state, a reason and a
+fallback count per drafter. It is a Proposer itself, so the engine sees no difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import grpc
+
+from services.common.proposer import Draft, DraftInput
+from services.verifier.remote_proposer import (
+    DrafterLateError,
+    IncompatibleDrafterError,
+    RemoteProposer,
+)
+from services.verifier.wire import DrafterReport, verifier_pb2
+
+SERVING = verifier_pb2.DRAFTER_STATE_SERVING
+DISCONNECTED = verifier_pb2.DRAFTER_STATE_DISCONNECTED
+REFUSED = verifier_pb2.DRAFTER_STATE_REFUSED
+
+
+class TrackedProposer:
+    def __init__(
+        self,
+        name: str,
+        proposer: RemoteProposer,
+        observe_round_trip: Callable[[float], None] = lambda seconds: None,
+    ) -> None:
+        self.name = name
+        self.proposer = proposer
+        self._observe = observe_round_trip
+        self._state = DISCONNECTED
+        self._detail = "not reached yet"
+        self._reached = False
+        self.num_fallbacks = 0
+
+    @property
+    def method(self) -> str:
+        return self.proposer.method
+
+    async def probe(self) -> None:
+        """Ask the drafter's Info once (under its own deadline) and record the outcome; never raises."""
+        try:
+            await self.proposer.info()
+        except Exception as error:  # noqa: BLE001 - any failure is a state to report, not a crash
+            self._record_failure(error)
+        else:
+            self._record_success()
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> Sequence[Draft]:
+        started = time.perf_counter()
+        try:
+            drafts = await self.proposer.propose(inputs)
+        except asyncio.CancelledError:  # the engine's per-step deadline
+            self.num_fallbacks += 1
+            self._detail = "missed the engine's draft deadline"
+            raise
+        except Exception as error:
+            self.num_fallbacks += 1
+            self._record_failure(error)
+            raise
+        self._observe(time.perf_counter() - started)
+        self._record_success()
+        return drafts
+
+    def release(self, seq_id: Hashable) -> None:
+        self.proposer.release(seq_id)
+
+    async def close(self) -> None:
+        await self.proposer.close()
+
+    def report(self) -> DrafterReport:
+        return DrafterReport(
+            name=self.name,
+            method=self.proposer.method if self._reached else "",
+            address=self.proposer.config.target,
+            state=self._state,
+            detail="" if self._state == SERVING else self._detail,
+            num_fallbacks=self.num_fallbacks,
+        )
+
+    def _record_success(self) -> None:
+        self._reached = True
+        self._state = SERVING
+        self._detail = ""
+
+    def _record_failure(self, error: BaseException) -> None:
+        if isinstance(error, grpc.aio.AioRpcError):
+            self._detail = f"{error.code().name}: {error.details()}"
+        else:
+            self._detail = str(error) or type(error).__name__
+        if isinstance(error, IncompatibleDrafterError):
+            self._state = REFUSED
+        elif not isinstance(error, DrafterLateError):  # late: the link is up, only this step is lost
+            self._state = DISCONNECTED

@@ -1,0 +1,130 @@
+"""The verifier's Prometheus metrics, on a registry of its own (tests and embedders can run several verifiers
+in one process; nothing touches prometheus-client's global default registry).
+
+Counters and gauges are read from the engine when scraped (the engine keeps the counts anyway, so the hot path
+pays nothing); the two latency histograms are observed as things happen: the target forward (timed by wrapping
+the runner) and each drafter round trip (timed by drafter_status.TrackedProposer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.modeling.runner import ForwardOutput, ModelRunner, RowInput
+from services.verifier.engine import Engine
+
+PREFIX = "specserve"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineCollector(Collector):
+    """vLLM's spec-decode family with Prometheus underscores, labelled model_name and method.
+
+    The engine counts speculation engine-wide, not per method, so `method` is the default method (or "mixed"
+    when several drafters are attached)."""
+
+    def __init__(self, engine: Engine, model_name: str, method: str, drafters: Callable[[], Iterable] = tuple):
+        self.engine = engine
+        self.model_name = model_name
+        self.method = method
+        self.drafters = drafters  # -> TrackedProposer-like objects with .name and .num_fallbacks
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.engine.stats
+        labels, values = ["model_name", "method"], [self.model_name, self.method]
+        for name, value, doc in (
+            ("num_drafts", stats.num_drafts, "Engine steps in which a request verified a non-empty draft."),
+            ("num_draft_tokens", stats.num_draft_tokens, "Draft tokens verified."),
+            ("num_accepted_tokens", stats.num_accepted_tokens, "Draft tokens accepted."),
+        ):
+            family = CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", doc, labels=labels)
+            family.add_metric(values, value)
+            yield family
+        per_pos = CounterMetricFamily(
+            f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted.",
+            labels=[*labels, "position"],
+        )
+        for position, value in enumerate(stats.accepted_per_position):
+            per_pos.add_metric([*values, str(position)], value)
+        yield per_pos
+        fallbacks = CounterMetricFamily(
+            f"{PREFIX}_spec_decode_num_fallbacks",
+            "Proposer calls that were late or failed; their requests ran with K = 0 for that step.",
+            labels=["model_name"],
+        )
+        fallbacks.add_metric([self.model_name], stats.num_fallbacks)
+        yield fallbacks
+        per_drafter = CounterMetricFamily(
+            f"{PREFIX}_drafter_num_fallbacks", "Fallbacks to K = 0 per attached drafter.", labels=["model_name", "drafter"]
+        )
+        for drafter in self.drafters():
+            per_drafter.add_metric([self.model_name, drafter.name], drafter.num_fallbacks)
+        yield per_drafter
+        for name, value, doc in (
+            ("num_requests_running", self.engine.num_running, "Requests holding a KV slot."),
+            ("num_requests_waiting", self.engine.num_waiting, "Requests queued for a KV slot."),
+        ):
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+
+
+@dataclass(frozen=True)
+class VerifierMetrics:
+    registry: CollectorRegistry
+    forward_seconds: Histogram  # labels: model_name, kind ("verify" or "prefill")
+    drafter_round_trip_seconds: Histogram  # labels: model_name, drafter
+
+    def observe_round_trip(self, model_name: str, drafter: str) -> Callable[[float], None]:
+        child = self.drafter_round_trip_seconds.labels(model_name, drafter)
+        return child.observe
+
+    def attach(self, collector: EngineCollector) -> None:
+        self.registry.register(collector)
+
+
+def create_metrics() -> VerifierMetrics:
+    registry = CollectorRegistry(auto_describe=True)
+    forward = Histogram(
+        f"{PREFIX}_verify_step_seconds",
+        "Target forward time per engine step: 'verify' scores every decoding row's draft, 'prefill' prompt chunks.",
+        ["model_name", "kind"],
+        buckets=_LATENCY_BUCKETS,
+        registry=registry,
+    )
+    round_trip = Histogram(
+        f"{PREFIX}_drafter_round_trip_seconds",
+        "Time from asking a drafter for one step's drafts to having them (successful calls).",
+        ["model_name", "drafter"],
+        buckets=_LATENCY_BUCKETS,
+        registry=registry,
+    )
+    return VerifierMetrics(registry, forward, round_trip)
+
+
+class TimedRunner:
+    """A ModelRunner that times each forward; everything else goes to the wrapped runner unchanged."""
+
+    def __init__(self, runner: ModelRunner, histogram: Histogram, model_name: str) -> None:
+        self._runner = runner
+        self._verify = histogram.labels(model_name, "verify")
+        self._prefill = histogram.labels(model_name, "prefill")
+
+    def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
+        started = time.perf_counter()
+        try:
+            return self._runner.forward(rows)
+        finally:
+            # decode rows ask logits for every fed position ([last token, drafts...]); prefill chunks for <= 1
+            verify = all(row.num_logits == len(row.token_ids) for row in rows)
+            (self._verify if verify else self._prefill).observe(time.perf_counter() - started)
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)

@@ -1,0 +1,241 @@
+"""The verifier process: target model + engine behind the Verifier gRPC service, drafters reached over gRPC,
+Prometheus metrics on their own HTTP port.
+
+`start_verifier` takes an already-loaded model (tests and embedders use it with a tiny model and port 0);
+`serve` loads `--model` and runs until SIGTERM; `main` is the `specserve verifier` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from threading import Thread
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+import torch
+from prometheus_client import start_http_server
+
+from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
+from services.common.speculative_config import SpeculativeConfig
+from services.modeling.runner_factory import create_runner
+from services.verifier.drafter_status import TrackedProposer
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.metrics import EngineCollector, TimedRunner, create_metrics
+from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig
+from services.verifier.servicer import VerifierServicer
+from services.verifier.settings import VerifierSettings
+from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2, verifier_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  # "specserve.v1.Verifier"
+DEFAULT_CONTEXT_CAP = 2048  # max_model_len when not given: the model's context, capped to bound KV memory
+
+
+@dataclass
+class RunningVerifier:
+    grpc: GrpcServer
+    engine: Engine
+    drafters: list[TrackedProposer]
+    metrics_server: WSGIServer | None = None
+    metrics_thread: Thread | None = None
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def port(self) -> int:
+        return self.grpc.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.server_port if self.metrics_server is not None else None
+
+    async def stop(self, drain_s: float = 0.0, grace_s: float = 5.0) -> None:
+        """NOT_SERVING, let calls in flight finish for `grace_s`, then stop the engine and drafter links."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.grpc.graceful_stop(drain_s, grace_s)
+        await self.engine.shutdown()
+        for drafter in self.drafters:
+            await drafter.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+
+
+def resolve_max_model_len(model: torch.nn.Module, requested: int | None) -> int:
+    model_limit = int(getattr(model.config, "max_position_embeddings", DEFAULT_CONTEXT_CAP) or DEFAULT_CONTEXT_CAP)
+    if requested is None:
+        return min(model_limit, DEFAULT_CONTEXT_CAP)
+    if requested > model_limit:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's context ({model_limit})")
+    return requested
+
+
+def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]) -> DefaultSpeculation:
+    """The configured method when a drafter of that name is attached; with no --speculative-config, the only
+    attached drafter; otherwise off. Never an error: speculation is an optimisation, the verifier still serves."""
+    config = settings.speculation
+    k = config.num_speculative_tokens if config.enabled else SpeculativeConfig().num_speculative_tokens
+    if not drafter_names:
+        if config.enabled:
+            logger.warning("--speculative-config asks for %r but no drafter is attached (--drafter name=host:port):"
+                           " serving without speculation", config.method)
+        return DefaultSpeculation(None, k)
+    if settings.speculative_config is None:
+        return DefaultSpeculation(drafter_names[0] if len(drafter_names) == 1 else None, k)
+    if not config.enabled:
+        return DefaultSpeculation(None, k)
+    if config.method not in drafter_names:
+        logger.warning("--speculative-config asks for %r but the attached drafters are named %s; requests run "
+                       "without speculation unless they name one", config.method, ", ".join(drafter_names))
+        return DefaultSpeculation(None, k)
+    return DefaultSpeculation(config.method, k)
+
+
+def server_credentials(settings: VerifierSettings) -> grpc.ServerCredentials | None:
+    if not settings.tls_enabled:
+        return None
+    key = Path(settings.tls_key_file).read_bytes()
+    cert = Path(settings.tls_cert_file).read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+async def _attach_drafters(
+    settings: VerifierSettings, vocab_size: int, model_id: str, metrics
+) -> list[TrackedProposer]:
+    """One RemoteProposer per --drafter. An unreachable drafter is only a warning (it may start later; its
+    requests run with K = 0 until then); one that refuses this model's vocabulary stops startup."""
+    step_timeout_s = 0.9 * settings.draft_timeout_s  # answer (or give up) before the engine's deadline
+    drafters = []
+    for name, address in settings.drafter_targets.items():
+        config = RemoteProposerConfig(address, vocab_size, step_timeout_s=step_timeout_s)
+        tracked = TrackedProposer(name, RemoteProposer(config), metrics.observe_round_trip(model_id, name))
+        await tracked.probe()
+        report = tracked.report()
+        if report.state == verifier_pb2.DRAFTER_STATE_REFUSED:
+            for drafter in [*drafters, tracked]:
+                await drafter.close()
+            raise IncompatibleDrafterError(report.detail)
+        if report.state != verifier_pb2.DRAFTER_STATE_SERVING:
+            logger.warning("drafter %s at %s not reachable yet (%s); will retry", name, address, report.detail)
+        drafters.append(tracked)
+    return drafters
+
+
+async def start_verifier(
+    model: torch.nn.Module,
+    model_id: str,
+    settings: VerifierSettings,
+    eos_token_ids: Iterable[int] = (),
+) -> RunningVerifier:
+    """Build runner, drafter links and engine around `model` and start serving (port 0: a free port)."""
+    credentials = server_credentials(settings)
+    if credentials is not None and "credentials" not in inspect.signature(start_grpc_server).parameters:
+        raise NotImplementedError("TLS needs services.common.grpc_server.start_grpc_server(credentials=...)")
+    max_model_len = resolve_max_model_len(model, settings.max_model_len)
+    metrics = create_metrics()
+    runner = create_runner(model, settings.max_num_seqs, max_model_len)
+    drafters = await _attach_drafters(settings, runner.vocab_size, model_id, metrics)
+    default = default_speculation(settings, [d.name for d in drafters])
+    engine = Engine(
+        TimedRunner(runner, metrics.forward_seconds, model_id),
+        EngineConfig(
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_waiting_requests=settings.max_waiting_requests,
+            draft_timeout_s=settings.draft_timeout_s,
+            log_stats_interval_s=settings.log_stats_interval_s,
+        ),
+        {d.name: d for d in drafters},
+        eos_token_ids,
+    )
+    method_label = default.method or ("mixed" if len(drafters) > 1 else drafters[0].name if drafters else "none")
+    metrics.attach(EngineCollector(engine, model_id, method_label, lambda: drafters))
+    facts = ModelFacts(model_id, max_model_len, runner.vocab_size, tuple(engine.eos_token_ids), runner.max_num_seqs)
+    servicer = VerifierServicer(engine, facts, default, lambda: [d.report() for d in drafters])
+    await engine.start()
+    try:
+        server = await start_grpc_server(
+            lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+            [SERVICE_NAME],
+            settings.host,
+            settings.port,
+            **({"credentials": credentials} if credentials is not None else {}),
+        )
+    except BaseException:
+        await engine.shutdown()
+        for drafter in drafters:
+            await drafter.close()
+        raise
+    running = RunningVerifier(server, engine, drafters)
+    if settings.metrics_port:
+        running.metrics_server, running.metrics_thread = start_http_server(
+            settings.metrics_port, settings.host, registry=metrics.registry
+        )
+    return running
+
+
+async def serve(settings: VerifierSettings) -> int:
+    """Load `settings.model`, serve until SIGTERM/SIGINT, stop gracefully."""
+    from services.inprocess import (
+        eos_token_ids,  # reads generation config / tokenizer; imports no drafter code
+    )
+    from services.modeling.loading import load_model
+
+    loaded = await asyncio.to_thread(load_model, settings.model, device=settings.device, dtype=settings.dtype)
+    running = await start_verifier(loaded.model, loaded.model_id, settings, eos_token_ids(loaded))
+    install_sigterm_handler(lambda: running.stop(settings.drain_s, settings.grace_s))
+    scheme = "grpcs" if settings.tls_enabled else "grpc"
+    print(f"verifier ({loaded.model_id}) listening on {scheme}://{settings.host}:{running.port}", flush=True)
+    if running.metrics_port:
+        print(f"metrics on http://{settings.host}:{running.metrics_port}/metrics", flush=True)
+    await running.grpc.wait()
+    await running.stop(0, 0)  # no-op after a signal-driven stop
+    return 0
+
+
+def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM-style flags. Unset flags leave the SPECSERVE_VERIFIER_* environment (or the default) in charge."""
+    s = argparse.SUPPRESS
+    parser.add_argument("--model", default=s, help="registered name, HF folder, .gguf file or hub id")
+    parser.add_argument("--device", default=s, help="auto | cpu | cuda | npu")
+    parser.add_argument("--dtype", default=s, help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=s)
+    parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=s)
+    parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=s)
+    parser.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int, default=s)
+    parser.add_argument("--draft-timeout-s", dest="draft_timeout_s", type=float, default=s)
+    parser.add_argument("--speculative-config", dest="speculative_config", default=s,
+                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    parser.add_argument("--drafter", dest="drafters", action="append", default=s, metavar="NAME=HOST:PORT",
+                        help="attach a drafter service (repeatable); requests select it by NAME")
+    parser.add_argument("--host", default=s)
+    parser.add_argument("--port", type=int, default=s, help="gRPC port (0: a free one)")
+    parser.add_argument("--metrics-port", dest="metrics_port", type=int, default=s, help="0 turns metrics off")
+    parser.add_argument("--drain-seconds", dest="drain_s", type=float, default=s)
+    parser.add_argument("--grace-seconds", dest="grace_s", type=float, default=s)
+    parser.add_argument("--tls-cert-file", dest="tls_cert_file", default=s)
+    parser.add_argument("--tls-key-file", dest="tls_key_file", default=s)
+
+
+def settings_from_args(args: argparse.Namespace) -> VerifierSettings:
+    """Only the settings' own fields: a CLI that nests this parser may add its own (e.g. the subcommand)."""
+    return VerifierSettings(**{k: v for k, v in vars(args).items() if k in VerifierSettings.model_fields})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="specserve verifier", description="Serve a target model over gRPC.")
+    add_verifier_flags(parser)
+    return asyncio.run(serve(settings_from_args(parser.parse_args(argv))))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""The verifier's configuration: one settings class, read from `SPECSERVE_VERIFIER_*` environment variables and
+overridden by command-line flags (server.main), so the same process is configured the same way by a Helm chart
+(env) and by a person at a shell (flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.common.speculative_config import SpeculativeConfig
+
+
+def parse_drafter(spec: str) -> tuple[str, str]:
+    """"name=host:port" -> (name, "host:port"); the name is what requests select as their method."""
+    name, sep, address = spec.partition("=")
+    host, colon, port = address.rpartition(":")
+    if not sep or not name.strip() or not colon or not host or not port.isdigit():
+        raise ValueError(f"--drafter must look like name=host:port (e.g. ngram=127.0.0.1:50061), got {spec!r}")
+    if name.strip() == "none":
+        raise ValueError("'none' is reserved (it turns speculation off per request); pick another drafter name")
+    return name.strip(), address
+
+
+class VerifierSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECSERVE_VERIFIER_", extra="forbid", frozen=True)
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = Field(8, ge=1)
+    max_model_len: int | None = Field(None, ge=2)  # None: the model's context, capped at 2048
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_waiting_requests: int = Field(256, ge=0)
+    draft_timeout_s: float = Field(0.5, gt=0)  # per step; a late drafter costs K = 0 for that step
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535)  # 0: a free port
+    metrics_port: int | None = Field(8001, ge=0, le=65535)  # 0 or None: no metrics endpoint
+    speculative_config: str | None = None  # JSON, as vLLM's --speculative-config
+    drafters: list[str] = Field(default_factory=list)  # "name=host:port"
+    drain_s: float = Field(0.0, ge=0)  # on SIGTERM: NOT_SERVING this long before refusing new calls
+    grace_s: float = Field(5.0, ge=0)  # then: time for calls in flight to finish
+    tls_cert_file: str | None = None  # server certificate chain (PEM); TLS only when both are set
+    tls_key_file: str | None = None
+    log_stats_interval_s: float = Field(10.0, ge=0)
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _valid_speculative_config(cls, value: str | None) -> str | None:
+        SpeculativeConfig.parse(value)  # fail at startup, with the flag's name in the message
+        return value
+
+    @field_validator("drafters")
+    @classmethod
+    def _valid_drafters(cls, value: list[str]) -> list[str]:
+        names = [parse_drafter(spec)[0] for spec in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter names must be unique, got {names}")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> VerifierSettings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file (or neither)")
+        return self
+
+    @property
+    def speculation(self) -> SpeculativeConfig:
+        return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def drafter_targets(self) -> dict[str, str]:
+        return dict(parse_drafter(spec) for spec in self.drafters)
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert_file and self.tls_key_file)

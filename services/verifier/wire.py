@@ -1,0 +1,158 @@
+"""Protobuf <-> engine dataclasses for the Verifier service (proto/specserve/v1/verifier.proto).
+
+Pure functions, so the servicer stays a thin shell and the translation rules (proto3's "0 means unset", the
+server's default speculation) are tested without a server. Validation itself stays in the engine's dataclasses:
+a bad value raises ValueError there, and the servicer maps that to INVALID_ARGUMENT once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.protos import load
+from services.verifier.outputs import FinishReason, RequestOutput, TokenLogprob
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+
+verifier_pb2, verifier_pb2_grpc = load("verifier")
+
+NO_SPECULATION = "none"
+
+_FINISH_REASONS = {
+    None: verifier_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: verifier_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: verifier_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: verifier_pb2.FINISH_REASON_ABORT,
+}
+
+
+@dataclass(frozen=True)
+class DefaultSpeculation:
+    """The server's --speculative-config as requests see it: method None means off by default; `num_tokens`
+    is K whenever a request names a method without K."""
+
+    method: str | None = None
+    num_tokens: int = 5
+
+
+def sampling_from_proto(message) -> SamplingParams:
+    """proto3 scalars cannot be unset, so a 0 where 0 is invalid (top_p, repetition_penalty) means "disabled"
+    (1.0): a client that sets only max_tokens gets plain sampling, not INVALID_ARGUMENT."""
+    return SamplingParams(
+        max_tokens=message.max_tokens,
+        temperature=message.temperature,
+        top_p=message.top_p or 1.0,
+        top_k=message.top_k,
+        min_p=message.min_p,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        seed=message.seed if message.HasField("seed") else None,
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+    )
+
+
+def speculation_from_proto(message, default: DefaultSpeculation) -> SpeculationParams:
+    """"" -> the server default; "none" -> off; a name -> that drafter (unknown names are the engine's to
+    refuse). An unset K takes the default K."""
+    method = message.method or default.method
+    if method is None or method == NO_SPECULATION:
+        return SpeculationParams()
+    k = message.num_speculative_tokens if message.HasField("num_speculative_tokens") else default.num_tokens
+    return SpeculationParams(method, k)
+
+
+def request_from_proto(message, request_id: str, default: DefaultSpeculation) -> GenerationRequest:
+    """`request_id` is passed in so the caller decides what an empty id becomes."""
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(message.prompt_token_ids),
+        sampling=sampling_from_proto(message.sampling),
+        speculation=speculation_from_proto(message.speculation, default),
+    )
+
+
+def logprob_to_proto(item: TokenLogprob):
+    return verifier_pb2.TokenLogprob(
+        token_id=item.token_id,
+        logprob=item.logprob,
+        top=[verifier_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in item.top],
+    )
+
+
+def output_to_proto(output: RequestOutput, method: str):
+    """`method`: the method the request drafted with ("" when speculation was off)."""
+    return verifier_pb2.GenerateResponse(
+        token_ids=output.token_ids,
+        logprobs=[logprob_to_proto(item) for item in output.logprobs or ()],
+        finish_reason=_FINISH_REASONS[output.finish_reason],
+        usage=verifier_pb2.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens),
+        speculation=verifier_pb2.SpeculationStats(
+            method=method,
+            num_drafts=output.spec.num_drafts,
+            num_draft_tokens=output.spec.num_draft_tokens,
+            num_accepted_tokens=output.spec.num_accepted_tokens,
+        ),
+    )
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """The inverse mapping, for clients (the gateway) and tests."""
+    for reason, number in _FINISH_REASONS.items():
+        if number == value:
+            return reason
+    raise ValueError(f"unknown finish reason {value}")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: Sequence[int]
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class DrafterReport:
+    """What Info says about one attached drafter (see drafter_status.TrackedProposer)."""
+
+    name: str
+    method: str
+    address: str
+    state: int  # verifier_pb2.DrafterState
+    detail: str
+    num_fallbacks: int
+
+
+def info_to_proto(
+    facts: ModelFacts,
+    drafters: Sequence[DrafterReport],
+    num_running: int,
+    num_waiting: int,
+    default: DefaultSpeculation,
+):
+    return verifier_pb2.InfoResponse(
+        model_id=facts.model_id,
+        max_model_len=facts.max_model_len,
+        vocab_size=facts.vocab_size,
+        eos_token_ids=sorted(facts.eos_token_ids),
+        drafters=[
+            verifier_pb2.DrafterStatus(
+                name=d.name,
+                method=d.method,
+                address=d.address,
+                state=d.state,
+                detail=d.detail,
+                num_fallbacks=d.num_fallbacks,
+            )
+            for d in drafters
+        ],
+        max_num_seqs=facts.max_num_seqs,
+        num_running=num_running,
+        num_waiting=num_waiting,
+        default_speculative_method=default.method or "",
+        default_num_speculative_tokens=default.num_tokens if default.method else 0,
+    )
