@@ -28,7 +28,7 @@ fetch-model: install
 	$(BIN)/specserve fetch $(MODEL)
 
 run: fetch-model
-	$(BIN)/specserve generate --model $(MODEL) --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
+	$(BIN)/specserve serve --model $(MODEL)
 
 test: install
 	$(BIN)/python -m pytest

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
 import time
 import uuid
 
+from services import launcher
 from services.common.speculative_config import SpeculativeConfig
 
 
@@ -79,10 +81,18 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(argv: list[str]) -> int:
-    from services.bench import main as bench_main
+# Subcommands whose module parses its own flags (each service keeps one parser, also used standalone).
+DELEGATED = {
+    "bench": "services.bench",
+    "drafter": "services.drafter.server",
+    "verifier": "services.verifier.server",
+    "gateway": "services.gateway.main",
+}
 
-    return bench_main(argv)
+
+def _delegate(command: str, argv: list[str]) -> int:
+    module = importlib.import_module(DELEGATED[command])
+    return module.main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,15 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int, default=None)
-    sub.add_parser("bench", help="benchmark (see `specserve bench --help`)", add_help=False)
+    serve = sub.add_parser("serve", help="the whole stack (drafter, verifier, gateway) as child processes")
+    launcher.add_arguments(serve)
+    for command, what in (
+        ("bench", "benchmark"),
+        ("drafter", "the drafter gRPC service"),
+        ("verifier", "the verifier gRPC service (target model)"),
+        ("gateway", "the OpenAI-compatible HTTP gateway"),
+    ):
+        sub.add_parser(command, help=f"{what} (see `specserve {command} --help`)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return _cmd_bench(argv[1:])
+    if argv[:1] and argv[0] in DELEGATED:
+        level = logging.WARNING if argv[0] == "bench" else logging.INFO
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return _delegate(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -113,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_fetch(args)
         if args.command == "generate":
             return asyncio.run(_generate(args))
+        if args.command == "serve":
+            return launcher.run(args)
     except ValueError as error:
         print(f"specserve: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,140 @@
+"""`specserve serve`: the whole stack on one machine as three child processes (drafter, verifier, gateway),
+started in dependency order and stopped together.
+
+The services are the same processes a deployment runs separately (docker-compose, Helm); this launcher only
+wires their flags, waits for each to listen, prints every endpoint, and takes them all down when one exits or
+when it receives SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from services.common.speculative_config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class Child:
+    name: str
+    argv: list[str]
+    host: str
+    port: int
+
+
+def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float) -> None:
+    """Block until something accepts connections on host:port; fail early if the process died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with code {process.returncode} before listening on {host}:{port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
+
+
+def plan(args: argparse.Namespace) -> list[Child]:
+    """The three commands, in start order."""
+    python = [sys.executable, "-m", "services.cli"]
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    children = []
+    verifier = [
+        *python, "verifier", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
+        "--max-num-seqs", str(args.max_num_seqs), "--host", args.host, "--port", str(args.verifier_port),
+        "--metrics-port", str(args.verifier_metrics_port),
+    ]
+    if args.max_model_len:
+        verifier += ["--max-model-len", str(args.max_model_len)]
+    if spec.enabled:
+        verifier += ["--speculative-config", spec.model_dump_json()]
+        drafter = [
+            *python, "drafter", "--method", spec.method,
+            "--num-speculative-tokens", str(spec.num_speculative_tokens),
+            "--prompt-lookup-min", str(spec.prompt_lookup_min), "--prompt-lookup-max", str(spec.prompt_lookup_max),
+            "--host", args.host, "--port", str(args.drafter_port),
+        ]
+        children.append(Child("drafter", drafter, args.host, args.drafter_port))
+        verifier += ["--drafter", f"{spec.method}={args.host}:{args.drafter_port}"]
+    children.append(Child("verifier", verifier, args.host, args.verifier_port))
+    gateway = [
+        *python, "gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
+        "--verifier", f"{args.host}:{args.verifier_port}",
+    ]
+    if args.api_key:
+        gateway += ["--api-key", args.api_key]
+    children.append(Child("gateway", gateway, args.host, args.port))
+    return children
+
+
+def run(args: argparse.Namespace) -> int:
+    processes: list[tuple[Child, subprocess.Popen]] = []
+    stopping = False
+
+    def stop_all(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop_all)
+    signal.signal(signal.SIGTERM, stop_all)
+    try:
+        for child in plan(args):
+            print(f"starting {child.name}: {' '.join(child.argv[1:])}", flush=True)
+            process = subprocess.Popen(child.argv)
+            processes.append((child, process))
+            wait_for_port(child.host, child.port, process, args.start_timeout_s)
+        base = f"http://{args.host}:{args.port}"
+        print(
+            "\nspecserve is serving:\n"
+            f"  POST {base}/v1/completions\n  POST {base}/v1/chat/completions\n  GET  {base}/v1/models\n"
+            f"  GET  {base}/health\n  GET  {base}/metrics\n"
+            f"  verifier gRPC {args.host}:{args.verifier_port}, metrics http://{args.host}:{args.verifier_metrics_port}/metrics\n"
+            + (f"  drafter gRPC {args.host}:{args.drafter_port}\n" if len(processes) == 3 else "")
+            + "Ctrl-C stops everything.",
+            flush=True,
+        )
+        while not stopping:
+            for child, process in processes:
+                if process.poll() is not None:
+                    print(f"{child.name} exited with code {process.returncode}; stopping the stack", flush=True)
+                    stopping = True
+            time.sleep(0.5)
+        return 0
+    except (RuntimeError, TimeoutError) as error:
+        print(f"specserve serve: {error}", file=sys.stderr)
+        return 1
+    finally:
+        for _, process in reversed(processes):  # gateway first, drafter last
+            if process.poll() is None:
+                process.terminate()
+        for _, process in reversed(processes):
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 5}',
+        help="JSON; '{\"method\": \"none\"}' serves without speculation",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    parser.add_argument("--verifier-port", type=int, default=50051)
+    parser.add_argument("--verifier-metrics-port", type=int, default=8001)
+    parser.add_argument("--drafter-port", type=int, default=50061)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--start-timeout-s", type=float, default=300.0)

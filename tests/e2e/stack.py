@@ -1,0 +1,128 @@
+"""The whole stack as real processes on free ports (drafter, verifier, gateway), for end-to-end tests.
+
+Each service is started with its own CLI, exactly as `specserve serve` starts it, but individually so a test can
+kill and restart the drafter."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"port {port} not listening after {timeout_s} s")
+
+
+@dataclass
+class Stack:
+    model: str = "smollm2-135m-instruct"
+    num_speculative_tokens: int = 5
+    max_num_seqs: int = 8
+    gateway_port: int = field(default_factory=free_port)
+    verifier_port: int = field(default_factory=free_port)
+    verifier_metrics_port: int = field(default_factory=free_port)
+    drafter_port: int = field(default_factory=free_port)
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    logs: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def _spawn(self, name: str, args: list[str], port: int, timeout_s: float = 180.0) -> None:
+        log = open(self.logs / f"specserve-e2e-{name}-{port}.log", "w")  # noqa: SIM115 - lives with the process
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
+        self.processes[name] = process
+        wait_for_port(port, process, timeout_s)
+
+    def start_drafter(self) -> None:
+        self._spawn(
+            "drafter",
+            ["drafter", "--method", "ngram", "--num-speculative-tokens", str(self.num_speculative_tokens),
+             "--host", "127.0.0.1", "--port", str(self.drafter_port)],
+            self.drafter_port,
+        )
+
+    def stop_drafter(self) -> None:
+        process = self.processes.pop("drafter")
+        process.kill()
+        process.wait(timeout=10)
+
+    def start(self) -> Stack:
+        self.start_drafter()
+        spec = f'{{"method": "ngram", "num_speculative_tokens": {self.num_speculative_tokens}}}'
+        self._spawn(
+            "verifier",
+            ["verifier", "--model", self.model, "--device", "cpu", "--max-num-seqs", str(self.max_num_seqs),
+             "--max-model-len", "1024", "--speculative-config", spec,
+             "--drafter", f"ngram=127.0.0.1:{self.drafter_port}", "--host", "127.0.0.1",
+             "--port", str(self.verifier_port), "--metrics-port", str(self.verifier_metrics_port)],
+            self.verifier_port,
+        )
+        self._spawn(
+            "gateway",
+            ["gateway", "--model", self.model, "--host", "127.0.0.1", "--port", str(self.gateway_port),
+             "--verifier", f"127.0.0.1:{self.verifier_port}"],
+            self.gateway_port,
+        )
+        self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("gateway never became healthy")
+
+    def verifier_metric(self, name: str) -> float:
+        """Sum of all samples of a metric on the verifier's /metrics (0 if absent)."""
+        text = httpx.get(f"http://127.0.0.1:{self.verifier_metrics_port}/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                head, _, value = line.rpartition(" ")
+                if head.split("{")[0] == name:
+                    total += float(value)
+        return total
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.processes.clear()

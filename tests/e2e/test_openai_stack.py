@@ -1,0 +1,186 @@
+"""The whole stack as real processes (drafter, verifier with SmolLM2-135M, gateway) driven by the real OpenAI SDK
+and by raw HTTP, as users drive it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+CODE = (
+    "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.quantity\n"
+    "    return result\n"
+)
+EDIT = f"Rename the function total to order_total and return the whole code:\n\n{CODE}"
+NO_SPEC = {"speculative_config": {"method": "none"}}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    running = Stack().start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture()
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_completions_and_chat_sync(client):
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens <= 8
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.usage.prompt_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+
+def test_streaming_both_endpoints(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": EDIT}], max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": EDIT}], max_tokens=40, temperature=0)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    pieces = list(client.completions.create(model=MODEL, prompt=CODE, max_tokens=20, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == client.completions.create(
+        model=MODEL, prompt=CODE, max_tokens=20, temperature=0
+    ).choices[0].text
+
+
+def test_async_client(stack):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        results = await asyncio.gather(*(
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=10, temperature=0
+            )
+            for i in range(3)
+        ))
+        await client.close()
+        return results
+
+    for result in asyncio.run(run()):
+        assert result.choices[0].message.content
+
+
+def test_greedy_equality_with_and_without_speculation(client):
+    messages = [{"role": "user", "content": EDIT}]
+    spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, extra_body=NO_SPEC)
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert spec.model_extra["speculative_decoding"]["num_accepted_tokens"] > 0
+    # n > 1 and stop strings
+    kwargs = dict(model=MODEL, prompt=EDIT, max_tokens=40, temperature=0, n=2, stop=["quantity"])
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs, extra_body=NO_SPEC)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert all("quantity" not in c.text for c in a.choices)
+
+
+def test_raw_http_like_curl(stack):
+    response = httpx.post(
+        f"{stack.base_url}/v1/completions",
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0},
+        timeout=60,
+    )
+    assert response.status_code == 200 and response.json()["object"] == "text_completion"
+    with httpx.stream(
+        "POST", f"{stack.base_url}/v1/chat/completions", timeout=60,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True},
+    ) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    json.loads(lines[0][len("data: "):])
+    bad = httpx.post(f"{stack.base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -1}, timeout=10)
+    assert bad.status_code == 400 and set(bad.json()["error"]) >= {"message", "type", "param", "code"}
+    assert httpx.post(f"{stack.base_url}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10).status_code == 404
+
+
+def test_client_disconnect_frees_the_slot(stack):
+    with httpx.stream(
+        "POST", f"{stack.base_url}/v1/completions", timeout=60,
+        json={"model": MODEL, "prompt": CODE, "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True},
+    ) as stream:
+        for i, _ in enumerate(stream.iter_lines()):
+            if i > 3:
+                break  # leave mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if stack.verifier_metric("specserve_num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert stack.verifier_metric("specserve_num_requests_running") == 0
+
+
+def test_twenty_concurrent_streams(stack):
+    async def one(client: openai.AsyncOpenAI, i: int):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Write {i} words about rivers."}], max_tokens=16,
+            temperature=0.7, seed=i, stream=True, stream_options={"include_usage": True},
+        )
+        finish, usage = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return finish, usage
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        results = await asyncio.gather(*(one(client, i) for i in range(20)))
+        await client.close()
+        return results
+
+    for finish, usage in asyncio.run(run()):
+        assert finish in ("stop", "length")
+        assert usage is not None and 1 <= usage.completion_tokens <= 16
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_drafter_death_costs_speed_not_correctness(stack, client):
+    messages = [{"role": "user", "content": EDIT}]
+    reference = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0, extra_body=NO_SPEC)
+    fallbacks_before = stack.verifier_metric("specserve_spec_decode_num_fallbacks_total")
+    received: list[str] = []
+
+    def consume():
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0, stream=True)
+        for chunk in stream:
+            if chunk.choices:
+                received.append(chunk.choices[0].delta.content or "")
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(received) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stack.stop_drafter()  # mid-stream
+    reader.join(timeout=120)
+    assert "".join(received) == reference.choices[0].message.content
+    assert stack.verifier_metric("specserve_spec_decode_num_fallbacks_total") > fallbacks_before
+    stack.start_drafter()  # the verifier reconnects and re-opens sequences
+    accepted = 0
+    for _ in range(10):
+        again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+        accepted = again.model_extra["speculative_decoding"]["num_accepted_tokens"]
+        if accepted > 0:
+            break
+        time.sleep(0.5)
+    assert accepted > 0
