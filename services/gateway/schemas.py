@@ -162,6 +162,16 @@ class SpeculativeDecoding(BaseModel):
     mean_acceptance_length: float  # tokens committed per drafting step: 1 + accepted / drafts (vLLM's)
 
 
+class ResponseEnvelope(BaseModel):
+    """Fields every completion response and chunk shares; subclasses add `object` and `choices`."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    speculative_decoding: SpeculativeDecoding | None = None
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -176,14 +186,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ResponseEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeDecoding | None = None
 
 
 class TopLogprob(BaseModel):
@@ -212,14 +217,9 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ResponseEnvelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeDecoding | None = None
 
 
 class ChatDelta(BaseModel):
@@ -234,24 +234,14 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ResponseEnvelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeDecoding | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(ResponseEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeDecoding | None = None
 
 
 class ModelCard(BaseModel):
