@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -54,7 +54,7 @@ def measure_transformers(
     eos_token_ids: Sequence[int],
     progress: Progress,
 ) -> list[Measurement]:
-    """Plain greedy generate, then prompt lookup with the same K and maximum n-gram size as specserve."""
+    """One round of plain greedy generate, then prompt lookup with the same K and n-gram size as specserve."""
     measurements = []
     systems = (
         ("hf-plain", "transformers generate", None),
@@ -66,13 +66,10 @@ def measure_transformers(
         transformers_baseline.generate_one(model, warmup_prompt, WARMUP_TOKENS, eos_token_ids, lookup)
         for w in workloads:
             progress(f"{w.name}: {system}")
-            runs = tuple(
-                transformers_baseline.run_transformers(
-                    model, w.prompts, w.max_tokens, eos_token_ids, lookup, progress
-                )
-                for _ in range(settings.repeats)
+            run = transformers_baseline.run_transformers(
+                model, w.prompts, w.max_tokens, eos_token_ids, lookup, progress
             )
-            measurements.append(Measurement(key, w.name, system, 1, runs, speculative=lookup is not None))
+            measurements.append(Measurement(key, w.name, system, 1, (run,), speculative=lookup is not None))
     return measurements
 
 
@@ -83,12 +80,9 @@ async def _sequential(engine, ids, workloads, settings, k, label, progress) -> l
     measurements = []
     for w in workloads:
         progress(f"{w.name}: {label}, 1 request at a time")
-        runs = [
-            await specserve_runs.run_sequential(engine, ids, w.prompts, w.max_tokens, k, progress)
-            for _ in range(settings.repeats)
-        ]
+        run = await specserve_runs.run_sequential(engine, ids, w.prompts, w.max_tokens, k, progress)
         key = "ngram-1" if k else "off-1"
-        measurements.append(Measurement(key, w.name, label, 1, tuple(runs), speculative=k > 0))
+        measurements.append(Measurement(key, w.name, label, 1, (run,), speculative=k > 0))
     return measurements
 
 
@@ -98,13 +92,9 @@ async def _concurrent(engine, ids, workloads, settings, k, label, progress) -> l
     measurements = []
     for w in workloads:
         progress(f"{w.name}: {label}, {n} concurrent")
-        batches = [
-            await specserve_runs.run_concurrent(engine, ids, w.prompts, w.max_tokens, k, n, progress)
-            for _ in range(settings.repeats)
-        ]
-        runs, walls = zip(*batches, strict=True)
+        run, wall = await specserve_runs.run_concurrent(engine, ids, w.prompts, w.max_tokens, k, n, progress)
         key = "ngram-N" if k else "off-N"
-        measurements.append(Measurement(key, w.name, label, n, tuple(runs), tuple(walls), speculative=k > 0))
+        measurements.append(Measurement(key, w.name, label, n, (run,), (wall,), speculative=k > 0))
     return measurements
 
 
@@ -161,12 +151,11 @@ def run_benchmark(
     """Every row of the table on already-tokenized workloads (the smoke test calls this with a tiny model)."""
     # Each round runs every system once, so a noisy spell on a shared machine hits all systems of that round
     # rather than one system's every repeat; rows then take medians across rounds.
-    one_round = replace(settings, repeats=1)
     rounds = []
     for number in range(settings.repeats):
         progress(f"round {number + 1}/{settings.repeats}")
-        measurements = measure_transformers(model, workloads, one_round, eos_token_ids, progress)
-        measurements += asyncio.run(measure_specserve(model, workloads, one_round, eos_token_ids, progress))
+        measurements = measure_transformers(model, workloads, settings, eos_token_ids, progress)
+        measurements += asyncio.run(measure_specserve(model, workloads, settings, eos_token_ids, progress))
         rounds.append(measurements)
     measurements = merge_rounds(rounds)
     order = {w.name: i for i, w in enumerate(workloads)}
