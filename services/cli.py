@@ -92,7 +92,11 @@ DELEGATED = {
 
 def _delegate(command: str, argv: list[str]) -> int:
     module = importlib.import_module(DELEGATED[command])
-    return module.main(argv)
+    try:
+        return module.main(argv)
+    except ValueError as error:  # settings validation (pydantic's errors are ValueErrors) and bad files
+        print(f"specserve {command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

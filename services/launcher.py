@@ -41,15 +41,45 @@ def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: fl
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
 
 
+@dataclass(frozen=True)
+class TlsFlags:
+    """One certificate for both gRPC servers (verifier, drafter) and the root their clients trust (the
+    certificate itself when it is self-signed and no --tls-root-cert is given)."""
+
+    cert_file: str | None
+    key_file: str | None
+    root_cert: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TlsFlags:
+        if bool(args.tls_cert_file) != bool(args.tls_key_file):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
+        root = args.tls_root_cert or args.tls_cert_file
+        return cls(args.tls_cert_file, args.tls_key_file, root)
+
+    @property
+    def server_flags(self) -> list[str]:
+        return ["--tls-cert-file", self.cert_file, "--tls-key-file", self.key_file] if self.cert_file else []
+
+    @property
+    def drafter_client_flags(self) -> list[str]:
+        return ["--drafter-tls-root-cert", self.root_cert] if self.cert_file else []
+
+    @property
+    def gateway_flags(self) -> list[str]:
+        return ["--grpc-root-cert", self.root_cert] if self.cert_file else []
+
+
 def plan(args: argparse.Namespace) -> list[Child]:
     """The three commands, in start order."""
     python = [sys.executable, "-m", "services.cli"]
     spec = SpeculativeConfig.parse(args.speculative_config)
+    tls = TlsFlags.from_args(args)
     children = []
     verifier = [
         *python, "verifier", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
         "--max-num-seqs", str(args.max_num_seqs), "--host", args.host, "--port", str(args.verifier_port),
-        "--metrics-port", str(args.verifier_metrics_port),
+        "--metrics-port", str(args.verifier_metrics_port), *tls.server_flags,
     ]
     if args.max_model_len:
         verifier += ["--max-model-len", str(args.max_model_len)]
@@ -60,13 +90,14 @@ def plan(args: argparse.Namespace) -> list[Child]:
             "--num-speculative-tokens", str(spec.num_speculative_tokens),
             "--prompt-lookup-min", str(spec.prompt_lookup_min), "--prompt-lookup-max", str(spec.prompt_lookup_max),
             "--host", args.host, "--port", str(args.drafter_port),
+            "--metrics-port", str(args.drafter_metrics_port), *tls.server_flags,
         ]
         children.append(Child("drafter", drafter, args.host, args.drafter_port))
-        verifier += ["--drafter", f"{spec.method}={args.host}:{args.drafter_port}"]
+        verifier += ["--drafter", f"{spec.method}={args.host}:{args.drafter_port}", *tls.drafter_client_flags]
     children.append(Child("verifier", verifier, args.host, args.verifier_port))
     gateway = [
         *python, "gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
-        "--verifier", f"{args.host}:{args.verifier_port}",
+        "--verifier", f"{args.host}:{args.verifier_port}", *tls.gateway_flags,
     ]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
@@ -96,7 +127,11 @@ def run(args: argparse.Namespace) -> int:
             f"  POST {base}/v1/completions\n  POST {base}/v1/chat/completions\n  GET  {base}/v1/models\n"
             f"  GET  {base}/health\n  GET  {base}/metrics\n"
             f"  verifier gRPC {args.host}:{args.verifier_port}, metrics http://{args.host}:{args.verifier_metrics_port}/metrics\n"
-            + (f"  drafter gRPC {args.host}:{args.drafter_port}\n" if len(processes) == 3 else "")
+            + (
+                f"  drafter gRPC {args.host}:{args.drafter_port}, metrics http://{args.host}:{args.drafter_metrics_port}/metrics\n"
+                if len(processes) == 3
+                else ""
+            )
             + "Ctrl-C stops everything.",
             flush=True,
         )
@@ -136,5 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier-port", type=int, default=50051)
     parser.add_argument("--verifier-metrics-port", type=int, default=8001)
     parser.add_argument("--drafter-port", type=int, default=50061)
+    parser.add_argument("--drafter-metrics-port", type=int, default=8002)
+    parser.add_argument("--tls-cert-file", default=None, help="PEM certificate: the verifier and drafter serve TLS")
+    parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    parser.add_argument("--tls-root-cert", default=None, help="PEM root the gRPC clients trust (default: the cert)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--start-timeout-s", type=float, default=300.0)

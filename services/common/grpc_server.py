@@ -55,9 +55,11 @@ async def start_grpc_server(
     host: str = "127.0.0.1",
     port: int = 0,
     options: Sequence[tuple[str, int | str]] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServer:
     """Start a server with the services `register` adds (full names, e.g. "specserve.v1.Drafter", for health
-    and reflection). Port 0 binds a free port; the bound one is returned. Raises OSError if binding fails."""
+    and reflection). Port 0 binds a free port; the bound one is returned. With `credentials` the port speaks
+    TLS only (services.common.tls.server_credentials). Raises OSError if binding fails."""
     server = grpc.aio.server(options=list(options))
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -66,13 +68,16 @@ async def start_grpc_server(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind a gRPC server to {host}:{port}")
     await server.start()
     running = GrpcServer(server, bound, health_servicer, tuple(service_names))
     await running.set_serving(True)
-    logger.info("gRPC server for %s listening on %s:%d", ", ".join(service_names), host, bound)
+    logger.info(
+        "gRPC server for %s listening on %s:%d%s", ", ".join(service_names), host, bound, " (TLS)" if credentials else ""
+    )
     return running
 
 

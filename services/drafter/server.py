@@ -1,7 +1,7 @@
-"""The drafter process: one proposer behind the Drafter gRPC service.
+"""The drafter process: one proposer behind the Drafter gRPC service, Prometheus metrics on their own HTTP port.
 
 `serve` is what tests and embedders use (any Proposer, any port, returns the bound port); `main` is the
-`specserve drafter` command, which builds the proposer from flags and runs until SIGTERM.
+`specserve drafter` command, which builds the proposer from its settings and runs until SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,10 +11,16 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+import grpc
+from prometheus_client import start_http_server
+
 from services.common.drafter_wire import DrafterDescription, drafter_pb2, drafter_pb2_grpc
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
 from services.common.proposer import Proposer
+from services.common.tls import server_credentials
+from services.drafter.metrics import DrafterMetrics
 from services.drafter.servicer import DrafterServicer
+from services.drafter.settings import DrafterSettings
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # "specserve.v1.Drafter"
 
@@ -28,6 +34,8 @@ async def serve(
     vocab_size: int = 0,
     tokenizer_fingerprint: str = "",
     needs_hidden_states: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
+    metrics: DrafterMetrics | None = None,
 ) -> tuple[GrpcServer, int]:
     """Start serving `proposer`; returns the running server and its bound port (a free one for port 0)."""
     description = DrafterDescription(
@@ -37,55 +45,79 @@ async def serve(
         needs_hidden_states=needs_hidden_states,
         max_speculative_tokens=num_speculative_tokens,
     )
-    servicer = DrafterServicer(proposer, description)
+    servicer = DrafterServicer(proposer, description, metrics)
     server = await start_grpc_server(
-        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), [SERVICE_NAME], host, port
+        lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        host,
+        port,
+        credentials=credentials,
     )
     return server, server.port
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve drafter", description="Serve one proposer over gRPC.")
-    add_drafter_flags(parser)
-    return parser
-
-
 def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
-    """The `specserve drafter` flags, for services/cli.py to reuse on its subcommand parser."""
-    parser.add_argument("--method", default="ngram", choices=["ngram"])
-    parser.add_argument("--num-speculative-tokens", type=int, default=5, help="largest K served per step")
-    parser.add_argument("--prompt-lookup-min", type=int, default=1)
-    parser.add_argument("--prompt-lookup-max", type=int, default=4)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50061, help="0 picks a free port")
-    parser.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=0.0,
-        help="on SIGTERM, report NOT_SERVING this long before refusing new streams",
-    )
-    parser.add_argument("--grace-seconds", type=float, default=5.0, help="time for in-flight streams to end")
+    """vLLM-style flags. Unset flags leave the SPECSERVE_DRAFTER_* environment (or the default) in charge."""
+    s = argparse.SUPPRESS
+    parser.add_argument("--method", default=s, help="ngram (default)")
+    parser.add_argument("--num-speculative-tokens", dest="num_speculative_tokens", type=int, default=s,
+                        help="largest K served per step (default 5)")
+    parser.add_argument("--prompt-lookup-min", dest="prompt_lookup_min", type=int, default=s)
+    parser.add_argument("--prompt-lookup-max", dest="prompt_lookup_max", type=int, default=s)
+    parser.add_argument("--host", default=s, help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=s, help="gRPC port (default 50061; 0 picks a free one)")
+    parser.add_argument("--metrics-port", dest="metrics_port", type=int, default=s,
+                        help="Prometheus /metrics HTTP port (default 8002; 0 turns metrics off)")
+    parser.add_argument("--drain-seconds", dest="drain_s", type=float, default=s,
+                        help="on SIGTERM, report NOT_SERVING this long before refusing new streams")
+    parser.add_argument("--grace-seconds", dest="grace_s", type=float, default=s,
+                        help="time for in-flight streams to end")
+    parser.add_argument("--tls-cert-file", dest="tls_cert_file", default=s, help="PEM certificate chain: serve TLS")
+    parser.add_argument("--tls-key-file", dest="tls_key_file", default=s, help="PEM private key of that certificate")
 
 
-def build_proposer(args: argparse.Namespace) -> Proposer:
+def settings_from_args(args: argparse.Namespace) -> DrafterSettings:
+    return DrafterSettings(**{k: v for k, v in vars(args).items() if k in DrafterSettings.model_fields})
+
+
+def build_proposer(settings: DrafterSettings) -> Proposer:
     from services.drafter.ngram import NgramProposer, NgramSettings
 
-    return NgramProposer(NgramSettings(args.prompt_lookup_min, args.prompt_lookup_max))
+    return NgramProposer(NgramSettings(settings.prompt_lookup_min, settings.prompt_lookup_max))
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(settings: DrafterSettings) -> int:
+    proposer = build_proposer(settings)
+    metrics = DrafterMetrics(proposer.method)
     server, port = await serve(
-        build_proposer(args), args.host, args.port, num_speculative_tokens=args.num_speculative_tokens
+        proposer,
+        settings.host,
+        settings.port,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        credentials=server_credentials(settings.tls_cert_file, settings.tls_key_file),
+        metrics=metrics,
     )
-    install_sigterm_handler(lambda: server.graceful_stop(args.drain_seconds, args.grace_seconds))
-    print(f"drafter ({args.method}) listening on {args.host}:{port}", flush=True)
-    await server.wait()
+    install_sigterm_handler(lambda: server.graceful_stop(settings.drain_s, settings.grace_s))
+    scheme = "grpcs" if settings.tls_enabled else "grpc"
+    print(f"drafter ({settings.method}) listening on {scheme}://{settings.host}:{port}", flush=True)
+    metrics_server = None
+    if settings.metrics_port:
+        metrics_server, _ = start_http_server(settings.metrics_port, settings.host, registry=metrics.registry)
+        print(f"metrics on http://{settings.host}:{metrics_server.server_port}/metrics", flush=True)
+    try:
+        await server.wait()
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(run(build_parser().parse_args(argv)))
+    parser = argparse.ArgumentParser(prog="specserve drafter", description="Serve one proposer over gRPC.")
+    add_drafter_flags(parser)
+    return asyncio.run(run(settings_from_args(parser.parse_args(argv))))
 
 
 if __name__ == "__main__":

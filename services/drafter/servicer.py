@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from services.common.drafter_wire import (
     step_from_proto,
 )
 from services.common.proposer import DraftInput, Proposer
+from services.drafter.metrics import DrafterMetrics, StepObservation
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +71,32 @@ def apply_step(link: LinkState, step: DraftStep) -> tuple[list[SequenceDraft | N
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, proposer: Proposer, description: DrafterDescription) -> None:
+    def __init__(
+        self, proposer: Proposer, description: DrafterDescription, metrics: DrafterMetrics | None = None
+    ) -> None:
         self.proposer = proposer
         self.description = description
+        self.metrics = metrics
         self._link_ids = itertools.count(1)
+        self._links: dict[int, LinkState] = {}
+        if metrics is not None:
+            metrics.watch_links(lambda: [len(link.sequences) for link in list(self._links.values())])
 
     async def Info(self, request, context: grpc.aio.ServicerContext):
         return description_to_proto(self.description)
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
         link = LinkState(next(self._link_ids))
+        self._links[link.link_id] = link
         try:
             async for message in request_iterator:
-                yield reply_to_proto(await self._step(link, step_from_proto(message)))
+                started = time.perf_counter()
+                reply = await self._step(link, step_from_proto(message))
+                if self.metrics is not None:
+                    self.metrics.observe_step(_observation(reply, time.perf_counter() - started))
+                yield reply_to_proto(reply)
         finally:
+            del self._links[link.link_id]
             for seq_id in link.sequences:  # the verifier went away: nothing will close these
                 self.proposer.release(link.key(seq_id))
 
@@ -114,3 +128,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 draft.probs if draft else None,
             )
         return DraftReply(step.step_id, tuple(answers))
+
+
+def _observation(reply: DraftReply, seconds: float) -> StepObservation:
+    return StepObservation(
+        seconds,
+        len(reply.drafts),
+        sum(len(draft.token_ids) for draft in reply.drafts),
+        sum(1 for draft in reply.drafts if draft.resync_needed),
+    )

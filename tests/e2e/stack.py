@@ -46,6 +46,7 @@ class Stack:
     verifier_port: int = field(default_factory=free_port)
     verifier_metrics_port: int = field(default_factory=free_port)
     drafter_port: int = field(default_factory=free_port)
+    drafter_metrics_port: int = field(default_factory=free_port)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
 
@@ -65,7 +66,8 @@ class Stack:
         self._spawn(
             "drafter",
             ["drafter", "--method", "ngram", "--num-speculative-tokens", str(self.num_speculative_tokens),
-             "--host", "127.0.0.1", "--port", str(self.drafter_port)],
+             "--host", "127.0.0.1", "--port", str(self.drafter_port),
+             "--metrics-port", str(self.drafter_metrics_port)],
             self.drafter_port,
         )
 
@@ -107,7 +109,15 @@ class Stack:
 
     def verifier_metric(self, name: str) -> float:
         """Sum of all samples of a metric on the verifier's /metrics (0 if absent)."""
-        text = httpx.get(f"http://127.0.0.1:{self.verifier_metrics_port}/metrics", timeout=5).text
+        return self._metric(self.verifier_metrics_port, name)
+
+    def drafter_metric(self, name: str) -> float:
+        """Sum of all samples of a metric on the drafter's /metrics (0 if absent)."""
+        return self._metric(self.drafter_metrics_port, name)
+
+    @staticmethod
+    def _metric(port: int, name: str) -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         total = 0.0
         for line in text.splitlines():
             if line.startswith(name) and not line.startswith("#"):

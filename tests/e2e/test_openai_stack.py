@@ -86,7 +86,7 @@ def test_greedy_equality_with_and_without_speculation(client):
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert spec.model_extra["speculative_decoding"]["num_accepted_tokens"] > 0
     # n > 1 and stop strings
-    kwargs = dict(model=MODEL, prompt=EDIT, max_tokens=40, temperature=0, n=2, stop=["quantity"])
+    kwargs = {"model": MODEL, "prompt": EDIT, "max_tokens": 40, "temperature": 0, "n": 2, "stop": ["quantity"]}
     a = client.completions.create(**kwargs)
     b = client.completions.create(**kwargs, extra_body=NO_SPEC)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
@@ -184,3 +184,6 @@ def test_drafter_death_costs_speed_not_correctness(stack, client):
             break
         time.sleep(0.5)
     assert accepted > 0
+    # the restarted drafter's own /metrics saw the steps it answered
+    assert stack.drafter_metric("specserve_drafter_steps_total") > 0
+    assert stack.drafter_metric("specserve_drafter_proposed_tokens_total") > 0
