@@ -7,7 +7,7 @@ with the proposer in-process, which is what makes "the service overhead" measura
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.proposer import Proposer
 from services.common.speculative_config import SpeculativeConfig
@@ -29,7 +29,9 @@ class LocalEngineOptions:
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None: the model's context, capped at 2048 to bound KV memory
     max_num_batched_tokens: int = 512
-    speculative_config: SpeculativeConfig = SpeculativeConfig(method="none", num_speculative_tokens=0)
+    speculative_config: SpeculativeConfig = field(
+        default_factory=lambda: SpeculativeConfig(method="none", num_speculative_tokens=0)
+    )
 
 
 def local_proposers(config: SpeculativeConfig) -> dict[str, Proposer]:

@@ -34,6 +34,7 @@ from services.gateway.sampling import build_request, resolve_max_tokens
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import encode_chat, encode_prompt, load_tokenizer, make_decode, token_text
 from services.gateway.verifier_client import VerifierClient, pb
+from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
 _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
                    pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
@@ -57,17 +58,36 @@ class GatewayState:
             async with self._lock:
                 if self.info is None:
                     try:
-                        self.info = await self.client.info()
+                        info = await self.client.info()
                     except grpc.RpcError as exc:
                         raise from_grpc(exc) from exc
+                    if self.tokenizer is not None:
+                        await self._check_tokenizer(info, self.tokenizer)
+                    self.info = info
         return self.info
 
     async def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
             spec = self.settings.model or (await self.model_info()).model_id
             tokenizer = await run_in_threadpool(load_tokenizer, spec)
+            if self.info is not None:
+                await self._check_tokenizer(self.info, tokenizer)
             self.tokenizer = self.tokenizer or tokenizer
         return self.tokenizer
+
+    async def _check_tokenizer(self, info: Any, tokenizer: Any) -> None:
+        """Ids from a tokenizer with another vocabulary would mean other tokens to the verifier's model."""
+        if not info.tokenizer_fingerprint:
+            return
+        ours = await run_in_threadpool(tokenizer_fingerprint, tokenizer)
+        if ours and ours != info.tokenizer_fingerprint:
+            raise ApiError(
+                503,
+                f"the gateway's tokenizer (--model {self.settings.model or info.model_id}) does not match the "
+                f"verifier's model {info.model_id!r} (vocabulary fingerprints {ours[:12]} vs "
+                f"{info.tokenizer_fingerprint[:12]}); start the gateway with the verifier's --model",
+                code="tokenizer_mismatch",
+            )
 
     async def served_name(self) -> str:
         return self.settings.served_model_name or (await self.model_info()).model_id
@@ -112,8 +132,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     async def lifespan(_: FastAPI):
         try:
             await state.get_tokenizer()  # fail early on a bad --model; tolerate a verifier not up yet
-        except ApiError:
-            pass
+        except ApiError as error:
+            if error.code == "tokenizer_mismatch":
+                raise RuntimeError(error.message) from error
         yield
         await client.close()
 

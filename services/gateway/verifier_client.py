@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from services.common import protos
+from services.common.tls import channel_credentials, open_channel
 
 pb, pb_grpc = protos.load("verifier")
 
@@ -31,17 +32,13 @@ class VerifierClient:
         self.address = address
         self._info_timeout_s = info_timeout_s
         self._request_timeout_s = request_timeout_s
-        self._root_cert = root_cert.read_bytes() if root_cert is not None else None
+        self._credentials = channel_credentials(root_cert)
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
 
     def _ensure(self) -> Any:
         if self._stub is None:
-            if self._root_cert is not None:
-                creds = grpc.ssl_channel_credentials(root_certificates=self._root_cert)
-                self._channel = grpc.aio.secure_channel(self.address, creds, options=_CHANNEL_OPTIONS)
-            else:
-                self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._channel = open_channel(self.address, self._credentials, _CHANNEL_OPTIONS)
             self._stub = pb_grpc.VerifierStub(self._channel)
         return self._stub
 

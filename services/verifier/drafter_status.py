@@ -3,6 +3,9 @@
 RemoteProposer repairs its link by itself and reports trouble only as exceptions from `propose`; this wrapper
 watches those outcomes (and the engine's deadline cancelling a call) and keeps the last state, a reason and a
 fallback count per drafter. It is a Proposer itself, so the engine sees no difference.
+
+Outcomes alone go stale when no request uses a drafter: one that came back (or died) while idle would keep its
+old state. So a watcher asks the drafter's Info whenever no step has succeeded for a health interval.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class TrackedProposer:
         self._state = DISCONNECTED
         self._detail = "not reached yet"
         self._reached = False
+        self._last_success = float("-inf")  # time.monotonic() of the last successful probe or step
+        self._watcher: asyncio.Task | None = None
         self.num_fallbacks = 0
 
     @property
@@ -53,6 +58,17 @@ class TrackedProposer:
             self._record_failure(error)
         else:
             self._record_success()
+
+    def start_watching(self, interval_s: float) -> None:
+        """Probe every `interval_s` in which no step succeeded (0: never); stopped by close()."""
+        if interval_s > 0 and self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch(interval_s), name=f"specserve-watch-{self.name}")
+
+    async def _watch(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if time.monotonic() - self._last_success >= interval_s:
+                await self.probe()
 
     async def propose(self, inputs: Sequence[DraftInput]) -> Sequence[Draft]:
         started = time.perf_counter()
@@ -74,6 +90,9 @@ class TrackedProposer:
         self.proposer.release(seq_id)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         await self.proposer.close()
 
     def report(self) -> DrafterReport:
@@ -87,6 +106,7 @@ class TrackedProposer:
         )
 
     def _record_success(self) -> None:
+        self._last_success = time.monotonic()
         self._reached = True
         self._state = SERVING
         self._detail = ""

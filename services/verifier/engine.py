@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 
@@ -152,7 +153,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.proposers = dict(proposers or {})
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.stats = SpecDecodeStats()
+        self.stats = SpecDecodeStats()  # engine-wide, for the periodic log line
+        self.stats_by_method: dict[str, SpecDecodeStats] = {}  # the same counts per proposer, for metrics
         self._stats_logger = PeriodicStatsLogger(self.config.log_stats_interval_s)
         self._states: dict[str, RequestState] = {}
         self._waiting: deque[RequestState] = deque()
@@ -183,7 +185,7 @@ class Engine:
         self._executor.shutdown(wait=True)
         self._executor = _compute_thread()  # threads start lazily, so the engine can be started again
 
-    async def __aenter__(self) -> Engine:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -367,21 +369,31 @@ class Engine:
                 )
             except TimeoutError:
                 logger.warning("proposer %r missed the %.3fs deadline; K=0 this step", method, self.config.draft_timeout_s)
-                self.stats.num_fallbacks += 1
+                self._count_fallback(method)
                 return
             except Exception:
                 logger.exception("proposer %r failed; K=0 this step", method)
-                self.stats.num_fallbacks += 1
+                self._count_fallback(method)
                 return
             if len(proposed) != len(inputs):
                 logger.error("proposer %r returned %d drafts for %d sequences", method, len(proposed), len(inputs))
-                self.stats.num_fallbacks += 1
+                self._count_fallback(method)
                 return
             for (index, k), draft in zip(members, proposed, strict=True):
                 drafts[index] = self._sanitize(draft, k)
 
         await asyncio.gather(*(ask(method, members) for method, members in groups.items()))
         return drafts
+
+    def _method_stats(self, method: str) -> SpecDecodeStats:
+        stats = self.stats_by_method.get(method)
+        if stats is None:
+            stats = self.stats_by_method[method] = SpecDecodeStats()
+        return stats
+
+    def _count_fallback(self, method: str) -> None:
+        self.stats.num_fallbacks += 1
+        self._method_stats(method).num_fallbacks += 1
 
     def _sanitize(self, draft: Draft, k: int) -> _ProposedDraft:
         """Trust nothing from a proposer: clip to K, drop out-of-vocabulary drafts and malformed q."""
@@ -485,6 +497,7 @@ class Engine:
             state.spec.num_draft_tokens += row.num_draft
             state.spec.num_accepted_tokens += row.num_accepted
             self.stats.record(row.num_draft, row.num_accepted)
+            self._method_stats(state.request.speculation.method).record(row.num_draft, row.num_accepted)
             state.acceptance.observe(row.num_draft, row.num_accepted)
         elif not state.prefilling:
             state.num_computed = len(state.token_ids)

@@ -18,49 +18,46 @@ from prometheus_client.registry import Collector
 
 from services.modeling.runner import ForwardOutput, ModelRunner, RowInput
 from services.verifier.engine import Engine
+from services.verifier.spec_stats import SpecDecodeStats
 
 PREFIX = "specserve"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class EngineCollector(Collector):
-    """vLLM's spec-decode family with Prometheus underscores, labelled model_name and method.
+    """vLLM's spec-decode family with Prometheus underscores, labelled model_name and method (the drafter name
+    requests select; every attached drafter shows, at zero until it has drafted)."""
 
-    The engine counts speculation engine-wide, not per method, so `method` is the default method (or "mixed"
-    when several drafters are attached)."""
-
-    def __init__(self, engine: Engine, model_name: str, method: str, drafters: Callable[[], Iterable] = tuple):
+    def __init__(self, engine: Engine, model_name: str, drafters: Callable[[], Iterable] = tuple):
         self.engine = engine
         self.model_name = model_name
-        self.method = method
         self.drafters = drafters  # -> TrackedProposer-like objects with .name and .num_fallbacks
 
     def collect(self) -> Iterable[Metric]:
-        stats = self.engine.stats
-        labels, values = ["model_name", "method"], [self.model_name, self.method]
-        for name, value, doc in (
-            ("num_drafts", stats.num_drafts, "Engine steps in which a request verified a non-empty draft."),
-            ("num_draft_tokens", stats.num_draft_tokens, "Draft tokens verified."),
-            ("num_accepted_tokens", stats.num_accepted_tokens, "Draft tokens accepted."),
+        by_method = dict(self.engine.stats_by_method)  # a copy: the engine's loop may add a method meanwhile
+        for drafter in self.drafters():
+            by_method.setdefault(drafter.name, SpecDecodeStats())
+        labels = ["model_name", "method"]
+        for name, attribute, doc in (
+            ("num_drafts", "num_drafts", "Engine steps in which a request verified a non-empty draft."),
+            ("num_draft_tokens", "num_draft_tokens", "Draft tokens verified."),
+            ("num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+            ("num_fallbacks", "num_fallbacks",
+             "Proposer calls that were late or failed; their requests ran with K = 0 for that step."),
         ):
             family = CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", doc, labels=labels)
-            family.add_metric(values, value)
+            for method, stats in by_method.items():
+                family.add_metric([self.model_name, method], getattr(stats, attribute))
             yield family
         per_pos = CounterMetricFamily(
             f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose token at this position was accepted.",
             labels=[*labels, "position"],
         )
-        for position, value in enumerate(stats.accepted_per_position):
-            per_pos.add_metric([*values, str(position)], value)
+        for method, stats in by_method.items():
+            for position, value in enumerate(list(stats.accepted_per_position)):
+                per_pos.add_metric([self.model_name, method, str(position)], value)
         yield per_pos
-        fallbacks = CounterMetricFamily(
-            f"{PREFIX}_spec_decode_num_fallbacks",
-            "Proposer calls that were late or failed; their requests ran with K = 0 for that step.",
-            labels=["model_name"],
-        )
-        fallbacks.add_metric([self.model_name], stats.num_fallbacks)
-        yield fallbacks
         per_drafter = CounterMetricFamily(
             f"{PREFIX}_drafter_num_fallbacks", "Fallbacks to K = 0 per attached drafter.", labels=["model_name", "drafter"]
         )

@@ -37,6 +37,7 @@ from services.common.drafter_wire import (
     step_to_proto,
 )
 from services.common.proposer import Draft, DraftInput
+from services.common.tls import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class RemoteProposerConfig:
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 2.0
     max_missed_steps: int = 4  # unanswered steps in a row before the link is considered dead
+    channel_credentials: grpc.ChannelCredentials | None = None  # TLS to the drafter; None: plaintext
     channel_options: tuple[tuple[str, int], ...] = (
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
@@ -144,6 +146,7 @@ class RemoteProposer:
         described = description_from_proto(message)
         check_compatible(described, self.config)
         self.method = described.method
+        self._retry_at = 0.0  # it answers and fits: no reason to keep backing off
         return described
 
     async def close(self) -> None:
@@ -185,8 +188,8 @@ class RemoteProposer:
     # -- the link -------------------------------------------------------------------------------------------
     def _get_channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.config.target, options=list(self.config.channel_options)
+            self._channel = open_channel(
+                self.config.target, self.config.channel_credentials, list(self.config.channel_options)
             )
         return self._channel
 

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
 
-import grpc
 import torch
 from prometheus_client import start_http_server
 
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
 from services.common.speculative_config import SpeculativeConfig
+from services.common.tls import channel_credentials, server_credentials
 from services.modeling.runner_factory import create_runner
+from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.drafter_status import TrackedProposer
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
@@ -100,23 +99,18 @@ def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]
     return DefaultSpeculation(config.method, k)
 
 
-def server_credentials(settings: VerifierSettings) -> grpc.ServerCredentials | None:
-    if not settings.tls_enabled:
-        return None
-    key = Path(settings.tls_key_file).read_bytes()
-    cert = Path(settings.tls_cert_file).read_bytes()
-    return grpc.ssl_server_credentials([(key, cert)])
-
-
 async def _attach_drafters(
-    settings: VerifierSettings, vocab_size: int, model_id: str, metrics
+    settings: VerifierSettings, vocab_size: int, fingerprint: str, model_id: str, metrics
 ) -> list[TrackedProposer]:
     """One RemoteProposer per --drafter. An unreachable drafter is only a warning (it may start later; its
     requests run with K = 0 until then); one that refuses this model's vocabulary stops startup."""
     step_timeout_s = 0.9 * settings.draft_timeout_s  # answer (or give up) before the engine's deadline
+    credentials = channel_credentials(settings.drafter_tls_root_cert)
     drafters = []
     for name, address in settings.drafter_targets.items():
-        config = RemoteProposerConfig(address, vocab_size, step_timeout_s=step_timeout_s)
+        config = RemoteProposerConfig(
+            address, vocab_size, fingerprint, step_timeout_s=step_timeout_s, channel_credentials=credentials
+        )
         tracked = TrackedProposer(name, RemoteProposer(config), metrics.observe_round_trip(model_id, name))
         await tracked.probe()
         report = tracked.report()
@@ -135,15 +129,15 @@ async def start_verifier(
     model_id: str,
     settings: VerifierSettings,
     eos_token_ids: Iterable[int] = (),
+    tokenizer_fingerprint: str = "",
 ) -> RunningVerifier:
-    """Build runner, drafter links and engine around `model` and start serving (port 0: a free port)."""
-    credentials = server_credentials(settings)
-    if credentials is not None and "credentials" not in inspect.signature(start_grpc_server).parameters:
-        raise NotImplementedError("TLS needs services.common.grpc_server.start_grpc_server(credentials=...)")
+    """Build runner, drafter links and engine around `model` and start serving (port 0: a free port).
+    `tokenizer_fingerprint` (of the model's tokenizer) is published in Info and checked against drafters."""
+    credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file)
     max_model_len = resolve_max_model_len(model, settings.max_model_len)
     metrics = create_metrics()
     runner = create_runner(model, settings.max_num_seqs, max_model_len)
-    drafters = await _attach_drafters(settings, runner.vocab_size, model_id, metrics)
+    drafters = await _attach_drafters(settings, runner.vocab_size, tokenizer_fingerprint, model_id, metrics)
     default = default_speculation(settings, [d.name for d in drafters])
     engine = Engine(
         TimedRunner(runner, metrics.forward_seconds, model_id),
@@ -156,18 +150,22 @@ async def start_verifier(
         {d.name: d for d in drafters},
         eos_token_ids,
     )
-    method_label = default.method or ("mixed" if len(drafters) > 1 else drafters[0].name if drafters else "none")
-    metrics.attach(EngineCollector(engine, model_id, method_label, lambda: drafters))
-    facts = ModelFacts(model_id, max_model_len, runner.vocab_size, tuple(engine.eos_token_ids), runner.max_num_seqs)
+    metrics.attach(EngineCollector(engine, model_id, lambda: drafters))
+    facts = ModelFacts(
+        model_id, max_model_len, runner.vocab_size, tuple(engine.eos_token_ids), runner.max_num_seqs,
+        tokenizer_fingerprint,
+    )
     servicer = VerifierServicer(engine, facts, default, lambda: [d.report() for d in drafters])
     await engine.start()
+    for drafter in drafters:
+        drafter.start_watching(settings.drafter_health_interval_s)
     try:
         server = await start_grpc_server(
             lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
             [SERVICE_NAME],
             settings.host,
             settings.port,
-            **({"credentials": credentials} if credentials is not None else {}),
+            credentials=credentials,
         )
     except BaseException:
         await engine.shutdown()
@@ -190,7 +188,8 @@ async def serve(settings: VerifierSettings) -> int:
     from services.modeling.loading import load_model
 
     loaded = await asyncio.to_thread(load_model, settings.model, device=settings.device, dtype=settings.dtype)
-    running = await start_verifier(loaded.model, loaded.model_id, settings, eos_token_ids(loaded))
+    fingerprint = tokenizer_fingerprint(loaded.tokenizer)
+    running = await start_verifier(loaded.model, loaded.model_id, settings, eos_token_ids(loaded), fingerprint)
     install_sigterm_handler(lambda: running.stop(settings.drain_s, settings.grace_s))
     scheme = "grpcs" if settings.tls_enabled else "grpc"
     print(f"verifier ({loaded.model_id}) listening on {scheme}://{settings.host}:{running.port}", flush=True)
@@ -212,6 +211,8 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=s)
     parser.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int, default=s)
     parser.add_argument("--draft-timeout-s", dest="draft_timeout_s", type=float, default=s)
+    parser.add_argument("--drafter-health-interval-s", dest="drafter_health_interval_s", type=float, default=s,
+                        help="probe a drafter's Info after this long without a successful step (0: never)")
     parser.add_argument("--speculative-config", dest="speculative_config", default=s,
                         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     parser.add_argument("--drafter", dest="drafters", action="append", default=s, metavar="NAME=HOST:PORT",
@@ -223,6 +224,8 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-seconds", dest="grace_s", type=float, default=s)
     parser.add_argument("--tls-cert-file", dest="tls_cert_file", default=s)
     parser.add_argument("--tls-key-file", dest="tls_key_file", default=s)
+    parser.add_argument("--drafter-tls-root-cert", dest="drafter_tls_root_cert", default=s,
+                        help="PEM root certificate: connect to drafters over TLS")
 
 
 def settings_from_args(args: argparse.Namespace) -> VerifierSettings:

@@ -32,6 +32,7 @@ class VerifierSettings(BaseSettings):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_waiting_requests: int = Field(256, ge=0)
     draft_timeout_s: float = Field(0.5, gt=0)  # per step; a late drafter costs K = 0 for that step
+    drafter_health_interval_s: float = Field(2.0, ge=0)  # Info probe of a drafter idle this long; 0: never
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)  # 0: a free port
     metrics_port: int | None = Field(8001, ge=0, le=65535)  # 0 or None: no metrics endpoint
@@ -41,6 +42,7 @@ class VerifierSettings(BaseSettings):
     grace_s: float = Field(5.0, ge=0)  # then: time for calls in flight to finish
     tls_cert_file: str | None = None  # server certificate chain (PEM); TLS only when both are set
     tls_key_file: str | None = None
+    drafter_tls_root_cert: str | None = None  # PEM root certificate: the links to drafters use TLS
     log_stats_interval_s: float = Field(10.0, ge=0)
 
     @field_validator("speculative_config")

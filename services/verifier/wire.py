@@ -113,6 +113,7 @@ class ModelFacts:
     vocab_size: int
     eos_token_ids: Sequence[int]
     max_num_seqs: int
+    tokenizer_fingerprint: str = ""  # services.modeling.tokenizer_fingerprint; "" when unknown
 
 
 @dataclass(frozen=True)
@@ -155,4 +156,5 @@ def info_to_proto(
         num_waiting=num_waiting,
         default_speculative_method=default.method or "",
         default_num_speculative_tokens=default.num_tokens if default.method else 0,
+        tokenizer_fingerprint=facts.tokenizer_fingerprint,
     )

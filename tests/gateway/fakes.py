@@ -61,6 +61,7 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
     max_model_len: int = 256
     overloaded: bool = False
     drafters: list = field(default_factory=list)
+    tokenizer_fingerprint: str = ""
     requests: list = field(default_factory=list)
     cancelled: list = field(default_factory=list)
     completed: list = field(default_factory=list)
@@ -71,7 +72,8 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
     def Info(self, request, context):
         return pb.InfoResponse(model_id="tiny-test", max_model_len=self.max_model_len, vocab_size=257,
                                eos_token_ids=[EOS], drafters=self.drafters, max_num_seqs=4,
-                               default_speculative_method="ngram", default_num_speculative_tokens=3)
+                               default_speculative_method="ngram", default_num_speculative_tokens=3,
+                               tokenizer_fingerprint=self.tokenizer_fingerprint)
 
     def Generate(self, request, context):
         self.requests.append(request)

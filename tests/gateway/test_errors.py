@@ -119,3 +119,30 @@ def test_grpc_status_mapping():
         error = from_grpc(FakeRpcError(code))
         assert isinstance(error, ApiError) and error.status == status
         assert error.body()["error"]["code"] == code.name.lower()
+
+
+@pytest.mark.parametrize("matching", [True, False])
+async def test_a_tokenizer_other_than_the_verifiers_is_refused(client, verifier, tokenizer, matching):
+    from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
+
+    ours = tokenizer_fingerprint(tokenizer)
+    verifier.tokenizer_fingerprint = ours if matching else "f" * 64
+    response = await client.post(COMP, json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    if matching:
+        assert response.status_code == 200
+        return
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == "tokenizer_mismatch" and "does not match the verifier's model" in error["message"]
+    assert ours[:12] in error["message"]
+
+
+def test_tokenizer_fingerprint_depends_on_the_vocabulary_only(tokenizer):
+    from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
+    from tests.gateway.fakes import byte_tokenizer
+
+    assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(byte_tokenizer())  # rebuilt: same digest
+    grown = byte_tokenizer()
+    grown.add_tokens(["<|extra|>"])
+    assert tokenizer_fingerprint(grown) != tokenizer_fingerprint(tokenizer)
+    assert tokenizer_fingerprint(object()) == ""

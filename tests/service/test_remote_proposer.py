@@ -31,6 +31,20 @@ async def test_a_drafter_with_another_vocabulary_is_refused():
         await server.server.stop(0)
 
 
+async def test_a_drafter_with_another_tokenizer_is_refused():
+    server, port = await serve(NgramProposer(), "127.0.0.1", 0, vocab_size=VOCAB, tokenizer_fingerprint="a" * 64)
+    try:
+        for ours, refused in (("b" * 64, True), ("a" * 64, False), ("", False)):
+            config = RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, tokenizer_fingerprint=ours)
+            if refused:
+                with pytest.raises(IncompatibleDrafterError, match="different tokenizer"):
+                    await RemoteProposer.connect(config)
+            else:
+                await (await RemoteProposer.connect(config)).close()
+    finally:
+        await server.server.stop(0)
+
+
 async def test_same_vocabulary_or_none_declared_is_accepted():
     for declared in (0, VOCAB):
         server, port = await serve(NgramProposer(), "127.0.0.1", 0, vocab_size=declared)

@@ -200,6 +200,29 @@ async def test_info_reports_model_facts_and_drafter_states(model, ngram_drafter)
         assert gone.state == verifier_pb2.DRAFTER_STATE_DISCONNECTED and gone.num_fallbacks > 0
 
 
+async def test_idle_drafters_states_follow_the_drafter_coming_and_going(model):
+    """No request uses the drafter: the health watcher alone notices it start, then stop."""
+    from services.drafter.ngram import NgramProposer
+    from services.drafter.server import serve
+
+    port = free_port()
+    overrides = {"drafters": [f"late=127.0.0.1:{port}"], "drafter_health_interval_s": 0.1}
+
+    async def state_becomes(stub, wanted) -> None:
+        async with asyncio.timeout(10):
+            while (await info(stub)).drafters[0].state != wanted:
+                await asyncio.sleep(0.05)
+
+    async with verifier(model, **overrides) as (_running, stub):
+        assert (await info(stub)).drafters[0].state == verifier_pb2.DRAFTER_STATE_DISCONNECTED
+        server, _ = await serve(NgramProposer(), "127.0.0.1", port)
+        try:
+            await state_becomes(stub, verifier_pb2.DRAFTER_STATE_SERVING)
+        finally:
+            await server.server.stop(0)
+        await state_becomes(stub, verifier_pb2.DRAFTER_STATE_DISCONNECTED)
+
+
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return response.read().decode()

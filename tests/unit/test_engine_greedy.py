@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from services.drafter.ngram import NgramProposer, NgramSettings
 from services.modeling.llama_runner import LlamaFamilyRunner
@@ -198,7 +197,7 @@ async def test_greedy_with_penalties_matches_without_speculation():
 async def test_adaptive_k_shrinks_for_rejected_drafts_and_keeps_output(model):
     rng = random.Random(13)
     prompts = [repetitive_prompt(rng, 20) for _ in range(3)]
-    requests = lambda spec: [  # noqa: E731
+    requests = lambda spec: [
         GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=30, temperature=0.0), spec) for i, p in enumerate(prompts)
     ]
     baseline = await run_schedule(make_engine(model, {}), {0: requests(SpeculationParams())})

@@ -17,7 +17,7 @@ from tests.proposers import FailingProposer
 from tests.tiny_models import tiny_llama
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-PROMPT = tuple([3, 4, 5, 3, 4, 5, 6, 7, 3, 4])
+PROMPT = (3, 4, 5, 3, 4, 5, 6, 7, 3, 4)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +142,10 @@ async def test_broken_drafter_falls_back_to_k0_and_output_is_unchanged(model, mo
     assert results["a"].outputs[-1].spec.num_drafts == 0
     assert results["b"].outputs[-1].spec.num_drafts > 0
     assert engine.stats.num_fallbacks == broken.calls > 0
+    # per method: the broken drafter's fallbacks, the healthy one's drafts
+    remote, ngram = engine.stats_by_method["remote"], engine.stats_by_method["ngram"]
+    assert (remote.num_fallbacks, remote.num_drafts) == (broken.calls, 0)
+    assert (ngram.num_fallbacks, ngram.num_drafts) == (0, results["b"].outputs[-1].spec.num_drafts)
 
 
 async def test_concurrent_streams_through_the_background_loop(model):
