@@ -8,7 +8,9 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -52,6 +54,9 @@ async def test_reflection_lists_the_services(ngram_drafter):
 
 
 async def test_drafter_command_serves_and_stops_on_sigterm():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        metrics_port = sock.getsockname()[1]
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -60,6 +65,8 @@ async def test_drafter_command_serves_and_stops_on_sigterm():
         "0",
         "--num-speculative-tokens",
         "4",
+        "--metrics-port",
+        str(metrics_port),
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -70,8 +77,16 @@ async def test_drafter_command_serves_and_stops_on_sigterm():
         while port is None:
             line = (await asyncio.wait_for(process.stdout.readline(), 20)).decode()
             assert line, "the drafter exited before listening"
-            if match := re.search(r"listening on [\d.]+:(\d+)", line):
+            if match := re.search(r"drafter \(ngram\) listening on grpc://[\d.]+:(\d+)", line):
                 port = int(match.group(1))
+        while "metrics on" not in line:
+            line = (await asyncio.wait_for(process.stdout.readline(), 20)).decode()
+            assert line, "the drafter exited before serving metrics"
+        assert f"http://127.0.0.1:{metrics_port}/metrics" in line
+        scrape = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        )
+        assert 'specserve_drafter_open_streams{method="ngram"} 0.0' in scrape
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             info = await drafter_pb2_grpc.DrafterStub(channel).Info(
                 drafter_pb2.DrafterInfoRequest(), timeout=5
