@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from services.gateway import schemas as s
+from services.gateway.disconnect import unless_disconnected
 from services.gateway.errors import ApiError, from_grpc, install_error_handlers
 from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_choice
 from services.gateway.metrics import GatewayMetrics
@@ -201,7 +202,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         tokenizer = await state.get_tokenizer()
         prompts = [await run_in_threadpool(encode_prompt, tokenizer, p) for p in req.prompts()]
         echo = [make_decode(tokenizer)(ids) if req.echo else "" for ids in prompts]
-        return await _generate(state, "completion", req, served, prompts, req.max_tokens, req.logprobs, echo)
+        return await unless_disconnected(
+            request, _generate(state, "completion", req, served, prompts, req.max_tokens, req.logprobs, echo)
+        )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(request: Request) -> Response:
@@ -215,7 +218,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await _generate(state, "chat", req, served, [ids], req.requested_max_tokens, logprobs, [""])
+        return await unless_disconnected(
+            request, _generate(state, "chat", req, served, [ids], req.requested_max_tokens, logprobs, [""])
+        )
 
     return app
 

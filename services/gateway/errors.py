@@ -9,9 +9,11 @@ from http import HTTPStatus
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway.disconnect import ClientDisconnected
 
 _GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
@@ -84,6 +86,9 @@ def from_validation(error: ValidationError | RequestValidationError) -> ApiError
     return ApiError(400, message, param=loc[0] if loc else None, code="invalid_value")
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the response"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -104,3 +109,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(grpc.RpcError)
     async def _grpc(_: Request, exc: grpc.RpcError) -> JSONResponse:
         return from_grpc(exc).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the metrics count it

@@ -58,6 +58,7 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
     reply: str = "Hello, wörld! 你好. The end."
     tokens_per_step: int = 3
     step_delay_s: float = 0.0
+    first_delay_s: float = 0.0  # before the first message (a long prefill or queue wait)
     max_model_len: int = 256
     overloaded: bool = False
     drafters: list = field(default_factory=list)
@@ -95,6 +96,8 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
         finish = pb.FINISH_REASON_LENGTH if len(out) < len(script) or sp.ignore_eos else pb.FINISH_REASON_STOP
         speculate = request.speculation.method != "none"
         stats = pb.SpeculationStats(method=(request.speculation.method or "ngram") if speculate else "")
+        if self.first_delay_s:
+            threading.Event().wait(self.first_delay_s)
         for start in range(0, len(out), self.tokens_per_step):
             if self.step_delay_s:
                 threading.Event().wait(self.step_delay_s)

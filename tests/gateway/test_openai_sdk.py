@@ -60,3 +60,20 @@ def test_disconnect_cancels_generate(served, verifier):
     while not verifier.cancelled and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(verifier.cancelled) == 1 and not verifier.completed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_before_the_first_byte_cancels_generate(served, verifier, stream):
+    """Non-streaming: nothing is written until the end; streaming: nothing until the first token (here a 3 s
+    prefill). A client that gives up meanwhile frees its slot at once, not when there is something to write."""
+    verifier.step_delay_s = 0.1
+    verifier.first_delay_s = 3.0
+    verifier.reply = "x" * 200
+    base = served()
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 200, "stream": stream}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(10, read=0.5)) as http:
+        http.post(base + "/v1/completions", json=body)
+    deadline = time.monotonic() + 1.5  # well before the first token exists
+    while not verifier.cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(verifier.cancelled) == 1 and not verifier.completed
