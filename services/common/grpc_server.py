@@ -1,5 +1,5 @@
-"""The gRPC server bootstrap every service shares: grpc.aio server, standard health service, reflection,
-graceful stop and a SIGTERM hook.
+"""The gRPC server bootstrap every service shares: grpc.aio server, standard health service, reflection, the
+error-mapping interceptor, optional TLS, graceful stop and a SIGTERM hook.
 
 Graceful stop is two-phase, the way Kubernetes expects: first report NOT_SERVING (readiness probes and
 health-watching clients move traffic away while the server still answers), then `server.stop(grace)` lets the
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.grpc_errors import ErrorMappingInterceptor, StatusFor, default_status
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +58,13 @@ async def start_grpc_server(
     port: int = 0,
     options: Sequence[tuple[str, int | str]] = (),
     credentials: grpc.ServerCredentials | None = None,
+    status_for: StatusFor = default_status,
 ) -> GrpcServer:
     """Start a server with the services `register` adds (full names, e.g. "specserve.v1.Drafter", for health
     and reflection). Port 0 binds a free port; the bound one is returned. With `credentials` the port speaks
-    TLS only (services.common.tls.server_credentials). Raises OSError if binding fails."""
-    server = grpc.aio.server(options=list(options))
+    TLS only (services.common.tls.server_credentials). Exceptions escaping a servicer become the status
+    `status_for` names (grpc_errors). Raises OSError if binding fails."""
+    server = grpc.aio.server(options=list(options), interceptors=[ErrorMappingInterceptor(status_for)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

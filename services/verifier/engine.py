@@ -40,6 +40,10 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; the caller should retry later (maps to HTTP 503 / gRPC RESOURCE_EXHAUSTED)."""
 
 
+class RequestIdInUseError(ValueError):
+    """A running or waiting request already has this id (gRPC ALREADY_EXISTS)."""
+
+
 @dataclass(frozen=True)
 class _PrefillChunk:
     state: RequestState
@@ -243,7 +247,7 @@ class Engine:
 
     def _validate(self, request: GenerationRequest) -> None:
         if request.request_id in self._states:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise RequestIdInUseError(f"request id {request.request_id!r} is already in use")
         prompt = request.prompt_token_ids
         limit = self.runner.max_model_len - 1
         if not prompt:

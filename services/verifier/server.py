@@ -28,7 +28,7 @@ from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.metrics import EngineCollector, TimedRunner, create_metrics
 from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig
-from services.verifier.servicer import VerifierServicer
+from services.verifier.servicer import VerifierServicer, status_for
 from services.verifier.settings import VerifierSettings
 from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2, verifier_pb2_grpc
 
@@ -166,6 +166,7 @@ async def start_verifier(
             settings.host,
             settings.port,
             credentials=credentials,
+            status_for=status_for,
         )
     except BaseException:
         await engine.shutdown()

@@ -179,6 +179,17 @@ async def test_cancelling_a_call_frees_its_slot(model):
         assert aborted == [("c", True)]
 
 
+async def test_an_engine_failure_is_internal_and_frees_the_slot(model):
+    async with verifier(model) as (running, stub):
+        def broken_forward(rows):
+            raise RuntimeError("device fell over")
+
+        running.engine.runner.forward = broken_forward
+        details = await expect_status(collect(stub, greedy("x", [1, 2, 3], 4)), grpc.StatusCode.INTERNAL)
+        assert "device fell over" in details
+        await wait_until_idle(stub)
+
+
 async def test_info_reports_model_facts_and_drafter_states(model, ngram_drafter):
     _, drafter_port = ngram_drafter
     dead = f"127.0.0.1:{free_port()}"
