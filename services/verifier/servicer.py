@@ -21,6 +21,7 @@ from services.verifier.wire import (
     verifier_pb2_grpc,
 )
 
+
 def status_for(error: Exception) -> grpc.StatusCode | None:
     """The proto's error contract: overloaded -> RESOURCE_EXHAUSTED, id reuse -> ALREADY_EXISTS, any other
     invalid request -> INVALID_ARGUMENT; anything else is unexpected (INTERNAL, logged by the interceptor)."""
