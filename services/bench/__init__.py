@@ -1,14 +1,18 @@
-"""`specserve bench`: specserve's engine against transformers `generate`, with and without n-gram speculation.
+"""`specserve bench`: specserve's engine against transformers `generate`, with and without n-gram speculation,
+and the whole stack through its HTTP API against the engine in-process.
 
 One run measures every row of the table and derives the target ratios from those same numbers, so a reader
 never compares figures taken on different machines or at different times. Greedy outputs are compared while
-benchmarking: a speculative output that differs from speculation off fails the run (exit code 1).
+benchmarking: a speculative output that differs from speculation off, or an HTTP output that differs from the
+in-process engine's, fails the run (exit code 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.bench import specserve_runs, transformers_baseline
+from services.bench import http_runs, specserve_runs, transformers_baseline
+from services.bench.http_runs import HttpTarget
 from services.bench.prompts import Workload
 from services.bench.report import (
     BenchResult,
@@ -32,7 +37,7 @@ from services.bench.report import (
 )
 from services.drafter.ngram import NgramSettings
 
-__all__ = ["BenchSettings", "main", "run_benchmark"]
+__all__ = ["BenchSettings", "HttpTarget", "main", "run_benchmark"]
 
 Progress = Callable[[str], None]
 WARMUP_TOKENS = 8
@@ -73,16 +78,38 @@ def measure_transformers(
     return measurements
 
 
-async def _sequential(engine, ids, workloads, settings, k, label, progress) -> list[Measurement]:
-    """One request at a time: the latency-bound case speculation is for."""
+async def _sequential(engine, ids, workloads, settings, k, label, progress, http=None) -> list[Measurement]:
+    """One request at a time: the latency-bound case speculation is for. With `http` (a client on the stack),
+    each prompt then goes through the HTTP API too, right after its in-process run: the two timings of a pair
+    are seconds apart, so a noisy spell on a shared machine hits both rather than one (the ratio between them
+    is a target). The HTTP request blocks this event loop, which has nothing to do then: no request is in
+    flight in the in-process engine, and the stack's processes idle while the in-process engine runs."""
     progress(f"warm-up: {label}")
-    await specserve_runs.generate_one(engine, ids.next("warmup"), workloads[0].prompts[0], WARMUP_TOKENS, k)
+    warmup = workloads[0].prompts[0]
+    await specserve_runs.generate_one(engine, ids.next("warmup"), warmup, WARMUP_TOKENS, k)
+    if http is not None:
+        progress(f"warm-up: {http_runs.system_label(k)}")
+        http.complete(warmup, WARMUP_TOKENS, k)
     measurements = []
     for w in workloads:
-        progress(f"{w.name}: {label}, 1 request at a time")
-        run = await specserve_runs.run_sequential(engine, ids, w.prompts, w.max_tokens, k, progress)
+        also = ", each prompt also through the HTTP API" if http is not None else ""
+        progress(f"{w.name}: {label}, 1 request at a time{also}")
+        local, remote = [], []
+        for i, prompt in enumerate(w.prompts):
+            result = await specserve_runs.generate_one(engine, ids.next("seq"), prompt, w.max_tokens, k)
+            local.append(result)
+            line = f"  prompt {i + 1}/{len(w.prompts)}: {len(result.tokens)} tokens in {result.seconds:.2f} s"
+            if http is not None:
+                over_http = http.complete(prompt, w.max_tokens, k)
+                remote.append(over_http)
+                line += f"; HTTP API: {over_http.num_tokens} tokens in {over_http.seconds:.2f} s"
+            progress(line)
         key = "ngram-1" if k else "off-1"
-        measurements.append(Measurement(key, w.name, label, 1, (run,), speculative=k > 0))
+        measurements.append(Measurement(key, w.name, label, 1, (tuple(local),), speculative=k > 0))
+        if http is not None:
+            measurements.append(
+                Measurement(f"http-{key}", w.name, http_runs.system_label(k), 1, (tuple(remote),), speculative=k > 0)
+            )
     return measurements
 
 
@@ -98,24 +125,32 @@ async def _concurrent(engine, ids, workloads, settings, k, label, progress) -> l
     return measurements
 
 
+def max_model_len(workloads: Sequence[Workload], settings: BenchSettings) -> int:
+    """Positions per KV slot: the longest prompt plus the largest budget, and room for one step's drafts."""
+    longest = max(len(p) for w in workloads for p in w.prompts) + max(w.max_tokens for w in workloads)
+    return longest + settings.k + 2
+
+
 async def measure_specserve(
     model: torch.nn.Module,
     workloads: Sequence[Workload],
     settings: BenchSettings,
     eos_token_ids: Sequence[int],
     progress: Progress,
+    http: http_runs.HttpClient | None = None,
 ) -> list[Measurement]:
-    """Speculation off and ngram, one request at a time and `concurrency` at once, all on one engine."""
-    longest = max(len(p) for w in workloads for p in w.prompts) + max(w.max_tokens for w in workloads)
+    """Speculation off and ngram, one request at a time and `concurrency` at once, all on one engine; with
+    `http`, the single-request runs also through the HTTP API (see `_sequential`)."""
     ngram = NgramSettings(settings.prompt_lookup_min, settings.prompt_lookup_max)
-    max_model_len = longest + settings.k + 2
-    engine = specserve_runs.build_engine(model, eos_token_ids, ngram, settings.concurrency, max_model_len)
+    engine = specserve_runs.build_engine(
+        model, eos_token_ids, ngram, settings.concurrency, max_model_len(workloads, settings)
+    )
     ids = specserve_runs.RequestIds()
     modes = ((0, "specserve off"), (settings.k, f"specserve ngram K={settings.k}"))
     measurements = []
     async with engine:
         for k, label in modes:
-            measurements += await _sequential(engine, ids, workloads, settings, k, label, progress)
+            measurements += await _sequential(engine, ids, workloads, settings, k, label, progress, http)
         for k, label in modes:
             measurements += await _concurrent(engine, ids, workloads, settings, k, label, progress)
     return measurements
@@ -123,12 +158,18 @@ async def measure_specserve(
 
 def equality_checks(measurements: Sequence[Measurement]) -> list[Check]:
     """Speculation must not change greedy output (required); transformers vs specserve is informational, since
-    float reassociation in a differently shaped computation may legitimately flip a near-tie."""
+    float reassociation in a differently shaped computation may legitimately flip a near-tie. The HTTP API must
+    return what the in-process engine generates (required): the verifier runs the same model, dtype, runner
+    shape, thread count and kernels on the same prompts, one request at a time, so nothing may differ. HTTP
+    outputs are text, so those checks compare text and token count."""
     by_key = {(m.workload, m.key): m for m in measurements}
     workloads = dict.fromkeys(m.workload for m in measurements)
     plan = (
         ("specserve ngram vs off, 1 request", "ngram-1", "off-1", True),
         ("specserve ngram vs off, concurrent", "ngram-N", "off-N", True),
+        ("HTTP API ngram vs HTTP API off, 1 request (text)", "http-ngram-1", "http-off-1", True),
+        ("HTTP API ngram vs in-process ngram, 1 request (text)", "http-ngram-1", "ngram-1", True),
+        ("HTTP API off vs in-process off, 1 request (text)", "http-off-1", "off-1", True),
         ("specserve off vs transformers plain", "off-1", "hf-plain", False),
         ("transformers prompt lookup vs plain", "hf-pld", "hf-plain", False),
     )
@@ -140,6 +181,19 @@ def equality_checks(measurements: Sequence[Measurement]) -> list[Check]:
     return checks
 
 
+def with_text(measurements: Sequence[Measurement], decode: Callable[[Sequence[int]], str]) -> list[Measurement]:
+    """In-process single-request outputs decoded as the gateway decodes them, for comparison with HTTP ones."""
+    out = []
+    for m in measurements:
+        if m.key in ("off-1", "ngram-1"):
+            generations = tuple(
+                tuple(dataclasses.replace(g, text=decode(g.tokens)) for g in repeat) for repeat in m.generations
+            )
+            m = dataclasses.replace(m, generations=generations)
+        out.append(m)
+    return out
+
+
 def run_benchmark(
     model: torch.nn.Module,
     workloads: Sequence[Workload],
@@ -147,20 +201,46 @@ def run_benchmark(
     eos_token_ids: Sequence[int],
     header: dict[str, str],
     progress: Progress,
+    http: HttpTarget | None = None,
 ) -> BenchResult:
-    """Every row of the table on already-tokenized workloads (the smoke test calls this with a tiny model)."""
-    # Each round runs every system once, so a noisy spell on a shared machine hits all systems of that round
-    # rather than one system's every repeat; rows then take medians across rounds.
-    rounds = []
-    for number in range(settings.repeats):
-        progress(f"round {number + 1}/{settings.repeats}")
-        measurements = measure_transformers(model, workloads, settings, eos_token_ids, progress)
-        measurements += asyncio.run(measure_specserve(model, workloads, settings, eos_token_ids, progress))
-        rounds.append(measurements)
+    """Every row of the table on already-tokenized workloads (the smoke test calls this with a tiny model).
+    With `http`, the whole stack also serves `http.model` as processes (started once, before the first round)
+    and every round measures it through the HTTP API too."""
+    with contextlib.ExitStack() as stack:
+        client = None
+        if http is not None:
+            client = stack.enter_context(start_http_stack(http, workloads, settings, progress))
+        # Each round runs every system once, so a noisy spell on a shared machine hits all systems of that
+        # round rather than one system's every repeat; rows then take medians across rounds.
+        rounds = []
+        for number in range(settings.repeats):
+            progress(f"round {number + 1}/{settings.repeats}")
+            measurements = measure_transformers(model, workloads, settings, eos_token_ids, progress)
+            measurements += asyncio.run(
+                measure_specserve(model, workloads, settings, eos_token_ids, progress, client)
+            )
+            rounds.append(measurements)
     measurements = merge_rounds(rounds)
+    if http is not None:
+        measurements = with_text(measurements, http.decode)
     order = {w.name: i for i, w in enumerate(workloads)}
     measurements.sort(key=lambda m: order[m.workload])  # stable: keeps the system order within a workload
     return BenchResult(header, [summarize(m) for m in measurements], equality_checks(measurements))
+
+
+@contextlib.contextmanager
+def start_http_stack(http: HttpTarget, workloads: Sequence[Workload], settings: BenchSettings, progress: Progress):
+    """Drafter, verifier and gateway configured like the in-process engine (K, n-gram sizes, slots, context
+    length); yields a client on the gateway and stops the processes afterwards, whatever happened."""
+    args = http_runs.launcher_args(
+        http, settings.k, settings.prompt_lookup_min, settings.prompt_lookup_max, settings.concurrency,
+        max_model_len(workloads, settings),
+    )
+    started = time.perf_counter()
+    with http_runs.HttpStack(args, http.threads, progress) as stack, http_runs.HttpClient(stack.base_url) as client:
+        progress(f"HTTP stack serving {client.model} at {stack.base_url} (started in "
+                 f"{time.perf_counter() - started:.0f} s)")
+        yield client
 
 
 # -- command line --------------------------------------------------------------------------------------------
@@ -186,6 +266,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="rounds over every system (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: available cores)")
     parser.add_argument("--quick", action="store_true", help="a tiny run that checks the setup")
+    parser.add_argument(
+        "--no-http", dest="http", action="store_false",
+        help="skip the end-to-end rows (the whole stack as processes, through the HTTP API)",
+    )
     parser.add_argument("--json", type=str, default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -214,6 +298,8 @@ def stderr_progress() -> Progress:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from services.bench.prompts import build_workloads
+    from services.gateway.tokenizer import make_decode
+    from services.inprocess import eos_token_ids as served_eos_token_ids
     from services.modeling.loading import load_model
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -222,8 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(f"loading {args.model}")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     workloads = build_workloads(loaded.tokenizer, args.num_prompts, args.max_tokens, args.edit_max_tokens)
-    eos = loaded.model.generation_config.eos_token_id
-    eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [loaded.tokenizer.eos_token_id])
+    # The verifier's own EOS set (generation config, model config and tokenizer), so in-process and HTTP runs
+    # stop on the same tokens.
+    eos_token_ids = sorted(served_eos_token_ids(loaded))
     settings = BenchSettings(
         args.k, args.prompt_lookup_min, args.prompt_lookup_max, args.concurrency, args.repeats
     )
@@ -240,7 +327,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"prompt_lookup_max={args.prompt_lookup_max}; concurrency {args.concurrency}; repeats {args.repeats}",
         "tok/s": "single-request rows: median over prompts of per-prompt tok/s; concurrent rows: aggregate",
     }
-    result = run_benchmark(loaded.model, workloads, settings, eos_token_ids, header, progress)
+    http = None
+    if args.http:
+        header["HTTP API"] = (
+            "drafter + verifier + gateway as processes (the `specserve serve` commands, same model, dtype, K, "
+            "slots and threads); POST /v1/completions with the token-id prompt, non-streaming, 1 request at a "
+            "time; tok/s = usage.completion_tokens / request wall time; outputs compared as text + token count"
+        )
+        http = HttpTarget(args.model, args.device, args.dtype, torch.get_num_threads(), make_decode(loaded.tokenizer))
+    try:
+        result = run_benchmark(loaded.model, workloads, settings, eos_token_ids, header, progress, http)
+    except http_runs.StackError as error:
+        print(f"specserve bench: {error}\n(--no-http skips the HTTP API rows)", file=sys.stderr)
+        return 2
     print(format_report(result), flush=True)
     if args.json:
         with open(args.json, "w") as handle:

@@ -71,23 +71,6 @@ async def generate_one(
     )
 
 
-async def run_sequential(
-    engine: Engine,
-    ids: RequestIds,
-    prompts: Sequence[Sequence[int]],
-    max_tokens: int,
-    k: int,
-    progress: Callable[[str], None],
-) -> tuple[Generation, ...]:
-    """Each prompt alone in the engine: the latency-bound case that speculation targets."""
-    results = []
-    for i, prompt in enumerate(prompts):
-        result = await generate_one(engine, ids.next("seq"), prompt, max_tokens, k)
-        progress(f"  prompt {i + 1}/{len(prompts)}: {len(result.tokens)} tokens in {result.seconds:.1f} s")
-        results.append(result)
-    return tuple(results)
-
-
 async def run_concurrent(
     engine: Engine,
     ids: RequestIds,
