@@ -3,8 +3,8 @@ the same thing by them.
 
 The gateway tokenizes, the verifier runs the model and a drafter may propose from its own tokenizer; all three
 only exchange ids. Two tokenizers agree on ids exactly when their token -> id maps agree, so the digest covers
-that map (added and special tokens included, as `get_vocab` reports them) and nothing else: a folder copied
-elsewhere or a GGUF file of the same model fingerprints the same.
+that map (added and special tokens included, as `get_vocab` reports them) and nothing else: no paths, no file
+formats, so a copy of the same tokenizer anywhere fingerprints the same.
 """
 
 from __future__ import annotations
