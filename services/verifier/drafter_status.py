@@ -44,7 +44,6 @@ class TrackedProposer:
         self._reached = False
         self._last_success = float("-inf")  # time.monotonic() of the last successful probe or step
         self._watcher: asyncio.Task | None = None
-        self.num_fallbacks = 0
 
     @property
     def method(self) -> str:
@@ -75,11 +74,9 @@ class TrackedProposer:
         try:
             drafts = await self.proposer.propose(inputs)
         except asyncio.CancelledError:  # the engine's per-step deadline
-            self.num_fallbacks += 1
             self._detail = "missed the engine's draft deadline"
             raise
         except Exception as error:
-            self.num_fallbacks += 1
             self._record_failure(error)
             raise
         self._observe(time.perf_counter() - started)
@@ -95,14 +92,15 @@ class TrackedProposer:
             self._watcher = None
         await self.proposer.close()
 
-    def report(self) -> DrafterReport:
+    def report(self, num_fallbacks: int = 0) -> DrafterReport:
+        """State as observed here; `num_fallbacks` comes from the engine, which counts every lost step."""
         return DrafterReport(
             name=self.name,
             method=self.proposer.method if self._reached else "",
             address=self.proposer.config.target,
             state=self._state,
             detail="" if self._state == SERVING else self._detail,
-            num_fallbacks=self.num_fallbacks,
+            num_fallbacks=num_fallbacks,
         )
 
     def _record_success(self) -> None:

@@ -157,8 +157,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.proposers = dict(proposers or {})
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.stats = SpecDecodeStats()  # engine-wide, for the periodic log line
-        self.stats_by_method: dict[str, SpecDecodeStats] = {}  # the same counts per proposer, for metrics
+        self.stats_by_method: dict[str, SpecDecodeStats] = {}  # speculation counts per proposer
         self._stats_logger = PeriodicStatsLogger(self.config.log_stats_interval_s)
         self._states: dict[str, RequestState] = {}
         self._waiting: deque[RequestState] = deque()
@@ -301,7 +300,8 @@ class Engine:
         for row in rows:
             self._commit(row)
         self._reap()
-        self._stats_logger.maybe_log(self.stats)
+        if self._stats_logger.due():
+            self._stats_logger.maybe_log(self.stats)
 
     def _admit(self) -> None:
         while self._waiting and self.runner.num_free_slots() > 0:
@@ -389,6 +389,16 @@ class Engine:
         await asyncio.gather(*(ask(method, members) for method, members in groups.items()))
         return drafts
 
+    @property
+    def stats(self) -> SpecDecodeStats:
+        """Engine-wide counts: the sum over proposers, assembled when asked (steps record per proposer only)."""
+        return SpecDecodeStats.merged(list(self.stats_by_method.values()))
+
+    def num_fallbacks(self, method: str) -> int:
+        """Steps in which `method`'s proposal was late, failed or malformed (its rows ran with K = 0)."""
+        stats = self.stats_by_method.get(method)
+        return stats.num_fallbacks if stats is not None else 0
+
     def _method_stats(self, method: str) -> SpecDecodeStats:
         stats = self.stats_by_method.get(method)
         if stats is None:
@@ -396,7 +406,6 @@ class Engine:
         return stats
 
     def _count_fallback(self, method: str) -> None:
-        self.stats.num_fallbacks += 1
         self._method_stats(method).num_fallbacks += 1
 
     def _sanitize(self, draft: Draft, k: int) -> _ProposedDraft:
@@ -500,7 +509,6 @@ class Engine:
             state.spec.num_drafts += 1
             state.spec.num_draft_tokens += row.num_draft
             state.spec.num_accepted_tokens += row.num_accepted
-            self.stats.record(row.num_draft, row.num_accepted)
             self._method_stats(state.request.speculation.method).record(row.num_draft, row.num_accepted)
             state.acceptance.observe(row.num_draft, row.num_accepted)
         elif not state.prefilling:

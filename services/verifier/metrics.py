@@ -28,15 +28,15 @@ class EngineCollector(Collector):
     """vLLM's spec-decode family with Prometheus underscores, labelled model_name and method (the drafter name
     requests select; every attached drafter shows, at zero until it has drafted)."""
 
-    def __init__(self, engine: Engine, model_name: str, drafters: Callable[[], Iterable] = tuple):
+    def __init__(self, engine: Engine, model_name: str, drafter_names: Callable[[], Iterable[str]] = tuple):
         self.engine = engine
         self.model_name = model_name
-        self.drafters = drafters  # -> TrackedProposer-like objects with .name and .num_fallbacks
+        self.drafter_names = drafter_names
 
     def collect(self) -> Iterable[Metric]:
         by_method = dict(self.engine.stats_by_method)  # a copy: the engine's loop may add a method meanwhile
-        for drafter in self.drafters():
-            by_method.setdefault(drafter.name, SpecDecodeStats())
+        for name in self.drafter_names():
+            by_method.setdefault(name, SpecDecodeStats())
         labels = ["model_name", "method"]
         for name, attribute, doc in (
             ("num_drafts", "num_drafts", "Engine steps in which a request verified a non-empty draft."),
@@ -58,12 +58,6 @@ class EngineCollector(Collector):
             for position, value in enumerate(list(stats.accepted_per_position)):
                 per_pos.add_metric([self.model_name, method, str(position)], value)
         yield per_pos
-        per_drafter = CounterMetricFamily(
-            f"{PREFIX}_drafter_num_fallbacks", "Fallbacks to K = 0 per attached drafter.", labels=["model_name", "drafter"]
-        )
-        for drafter in self.drafters():
-            per_drafter.add_metric([self.model_name, drafter.name], drafter.num_fallbacks)
-        yield per_drafter
         for name, value, doc in (
             ("num_requests_running", self.engine.num_running, "Requests holding a KV slot."),
             ("num_requests_waiting", self.engine.num_waiting, "Requests queued for a KV slot."),

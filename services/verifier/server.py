@@ -150,12 +150,14 @@ async def start_verifier(
         {d.name: d for d in drafters},
         eos_token_ids,
     )
-    metrics.attach(EngineCollector(engine, model_id, lambda: drafters))
+    metrics.attach(EngineCollector(engine, model_id, lambda: [d.name for d in drafters]))
     facts = ModelFacts(
         model_id, max_model_len, runner.vocab_size, tuple(engine.eos_token_ids), runner.max_num_seqs,
         tokenizer_fingerprint,
     )
-    servicer = VerifierServicer(engine, facts, default, lambda: [d.report() for d in drafters])
+    servicer = VerifierServicer(
+        engine, facts, default, lambda: [d.report(engine.num_fallbacks(d.name)) for d in drafters]
+    )
     await engine.start()
     for drafter in drafters:
         drafter.start_watching(settings.drafter_health_interval_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.verifier.outputs import SpecDecodeCounts
@@ -13,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SpecDecodeStats(SpecDecodeCounts):
-    """Engine-wide counters: the per-request ones (and their rates) plus per-position and fallback counts."""
+    """Counters of one proposer (or, merged, of the engine): the per-request ones (and their rates) plus
+    per-position and fallback counts."""
 
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
     drafts_per_position: list[int] = field(default_factory=list)  # [i]: drafts that proposed a token i
@@ -34,6 +36,24 @@ class SpecDecodeStats(SpecDecodeCounts):
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
+    @classmethod
+    def merged(cls, parts: Iterable[SpecDecodeStats]) -> SpecDecodeStats:
+        """A new SpecDecodeStats holding the sums of `parts` (one part: a copy)."""
+        total = cls()
+        for part in parts:
+            total.num_drafts += part.num_drafts
+            total.num_draft_tokens += part.num_draft_tokens
+            total.num_accepted_tokens += part.num_accepted_tokens
+            total.num_fallbacks += part.num_fallbacks
+            for mine, theirs in (
+                (total.drafts_per_position, part.drafts_per_position),
+                (total.accepted_per_position, part.accepted_per_position),
+            ):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, value in enumerate(theirs):
+                    mine[i] += value
+        return total
+
 
 @dataclass
 class PeriodicStatsLogger:
@@ -43,11 +63,16 @@ class PeriodicStatsLogger:
     _last_time: float = field(default_factory=time.monotonic)
     _last: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
+    def due(self, now: float | None = None) -> bool:
+        """Whether a line is due (callers whose stats are costly to assemble ask first)."""
+        now = time.monotonic() if now is None else now
+        return self.interval_s > 0 and now - self._last_time >= self.interval_s
+
     def maybe_log(self, stats: SpecDecodeStats, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        elapsed = now - self._last_time
-        if self.interval_s <= 0 or elapsed < self.interval_s:
+        if not self.due(now):
             return
+        elapsed = now - self._last_time
         drafts = stats.num_drafts - self._last.num_drafts
         drafted = stats.num_draft_tokens - self._last.num_draft_tokens
         accepted = stats.num_accepted_tokens - self._last.num_accepted_tokens
@@ -73,11 +98,4 @@ class PeriodicStatsLogger:
                 stats.num_fallbacks - self._last.num_fallbacks,
             )
         self._last_time = now
-        self._last = SpecDecodeStats(
-            stats.num_drafts,
-            stats.num_draft_tokens,
-            stats.num_accepted_tokens,
-            list(stats.accepted_per_position),
-            list(stats.drafts_per_position),
-            stats.num_fallbacks,
-        )
+        self._last = SpecDecodeStats.merged([stats])

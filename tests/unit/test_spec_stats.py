@@ -23,3 +23,16 @@ def test_counters_and_periodic_log_line(caplog):
     assert "mean acceptance length 3.00" in line and "acceptance rate 66.7%" in line
     assert "per-position acceptance [1.00, 1.00, 0.00, 0.00]" in line
     assert "drafted 0.6 tok/s" in line
+
+
+def test_merged_sums_counters_and_positions_of_any_length():
+    short, long_ = SpecDecodeStats(), SpecDecodeStats()
+    short.record(num_draft=2, num_accepted=1)
+    short.num_fallbacks = 3
+    long_.record(num_draft=4, num_accepted=4)
+    total = SpecDecodeStats.merged([short, long_])
+    assert (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens, total.num_fallbacks) == (2, 6, 5, 3)
+    assert total.drafts_per_position == [2, 2, 1, 1] and total.accepted_per_position == [2, 1, 1, 1]
+    copy = SpecDecodeStats.merged([short])
+    copy.record(num_draft=1, num_accepted=1)
+    assert short.num_drafts == 1  # a copy, not a view
