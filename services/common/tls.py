@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
+from pydantic import model_validator
+from pydantic_settings import BaseSettings
 
 
 def _read(path: str | Path, what: str) -> bytes:
@@ -42,3 +44,24 @@ def open_channel(
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)
+
+
+class TlsServerSettings(BaseSettings):
+    """The certificate settings of a gRPC server, shared by the services' settings classes (each adds its own
+    env prefix): both files, or neither for plaintext."""
+
+    tls_cert_file: str | None = None  # server certificate chain (PEM)
+    tls_key_file: str | None = None  # its private key (PEM)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> TlsServerSettings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file (or neither)")
+        return self
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert_file and self.tls_key_file)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        return server_credentials(self.tls_cert_file, self.tls_key_file)

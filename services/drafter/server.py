@@ -12,12 +12,11 @@ import logging
 from collections.abc import Sequence
 
 import grpc
-from prometheus_client import start_http_server
 
 from services.common.drafter_wire import DrafterDescription, drafter_pb2, drafter_pb2_grpc
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
+from services.common.metrics_http import serve_metrics
 from services.common.proposer import Proposer
-from services.common.tls import server_credentials
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.servicer import DrafterServicer
 from services.drafter.settings import DrafterSettings
@@ -94,22 +93,20 @@ async def run(settings: DrafterSettings) -> int:
         settings.host,
         settings.port,
         num_speculative_tokens=settings.num_speculative_tokens,
-        credentials=server_credentials(settings.tls_cert_file, settings.tls_key_file),
+        credentials=settings.server_credentials(),
         metrics=metrics,
     )
     install_sigterm_handler(lambda: server.graceful_stop(settings.drain_s, settings.grace_s))
     scheme = "grpcs" if settings.tls_enabled else "grpc"
     print(f"drafter ({settings.method}) listening on {scheme}://{settings.host}:{port}", flush=True)
-    metrics_server = None
-    if settings.metrics_port:
-        metrics_server, _ = start_http_server(settings.metrics_port, settings.host, registry=metrics.registry)
-        print(f"metrics on http://{settings.host}:{metrics_server.server_port}/metrics", flush=True)
+    endpoint = serve_metrics(metrics.registry, settings.host, settings.metrics_port)
+    if endpoint is not None:
+        print(f"metrics on http://{settings.host}:{endpoint.port}/metrics", flush=True)
     try:
         await server.wait()
     finally:
-        if metrics_server is not None:
-            metrics_server.shutdown()
-            metrics_server.server_close()
+        if endpoint is not None:
+            endpoint.stop()
     return 0
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from services.common.tls import TlsServerSettings
 
 
-class DrafterSettings(BaseSettings):
+class DrafterSettings(TlsServerSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFTER_", extra="forbid", frozen=True)
 
     method: Literal["ngram"] = "ngram"
@@ -22,19 +24,11 @@ class DrafterSettings(BaseSettings):
     metrics_port: int | None = Field(8002, ge=0, le=65535)  # 0 or None: no metrics endpoint
     drain_s: float = Field(0.0, ge=0)  # on SIGTERM: NOT_SERVING this long before refusing new streams
     grace_s: float = Field(5.0, ge=0)  # then: time for open streams to end
-    tls_cert_file: str | None = None  # server certificate chain (PEM); TLS only when both are set
-    tls_key_file: str | None = None
 
     @model_validator(mode="after")
-    def _consistent(self) -> DrafterSettings:
+    def _lookup_range(self) -> DrafterSettings:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
             )
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ValueError("TLS needs both tls_cert_file and tls_key_file (or neither)")
         return self
-
-    @property
-    def tls_enabled(self) -> bool:
-        return bool(self.tls_cert_file and self.tls_key_file)

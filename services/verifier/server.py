@@ -12,15 +12,13 @@ import asyncio
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from threading import Thread
-from wsgiref.simple_server import WSGIServer
 
 import torch
-from prometheus_client import start_http_server
 
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
+from services.common.metrics_http import MetricsEndpoint, serve_metrics
 from services.common.speculative_config import SpeculativeConfig
-from services.common.tls import channel_credentials, server_credentials
+from services.common.tls import channel_credentials
 from services.modeling.runner_factory import create_runner
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.drafter_status import TrackedProposer
@@ -43,8 +41,7 @@ class RunningVerifier:
     grpc: GrpcServer
     engine: Engine
     drafters: list[TrackedProposer]
-    metrics_server: WSGIServer | None = None
-    metrics_thread: Thread | None = None
+    metrics: MetricsEndpoint | None = None
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -53,7 +50,7 @@ class RunningVerifier:
 
     @property
     def metrics_port(self) -> int | None:
-        return self.metrics_server.server_port if self.metrics_server is not None else None
+        return self.metrics.port if self.metrics is not None else None
 
     async def stop(self, drain_s: float = 0.0, grace_s: float = 5.0) -> None:
         """NOT_SERVING, let calls in flight finish for `grace_s`, then stop the engine and drafter links."""
@@ -64,9 +61,8 @@ class RunningVerifier:
         await self.engine.shutdown()
         for drafter in self.drafters:
             await drafter.close()
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
+        if self.metrics is not None:
+            self.metrics.stop()
 
 
 def resolve_max_model_len(model: torch.nn.Module, requested: int | None) -> int:
@@ -133,7 +129,7 @@ async def start_verifier(
 ) -> RunningVerifier:
     """Build runner, drafter links and engine around `model` and start serving (port 0: a free port).
     `tokenizer_fingerprint` (of the model's tokenizer) is published in Info and checked against drafters."""
-    credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file)
+    credentials = settings.server_credentials()
     max_model_len = resolve_max_model_len(model, settings.max_model_len)
     metrics = create_metrics()
     runner = create_runner(model, settings.max_num_seqs, max_model_len)
@@ -175,11 +171,8 @@ async def start_verifier(
         for drafter in drafters:
             await drafter.close()
         raise
-    running = RunningVerifier(server, engine, drafters)
-    if settings.metrics_port:
-        running.metrics_server, running.metrics_thread = start_http_server(
-            settings.metrics_port, settings.host, registry=metrics.registry
-        )
+    endpoint = serve_metrics(metrics.registry, settings.host, settings.metrics_port)
+    running = RunningVerifier(server, engine, drafters, endpoint)
     return running
 
 

@@ -4,10 +4,11 @@ overridden by command-line flags (server.main), so the same process is configure
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
 
 from services.common.speculative_config import SpeculativeConfig
+from services.common.tls import TlsServerSettings
 
 
 def parse_drafter(spec: str) -> tuple[str, str]:
@@ -21,7 +22,7 @@ def parse_drafter(spec: str) -> tuple[str, str]:
     return name.strip(), address
 
 
-class VerifierSettings(BaseSettings):
+class VerifierSettings(TlsServerSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_VERIFIER_", extra="forbid", frozen=True)
 
     model: str = "smollm2-135m-instruct"
@@ -40,8 +41,6 @@ class VerifierSettings(BaseSettings):
     drafters: list[str] = Field(default_factory=list)  # "name=host:port"
     drain_s: float = Field(0.0, ge=0)  # on SIGTERM: NOT_SERVING this long before refusing new calls
     grace_s: float = Field(5.0, ge=0)  # then: time for calls in flight to finish
-    tls_cert_file: str | None = None  # server certificate chain (PEM); TLS only when both are set
-    tls_key_file: str | None = None
     drafter_tls_root_cert: str | None = None  # PEM root certificate: the links to drafters use TLS
     log_stats_interval_s: float = Field(10.0, ge=0)
 
@@ -59,12 +58,6 @@ class VerifierSettings(BaseSettings):
             raise ValueError(f"drafter names must be unique, got {names}")
         return value
 
-    @model_validator(mode="after")
-    def _tls_pair(self) -> VerifierSettings:
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ValueError("TLS needs both tls_cert_file and tls_key_file (or neither)")
-        return self
-
     @property
     def speculation(self) -> SpeculativeConfig:
         return SpeculativeConfig.parse(self.speculative_config)
@@ -72,7 +65,3 @@ class VerifierSettings(BaseSettings):
     @property
     def drafter_targets(self) -> dict[str, str]:
         return dict(parse_drafter(spec) for spec in self.drafters)
-
-    @property
-    def tls_enabled(self) -> bool:
-        return bool(self.tls_cert_file and self.tls_key_file)
