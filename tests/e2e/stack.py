@@ -6,7 +6,6 @@ kill and restart the drafter."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,26 +14,10 @@ from pathlib import Path
 
 import httpx
 
+from services.launcher import wait_for_port
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_port(port: int, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args} exited with {process.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"port {port} not listening after {timeout_s} s")
 
 
 @dataclass
@@ -60,7 +43,7 @@ class Stack:
             [sys.executable, "-m", "services.cli", *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
         )
         self.processes[name] = process
-        wait_for_port(port, process, timeout_s)
+        wait_for_port("127.0.0.1", port, process, timeout_s)
 
     def start_drafter(self) -> None:
         self._spawn(

@@ -3,7 +3,6 @@ httpx client through ASGI, and the same app served by uvicorn on a free port for
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -14,6 +13,7 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from tests.gateway.fakes import byte_tokenizer, start_scripted_verifier
+from tests.ports import free_port
 
 
 @pytest.fixture(scope="session")
@@ -51,18 +51,12 @@ async def client(make_app):
     await app.state.gateway.client.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def served(make_app):
     """Base URL of the app served by a real uvicorn in a thread (its own event loop)."""
     def serve(**overrides):
         app = make_app(**overrides)
-        port = _free_port()
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

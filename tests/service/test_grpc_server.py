@@ -8,7 +8,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import sys
 import urllib.request
 from pathlib import Path
@@ -19,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.drafter_wire import drafter_pb2, drafter_pb2_grpc
 from services.drafter.server import SERVICE_NAME
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -54,9 +54,7 @@ async def test_reflection_lists_the_services(ngram_drafter):
 
 
 async def test_drafter_command_serves_and_stops_on_sigterm():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        metrics_port = sock.getsockname()[1]
+    metrics_port = free_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

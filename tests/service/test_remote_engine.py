@@ -16,15 +16,8 @@ from services.verifier.engine_config import EngineConfig
 from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import Collected, run_schedule
+from tests.prompts import repetitive_prompt
 from tests.tiny_models import VOCAB, tiny_llama
-
-
-def repetitive_prompt(rng: random.Random, length: int) -> tuple[int, ...]:
-    phrases = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 5))] for _ in range(4)]
-    tokens: list[int] = []
-    while len(tokens) < length:
-        tokens += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(VOCAB)]
-    return tuple(tokens[:length])
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import contextlib
 import random
-import socket
 import urllib.request
 
 import grpc
@@ -21,6 +20,8 @@ from services.verifier.sampling_params import GenerationRequest, SamplingParams
 from services.verifier.server import add_verifier_flags, settings_from_args, start_verifier
 from services.verifier.settings import VerifierSettings
 from services.verifier.wire import verifier_pb2, verifier_pb2_grpc
+from tests.ports import free_port
+from tests.prompts import repetitive_prompt
 from tests.tiny_models import VOCAB, tiny_llama
 
 MODEL_ID = "tiny-llama"
@@ -31,12 +32,6 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(seed=3)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def settings(**overrides) -> VerifierSettings:
@@ -54,14 +49,6 @@ async def verifier(model, **overrides):
             yield running, verifier_pb2_grpc.VerifierStub(channel)
     finally:
         await running.stop(0, 0.5)
-
-
-def repetitive_prompt(rng: random.Random, length: int) -> list[int]:
-    phrases = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 5))] for _ in range(4)]
-    tokens: list[int] = []
-    while len(tokens) < length:
-        tokens += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(VOCAB)]
-    return tokens[:length]
 
 
 def greedy(request_id: str, prompt, max_tokens: int, method: str = "", **speculation):

@@ -15,17 +15,9 @@ from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
+from tests.prompts import repetitive_prompt
 from tests.proposers import OracleProposer, RandomProposer
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
-
-
-def repetitive_prompt(rng: random.Random, length: int) -> tuple[int, ...]:
-    """Prompts that repeat short phrases, so n-gram lookup finds matches (some accepted, some not)."""
-    phrases = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 5))] for _ in range(4)]
-    tokens: list[int] = []
-    while len(tokens) < length:
-        tokens += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(VOCAB)]
-    return tuple(tokens[:length])
 
 
 def make_engine(model, proposers, max_num_seqs=4, max_num_batched_tokens=24, adaptive=False) -> Engine:
