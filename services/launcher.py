@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.speculative_config import SpeculativeConfig
@@ -39,6 +40,24 @@ def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: fl
         except OSError:
             time.sleep(0.2)
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
+
+
+def stop_processes(processes: Sequence[subprocess.Popen], timeout_s: float = 20.0) -> list[subprocess.Popen]:
+    """SIGTERM every process still running, in the given order (each service stops gracefully), then SIGKILL
+    those still up after `timeout_s` in all. Returns the ones that had to be killed."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    killed = []
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            killed.append(process)
+    return killed
 
 
 @dataclass(frozen=True)
@@ -146,14 +165,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"specserve serve: {error}", file=sys.stderr)
         return 1
     finally:
-        for _, process in reversed(processes):  # gateway first, drafter last
-            if process.poll() is None:
-                process.terminate()
-        for _, process in reversed(processes):
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes([process for _, process in reversed(processes)])  # gateway first, drafter last
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -183,17 +183,11 @@ class HttpStack:
 
     def stop(self, keep_logs: bool = False) -> None:
         """SIGTERM gateway, verifier, drafter (in that order), then SIGKILL whatever is still up after 20 s."""
-        for _, process, _ in reversed(self._children):
-            if process.poll() is None:
-                process.terminate()
-        deadline = time.monotonic() + 20.0
-        for child, process, log in reversed(self._children):
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.progress(f"HTTP stack: {child.name} ignored SIGTERM; killing it")
-                process.kill()
-                process.wait()
+        children = list(reversed(self._children))
+        killed = launcher.stop_processes([process for _, process, _ in children])
+        for child, process, log in children:
+            if process in killed:
+                self.progress(f"HTTP stack: {child.name} ignored SIGTERM; killed it")
             log.close()
         self._children.clear()
         if self.log_dir is None:

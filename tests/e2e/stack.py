@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from services.launcher import wait_for_port
+from services.launcher import stop_processes, wait_for_port
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,12 +110,5 @@ class Stack:
         return total
 
     def stop(self) -> None:
-        for process in reversed(list(self.processes.values())):
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(list(reversed(self.processes.values())))
         self.processes.clear()

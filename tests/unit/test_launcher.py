@@ -50,3 +50,20 @@ def test_tls_reaches_every_link(root):
 def test_half_a_tls_pair_is_refused():
     with pytest.raises(ValueError, match="go together"):
         launcher.plan(parse("--tls-cert-file", "/certs/server.pem"))
+
+
+def test_stop_processes_terminates_then_kills_what_ignores_sigterm():
+    import subprocess
+    import sys
+
+    stubborn_code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    polite = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE)
+    stubborn = subprocess.Popen([sys.executable, "-c", stubborn_code], stdout=subprocess.PIPE)
+    for process in (polite, stubborn):
+        assert process.stdout.readline() == b"ready\n"  # handlers installed before we signal
+    killed = launcher.stop_processes([polite, stubborn], timeout_s=1.0)
+    assert killed == [stubborn]
+    assert polite.returncode == -15 and stubborn.returncode == -9
+    for process in (polite, stubborn):
+        process.stdout.close()
