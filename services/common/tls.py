@@ -13,6 +13,8 @@ import grpc
 from pydantic import model_validator
 from pydantic_settings import BaseSettings
 
+from services.common.grpc_keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy, with_options
+
 
 def _read(path: str | Path, what: str) -> bytes:
     try:
@@ -38,9 +40,14 @@ def channel_credentials(root_cert_file: str | Path | None) -> grpc.ChannelCreden
 
 
 def open_channel(
-    target: str, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, int | str]]
+    target: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: list[tuple[str, int | str]],
+    keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel, secure when `credentials` is given."""
+    """A grpc.aio channel, secure when `credentials` is given, pinging by the project's keepalive policy (the
+    servers are started with the matching one); `options` add to or override it."""
+    options = with_options(keepalive.client_options(), options)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)

@@ -19,11 +19,7 @@ from services.common.tls import channel_credentials, open_channel
 
 pb, pb_grpc = protos.load("verifier")
 
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]  # keepalive: open_channel's policy
 
 
 class VerifierClient:

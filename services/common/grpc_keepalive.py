@@ -1,0 +1,54 @@
+"""One keepalive policy for every gRPC client and server pair of the project (gateway -> verifier -> drafters).
+
+Why one policy: gRPC servers by default refuse pings on a connection without calls and answer a client that pings
+more often than every 5 minutes with GOAWAY "too_many_pings". A client that pings every 30 s while idle (so it
+notices a dead peer behind a NAT or load balancer) is then disconnected after a few idle minutes, and its next
+call fails. Deriving both sides' options from one `KeepalivePolicy` keeps them consistent: the server permits
+pings without calls and accepts them at half the client's interval, so jitter never counts as a strike.
+
+`open_channel` (services.common.tls) and `start_grpc_server` (services.common.grpc_server) apply the default
+policy, so every link gets it without each caller repeating options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GrpcOptions = list[tuple[str, int | str]]
+
+
+@dataclass(frozen=True)
+class KeepalivePolicy:
+    """Client pings every `ping_interval_ms` (also while idle) and gives a peer `ping_timeout_ms` to answer;
+    servers allow pings that often and ping idle clients themselves at the same interval."""
+
+    ping_interval_ms: int = 30_000
+    ping_timeout_ms: int = 10_000
+
+    def client_options(self) -> GrpcOptions:
+        return [
+            ("grpc.keepalive_time_ms", self.ping_interval_ms),
+            ("grpc.keepalive_timeout_ms", self.ping_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),  # idle pings are not limited in number
+        ]
+
+    def server_options(self) -> GrpcOptions:
+        return [
+            ("grpc.keepalive_time_ms", self.ping_interval_ms),
+            ("grpc.keepalive_timeout_ms", self.ping_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # accept client pings up to twice as often as the policy sends them (timer jitter, reconnects)
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", self.ping_interval_ms // 2),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.ping_interval_ms // 2),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
+
+
+DEFAULT_KEEPALIVE = KeepalivePolicy()
+
+
+def with_options(base: GrpcOptions, extra: GrpcOptions) -> GrpcOptions:
+    """`base` with the keys of `extra` replaced (gRPC takes the first of duplicate keys inconsistently)."""
+    keys = {key for key, _ in extra}
+    return [item for item in base if item[0] not in keys] + list(extra)
