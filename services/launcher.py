@@ -1,9 +1,11 @@
 """`specserve serve`: the whole stack on one machine as three child processes (drafter, verifier, gateway),
-started in dependency order and stopped together.
+started in dependency order, supervised, and stopped together.
 
-The services are the same processes a deployment runs separately (docker-compose, Helm); this launcher only
-wires their flags, waits for each to listen, prints every endpoint, and takes them all down when one exits or
-when it receives SIGINT/SIGTERM.
+The services are the same processes a deployment runs separately (docker-compose, Helm); this launcher wires
+their flags, waits for each to listen, prints every endpoint, and then supervises them the way a process manager
+would: a child that dies is restarted with the very same argv (same ports), after an exponential backoff, so one
+crash costs the requests that were on that process and nothing else. The verifier reconnects to a restarted
+drafter by itself and the gateway to a restarted verifier. SIGINT/SIGTERM stops them all, gateway first.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.common.speculative_config import SpeculativeConfig
 
@@ -28,17 +31,32 @@ class Child:
     port: int
 
 
-def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float) -> None:
-    """Block until something accepts connections on host:port; fail early if the process died."""
+class StartInterrupted(Exception):
+    """SIGINT/SIGTERM arrived while the stack was still starting."""
+
+
+def port_is_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether something accepts TCP connections on host:port right now."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float,
+                  cancelled: Callable[[], bool] = lambda: False) -> None:
+    """Block until something accepts connections on host:port; fail early if the process died, and give up at
+    once when `cancelled()` turns true (a Ctrl-C during a long model load must not wait for it)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if cancelled():
+            raise StartInterrupted(f"stopped while waiting for {host}:{port}")
         if process.poll() is not None:
             raise RuntimeError(f"process exited with code {process.returncode} before listening on {host}:{port}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.2)
+        if port_is_open(host, port):
+            return
+        time.sleep(0.2)
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
 
 
@@ -58,6 +76,114 @@ def stop_processes(processes: Sequence[subprocess.Popen], timeout_s: float = 20.
             process.wait()
             killed.append(process)
     return killed
+
+
+class ChildProcess(Protocol):
+    """What supervision needs of a process (subprocess.Popen, or a fake in tests)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When to restart a child that died: after `initial_backoff_s`, doubling with every crash in a row up to
+    `max_backoff_s`. A child that stayed up `reset_after_s` before dying counts as healthy again (its next
+    backoff is the initial one), so a rare crash is retried at once while a crash loop neither spins the CPU
+    nor floods the log. There is no give-up: a service that keeps crashing keeps being retried at the cap,
+    because a launcher that silently stops restarting leaves a stack that looks up and is not."""
+
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    reset_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_backoff_s <= self.max_backoff_s:
+            raise ValueError("restart backoff: need 0 < initial <= max")
+        if self.reset_after_s < 0:
+            raise ValueError("restart backoff: the reset time cannot be negative")
+
+    def backoff_s(self, crashes_in_a_row: int) -> float:
+        """Delay before restarting after the `crashes_in_a_row`-th consecutive crash (1-based)."""
+        return min(self.max_backoff_s, self.initial_backoff_s * 2.0 ** max(0, crashes_in_a_row - 1))
+
+    def crashes_in_a_row(self, previous: int, uptime_s: float) -> int:
+        """The consecutive-crash count after a crash that ended `uptime_s` of life."""
+        return 1 if uptime_s >= self.reset_after_s else previous + 1
+
+
+@dataclass
+class Supervised:
+    """One child under supervision: its current process and its restart history."""
+
+    child: Child
+    process: ChildProcess
+    started_at: float
+    restarts: int = 0
+    crashes_in_a_row: int = 0
+    restart_at: float | None = None  # set while the child is down, waiting for its backoff
+    listening: bool = True  # false from a restart until the child accepts connections again
+
+
+@dataclass
+class Supervisor:
+    """Restarts children that die, by `policy`; advanced by `tick()`, which never blocks longer than one port
+    probe. The clock, the way to start a process and the port probe are injected so the restart logic can be
+    tested without processes or sleeping."""
+
+    policy: RestartPolicy
+    spawn: Callable[[Child], ChildProcess]
+    clock: Callable[[], float] = time.monotonic
+    is_listening: Callable[[str, int], bool] = port_is_open
+    log: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
+    children: list[Supervised] = field(default_factory=list)
+
+    def adopt(self, child: Child, process: ChildProcess) -> None:
+        """Supervise a child that start-up has already seen listening."""
+        self.children.append(Supervised(child, process, started_at=self.clock()))
+
+    def tick(self) -> None:
+        """Notice deaths, restart children whose backoff is over, and announce restarted children that listen
+        again."""
+        for entry in self.children:
+            if entry.restart_at is not None:
+                if self.clock() >= entry.restart_at:
+                    self._restart(entry)
+            elif entry.process.poll() is not None:
+                self._schedule_restart(entry)
+            elif not entry.listening and self.is_listening(entry.child.host, entry.child.port):
+                entry.listening = True
+                self.log(f"{entry.child.name} is listening again on {entry.child.host}:{entry.child.port} "
+                         f"(pid {entry.process.pid}, restart {entry.restarts})")
+
+    def _schedule_restart(self, entry: Supervised) -> None:
+        now = self.clock()
+        uptime = now - entry.started_at
+        entry.crashes_in_a_row = self.policy.crashes_in_a_row(entry.crashes_in_a_row, uptime)
+        delay = self.policy.backoff_s(entry.crashes_in_a_row)
+        entry.restart_at = now + delay
+        self.log(f"{entry.child.name} (pid {entry.process.pid}) exited with code {entry.process.returncode} "
+                 f"after {uptime:.1f} s; restarting it in {delay:.1f} s "
+                 f"(restart {entry.restarts + 1}, crash {entry.crashes_in_a_row} in a row)")
+
+    def _restart(self, entry: Supervised) -> None:
+        entry.process = self.spawn(entry.child)
+        entry.started_at = self.clock()
+        entry.restart_at = None
+        entry.restarts += 1
+        entry.listening = False
+        self.log(f"restarted {entry.child.name}: pid {entry.process.pid} (restart {entry.restarts})")
+
+    @property
+    def processes(self) -> list[ChildProcess]:
+        """The current process of every child, in start order."""
+        return [entry.process for entry in self.children]
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        return {entry.child.name: entry.restarts for entry in self.children}
 
 
 @dataclass(frozen=True)
@@ -124,48 +250,74 @@ def plan(args: argparse.Namespace) -> list[Child]:
     return children
 
 
-def run(args: argparse.Namespace) -> int:
-    processes: list[tuple[Child, subprocess.Popen]] = []
+def _banner(args: argparse.Namespace, children: Sequence[Child]) -> str:
+    base = f"http://{args.host}:{args.port}"
+    drafter = (
+        f"  drafter gRPC {args.host}:{args.drafter_port}, metrics http://{args.host}:{args.drafter_metrics_port}/metrics\n"
+        if any(child.name == "drafter" for child in children)
+        else ""
+    )
+    return (
+        "\nspecserve is serving:\n"
+        f"  POST {base}/v1/completions\n  POST {base}/v1/chat/completions\n  GET  {base}/v1/models\n"
+        f"  GET  {base}/health\n  GET  {base}/metrics\n"
+        f"  verifier gRPC {args.host}:{args.verifier_port}, metrics http://{args.host}:{args.verifier_metrics_port}/metrics\n"
+        f"{drafter}"
+        "Children that exit are restarted; Ctrl-C stops everything."
+    )
+
+
+def _spawn(child: Child) -> subprocess.Popen:
+    """Children share the launcher's stdout/stderr, so one terminal (or one log file) shows the whole stack."""
+    return subprocess.Popen(child.argv)
+
+
+def serve(children: Sequence[Child], policy: RestartPolicy, *, start_timeout_s: float, banner: str = "",
+          tick_s: float = 0.2, spawn: Callable[[Child], subprocess.Popen] = _spawn) -> int:
+    """Start `children` in order, each once the previous one listens (a failure there stops everything: exit
+    1), then supervise them until SIGINT/SIGTERM and stop them in reverse order (exit 0)."""
     stopping = False
 
     def stop_all(*_: object) -> None:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, stop_all)
-    signal.signal(signal.SIGTERM, stop_all)
+    supervisor = Supervisor(policy, spawn)
+    started: list[subprocess.Popen] = []
+    previous = {sig: signal.signal(sig, stop_all) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for child in plan(args):
+        for child in children:
             print(f"starting {child.name}: {' '.join(child.argv[1:])}", flush=True)
-            process = subprocess.Popen(child.argv)
-            processes.append((child, process))
-            wait_for_port(child.host, child.port, process, args.start_timeout_s)
-        base = f"http://{args.host}:{args.port}"
-        print(
-            "\nspecserve is serving:\n"
-            f"  POST {base}/v1/completions\n  POST {base}/v1/chat/completions\n  GET  {base}/v1/models\n"
-            f"  GET  {base}/health\n  GET  {base}/metrics\n"
-            f"  verifier gRPC {args.host}:{args.verifier_port}, metrics http://{args.host}:{args.verifier_metrics_port}/metrics\n"
-            + (
-                f"  drafter gRPC {args.host}:{args.drafter_port}, metrics http://{args.host}:{args.drafter_metrics_port}/metrics\n"
-                if len(processes) == 3
-                else ""
-            )
-            + "Ctrl-C stops everything.",
-            flush=True,
-        )
+            process = spawn(child)
+            started.append(process)
+            wait_for_port(child.host, child.port, process, start_timeout_s, cancelled=lambda: stopping)
+            print(f"{child.name} is listening on {child.host}:{child.port} (pid {process.pid})", flush=True)
+            supervisor.adopt(child, process)
+        if banner:
+            print(banner, flush=True)
         while not stopping:
-            for child, process in processes:
-                if process.poll() is not None:
-                    print(f"{child.name} exited with code {process.returncode}; stopping the stack", flush=True)
-                    stopping = True
-            time.sleep(0.5)
+            supervisor.tick()
+            time.sleep(tick_s)
+        return 0
+    except StartInterrupted:
         return 0
     except (RuntimeError, TimeoutError) as error:
-        print(f"specserve serve: {error}", file=sys.stderr)
+        print(f"specserve serve: {error}", file=sys.stderr, flush=True)
         return 1
     finally:
-        stop_processes([process for _, process in reversed(processes)])  # gateway first, drafter last
+        processes = supervisor.processes + started[len(supervisor.processes):]
+        stop_processes(list(reversed(processes)))  # gateway first, drafter last
+        if any(supervisor.restarts.values()):
+            counts = ", ".join(f"{name} {n}" for name, n in supervisor.restarts.items())
+            print(f"restarts: {counts}", flush=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    children = plan(args)
+    policy = RestartPolicy(args.restart_backoff_initial_s, args.restart_backoff_max_s, args.restart_backoff_reset_s)
+    return serve(children, policy, start_timeout_s=args.start_timeout_s, banner=_banner(args, children))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,4 +340,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     parser.add_argument("--tls-root-cert", default=None, help="PEM root the gRPC clients trust (default: the cert)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--start-timeout-s", type=float, default=300.0)
+    parser.add_argument("--start-timeout-s", type=float, default=300.0,
+                        help="at start-up, how long each service may take to listen before serve gives up")
+    defaults = RestartPolicy()
+    parser.add_argument("--restart-backoff-initial-s", type=float, default=defaults.initial_backoff_s,
+                        help="delay before restarting a service that exited (doubles with each crash in a row)")
+    parser.add_argument("--restart-backoff-max-s", type=float, default=defaults.max_backoff_s,
+                        help="cap of the restart delay; a service that keeps crashing is retried this often")
+    parser.add_argument("--restart-backoff-reset-s", type=float, default=defaults.reset_after_s,
+                        help="a service up this long before it exits is restarted after the initial delay again")

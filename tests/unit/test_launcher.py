@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import itertools
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -67,3 +69,176 @@ def test_stop_processes_terminates_then_kills_what_ignores_sigterm():
     assert polite.returncode == -15 and stubborn.returncode == -9
     for process in (polite, stubborn):
         process.stdout.close()
+
+
+# --- supervision -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeProcess:
+    """A process whose death the test decides."""
+
+    pid: int
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+@dataclass
+class FakeWorld:
+    """A clock the test moves, processes it kills, ports it opens: everything the Supervisor observes."""
+
+    now: float = 0.0
+    spawned: list[FakeProcess] = field(default_factory=list)
+    open_ports: set[int] = field(default_factory=set)
+    lines: list[str] = field(default_factory=list)
+
+    def spawn(self, child: launcher.Child) -> FakeProcess:
+        self.spawned.append(FakeProcess(pid=1000 + len(self.spawned)))
+        return self.spawned[-1]
+
+    def supervisor(self, policy: launcher.RestartPolicy, *names: str) -> launcher.Supervisor:
+        supervisor = launcher.Supervisor(policy, self.spawn, clock=lambda: self.now,
+                                         is_listening=lambda host, port: port in self.open_ports,
+                                         log=self.lines.append)
+        for port, name in enumerate(names, start=1):
+            supervisor.adopt(launcher.Child(name, [name], "127.0.0.1", port), self.spawn(None))
+            self.open_ports.add(port)
+        return supervisor
+
+    def advance(self, supervisor: launcher.Supervisor, seconds: float, step: float = 0.1) -> None:
+        end = self.now + seconds
+        while self.now < end - 1e-9:
+            self.now = round(self.now + step, 6)
+            supervisor.tick()
+
+
+def test_restart_policy_doubles_to_the_cap_and_resets_after_a_long_life():
+    policy = launcher.RestartPolicy(initial_backoff_s=0.5, max_backoff_s=10.0, reset_after_s=60.0)
+    assert [policy.backoff_s(n) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert policy.crashes_in_a_row(previous=5, uptime_s=3.0) == 6
+    assert policy.crashes_in_a_row(previous=5, uptime_s=60.0) == 1
+    with pytest.raises(ValueError):
+        launcher.RestartPolicy(initial_backoff_s=20.0, max_backoff_s=10.0)
+
+
+def test_a_dead_child_is_restarted_after_the_backoff_and_announced_when_it_listens():
+    world = FakeWorld()
+    supervisor = world.supervisor(launcher.RestartPolicy(), "drafter", "verifier", "gateway")
+    drafter = world.spawned[0]
+    world.advance(supervisor, 5.0)
+    drafter.returncode = -9
+    world.open_ports.discard(1)
+    world.advance(supervisor, 0.1)
+    assert world.lines[-1].startswith("drafter (pid 1000) exited with code -9 after 5.1 s; restarting it in 0.5 s")
+    world.advance(supervisor, 0.3)
+    assert len(world.spawned) == 3  # still backing off
+    world.advance(supervisor, 0.2)
+    assert len(world.spawned) == 4 and supervisor.processes[0] is world.spawned[3]
+    assert world.lines[-1] == "restarted drafter: pid 1003 (restart 1)"
+    world.advance(supervisor, 1.0)
+    assert not any("listening again" in line for line in world.lines)  # not before its port opens
+    world.open_ports.add(1)
+    world.advance(supervisor, 0.1)
+    assert world.lines[-1] == "drafter is listening again on 127.0.0.1:1 (pid 1003, restart 1)"
+    assert supervisor.restarts == {"drafter": 1, "verifier": 0, "gateway": 0}
+    assert supervisor.processes[1:] == world.spawned[1:3]  # the others were left alone
+
+
+def test_a_crash_loop_backs_off_exponentially_to_the_cap_and_never_gives_up():
+    world = FakeWorld()
+    policy = launcher.RestartPolicy(initial_backoff_s=0.5, max_backoff_s=4.0, reset_after_s=60.0)
+    supervisor = world.supervisor(policy, "verifier")
+    world.advance(supervisor, 100.0)  # a long healthy life first: the loop starts at the initial backoff
+    spawn_times = []
+    for _ in range(7):
+        supervisor.processes[0].returncode = 1  # dies at once, every time
+        before = len(world.spawned)
+        while len(world.spawned) == before:
+            world.advance(supervisor, 0.1)
+        spawn_times.append(world.now)
+    gaps = [round(b - a, 1) for a, b in itertools.pairwise(spawn_times)]
+    # each gap = one tick to notice the death + the backoff
+    assert gaps == [1.1, 2.1, 4.1, 4.1, 4.1, 4.1]
+    assert supervisor.restarts == {"verifier": 7}
+    assert "crash 7 in a row" in [line for line in world.lines if "exited" in line][-1]
+
+
+def test_a_child_that_stays_up_long_enough_starts_over_at_the_initial_backoff():
+    world = FakeWorld()
+    policy = launcher.RestartPolicy(initial_backoff_s=0.5, max_backoff_s=8.0, reset_after_s=30.0)
+    supervisor = world.supervisor(policy, "gateway")
+    for _ in range(3):  # three quick crashes: backoff 0.5, 1, 2
+        supervisor.processes[0].returncode = 1
+        world.advance(supervisor, 3.0)
+    assert "restarting it in 2.0 s" in world.lines[-3]
+    world.advance(supervisor, 30.0)
+    supervisor.processes[0].returncode = -11
+    world.advance(supervisor, 0.1)
+    assert "restarting it in 0.5 s (restart 4, crash 1 in a row)" in world.lines[-1]
+
+
+TCP_CHILD = (
+    "import socket, sys, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+    "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); time.sleep(600)"
+)
+
+
+def test_serve_restarts_a_killed_child_and_sigterm_stops_everything(tmp_path):
+    """The real loop, as a process: two tiny TCP servers under `serve`; one is SIGKILLed and comes back on its
+    port, then SIGTERM stops both and serve exits 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.ports import free_port
+
+    ports = [free_port(), free_port()]
+    script = (
+        "import sys\nfrom services import launcher\n"
+        f"children = [launcher.Child(n, [sys.executable, '-c', {TCP_CHILD!r}, str(p)], '127.0.0.1', p) "
+        f"for n, p in (('drafter', {ports[0]}), ('gateway', {ports[1]}))]\n"
+        "policy = launcher.RestartPolicy(initial_backoff_s=0.2, max_backoff_s=1.0)\n"
+        "raise SystemExit(launcher.serve(children, policy, start_timeout_s=30, tick_s=0.05))\n"
+    )
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        serve = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_for_line(text: str, timeout_s: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in log.read_text().splitlines():
+                if text in line:
+                    return line
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} in:\n{log.read_text()}")
+
+    try:
+        first = int(wait_for_line("drafter is listening on").rsplit("pid ", 1)[1].rstrip(")"))
+        gateway = int(wait_for_line("gateway is listening on").rsplit("pid ", 1)[1].rstrip(")"))
+        os.kill(first, signal.SIGKILL)
+        wait_for_line(f"drafter (pid {first}) exited with code -9")
+        again = wait_for_line("drafter is listening again")
+        second = int(again.split("pid ")[1].split(",")[0])
+        assert second != first and launcher.port_is_open("127.0.0.1", ports[0])
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+        assert "restarts: drafter 1, gateway 0" in log.read_text()
+        for pid in (second, gateway):  # both children are gone (reaped by serve, so no such process)
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
+def test_a_child_that_dies_during_start_up_fails_fast(capsys):
+    child = launcher.Child("verifier", [__import__("sys").executable, "-c", "raise SystemExit(3)"], "127.0.0.1", 9)
+    code = launcher.serve([child], launcher.RestartPolicy(), start_timeout_s=30)
+    assert code == 1
+    assert "process exited with code 3 before listening on 127.0.0.1:9" in capsys.readouterr().err
