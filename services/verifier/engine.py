@@ -27,6 +27,8 @@ from services.common.proposer import Draft, DraftInput, Proposer
 from services.modeling.runner import ModelRunner, RowInput
 from services.verifier.engine_config import EngineConfig
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
+from services.verifier.proposer_outages import ProposerOutageLog
+from services.verifier.random_streams import seed_to_int64
 from services.verifier.rejection import verify
 from services.verifier.request_state import RequestState
 from services.verifier.sampling_batch import SamplingBatch
@@ -38,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; the caller should retry later (maps to HTTP 503 / gRPC RESOURCE_EXHAUSTED)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not compute this request's next tokens (a server fault, gRPC INTERNAL); the requests that
+    shared its step are not affected."""
 
 
 class RequestIdInUseError(ValueError):
@@ -159,6 +166,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stats_by_method: dict[str, SpecDecodeStats] = {}  # speculation counts per proposer
         self._stats_logger = PeriodicStatsLogger(self.config.log_stats_interval_s)
+        self._outages = ProposerOutageLog()
         self._states: dict[str, RequestState] = {}
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []
@@ -214,7 +222,8 @@ class Engine:
                 f"{self.runner.max_num_seqs} busy slots (max_waiting_requests={self.config.max_waiting_requests});"
                 " retry later"
             )
-        seed = request.sampling.seed if request.sampling.seed is not None else self._seed_source.getrandbits(63)
+        seed = request.sampling.seed
+        seed = seed_to_int64(seed) if seed is not None else self._seed_source.getrandbits(63)
         state = RequestState(
             request=request, seed=seed, token_ids=list(request.prompt_token_ids), outputs=asyncio.Queue()
         )
@@ -294,11 +303,21 @@ class Engine:
             return
         drafts = await self._collect_drafts(decode)
         loop = asyncio.get_running_loop()
-        rows = await loop.run_in_executor(self._executor, self._execute, prefill, decode, drafts)
+        rows, failures = await loop.run_in_executor(
+            self._executor, self._execute_isolating_faults, prefill, decode, drafts
+        )
+        failed = {state.request_id for state, _ in failures}
         for chunk in prefill:
-            chunk.state.num_computed += len(chunk.tokens)
+            if chunk.state.request_id not in failed:
+                chunk.state.num_computed += len(chunk.tokens)
+        for state, error in failures:
+            self._fail(state, error)
         for row in rows:
-            self._commit(row)
+            try:
+                self._commit(row)
+            except Exception as error:  # one row's bookkeeping fault fails that request only
+                logger.exception("committing the output of request %s failed", row.state.request_id)
+                self._fail(row.state, error)
         self._reap()
         if self._stats_logger.due():
             self._stats_logger.maybe_log(self.stats)
@@ -372,17 +391,15 @@ class Engine:
                     self.proposers[method].propose(inputs), timeout=self.config.draft_timeout_s
                 )
             except TimeoutError:
-                logger.warning("proposer %r missed the %.3fs deadline; K=0 this step", method, self.config.draft_timeout_s)
-                self._count_fallback(method)
+                self._fall_back(method, f"missed the {self.config.draft_timeout_s:.3f} s draft deadline")
                 return
-            except Exception:
-                logger.exception("proposer %r failed; K=0 this step", method)
-                self._count_fallback(method)
+            except Exception as error:  # noqa: BLE001 - any proposer failure means K = 0, never a failed step
+                self._fall_back(method, error)
                 return
             if len(proposed) != len(inputs):
-                logger.error("proposer %r returned %d drafts for %d sequences", method, len(proposed), len(inputs))
-                self._count_fallback(method)
+                self._fall_back(method, f"returned {len(proposed)} drafts for {len(inputs)} sequences")
                 return
+            self._outages.succeeded(method)
             for (index, k), draft in zip(members, proposed, strict=True):
                 drafts[index] = self._sanitize(draft, k)
 
@@ -405,8 +422,10 @@ class Engine:
             stats = self.stats_by_method[method] = SpecDecodeStats()
         return stats
 
-    def _count_fallback(self, method: str) -> None:
+    def _fall_back(self, method: str, error: BaseException | str) -> None:
+        """`method`'s rows run with K = 0 this step: counted, and logged once per outage (proposer_outages)."""
         self._method_stats(method).num_fallbacks += 1
+        self._outages.failed(method, error)
 
     def _sanitize(self, draft: Draft, k: int) -> _ProposedDraft:
         """Trust nothing from a proposer: clip to K, drop out-of-vocabulary drafts and malformed q."""
@@ -420,6 +439,31 @@ class Engine:
         return _ProposedDraft(tokens, None if probs is None else probs[: len(tokens)])
 
     # -- tensor work (worker thread) ------------------------------------------------------------------------
+    def _execute_isolating_faults(
+        self, prefill: Sequence[_PrefillChunk], decode: Sequence[RequestState], drafts: Sequence[_ProposedDraft]
+    ) -> tuple[list[_SampledRow], list[tuple[RequestState, Exception]]]:
+        """The step batched; if that raises, every row again on its own, so a fault that one request causes (a
+        value admission missed) fails that request only. Rows re-run apart emit what they would have in the
+        batch: their noise is keyed by position, not by batch composition. Returns (rows, failed requests)."""
+        states = [chunk.state for chunk in prefill] + list(decode)
+        lengths = {state.request_id: self.runner.length(state.request_id) for state in states}
+        try:
+            return self._execute(prefill, decode, drafts), []
+        except Exception:  # located below
+            logger.exception("an engine step over %d requests failed; running them one by one", len(states))
+        parts = [([chunk], [], []) for chunk in prefill]
+        parts += [([], [state], [draft]) for state, draft in zip(decode, drafts, strict=True)]
+        rows, failures = [], []
+        for state, part in zip(states, parts, strict=True):
+            self.runner.truncate(state.request_id, lengths[state.request_id])  # undo the failed attempt's K/V
+            try:
+                rows += self._execute(*part)
+            except Exception as error:  # noqa: BLE001 - this request's own fault
+                logger.error("request %s fails the engine step: %r", state.request_id, error)
+                self.runner.truncate(state.request_id, lengths[state.request_id])
+                failures.append((state, error))
+        return rows, failures
+
     def _execute(
         self, prefill: Sequence[_PrefillChunk], decode: Sequence[RequestState], drafts: Sequence[_ProposedDraft]
     ) -> list[_SampledRow]:
@@ -534,6 +578,12 @@ class Engine:
             )
         logprobs = row.logprobs[: len(emitted)] if row.logprobs is not None else None
         self._finish(state, reason, emitted, logprobs)
+
+    def _fail(self, state: RequestState, error: Exception) -> None:
+        """End one request with an error (its stream raises it); the other requests of the step go on."""
+        if not state.finished:
+            state.finish_reason = FinishReason.ABORT
+            state.outputs.put_nowait(RequestFailedError(f"request {state.request_id} failed in the engine: {error!r}"))
 
     def _finish(
         self,

@@ -25,6 +25,16 @@ STREAM_ACCEPT = 0x5BD1E995
 STREAM_RESIDUAL = 0x68E31DA4
 
 
+def seed_to_int64(seed: int) -> int:
+    """A request seed of the signed or unsigned 64-bit range as the int64 the engine's seed tensors hold.
+
+    The seed's 64-bit pattern is kept and read as two's complement: a bijection, so distinct seeds stay distinct
+    streams, and position_keys (which reads the low and high 32-bit words) sees the words of the seed itself.
+    """
+    pattern = seed & 0xFFFFFFFFFFFFFFFF
+    return pattern - 2**64 if pattern >= 2**63 else pattern
+
+
 def fmix32(h: torch.Tensor) -> torch.Tensor:
     """murmur3 finaliser; h holds int64 values in [0, 2**32)."""
     h = h ^ (h >> 16)
@@ -35,7 +45,7 @@ def fmix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def position_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
-    """A 32-bit key per (row, position). seeds [B] int64 (any 63-bit value), positions [B, P] int64."""
+    """A 32-bit key per (row, position). seeds [B] int64 (seed_to_int64), positions [B, P] int64."""
     seed_lo = (seeds & MASK32)[:, None]  # [B, 1]
     seed_hi = ((seeds >> 32) & MASK32)[:, None]
     key = fmix32(seed_lo ^ stream)

@@ -25,6 +25,10 @@ from services.verifier import random_streams
 from services.verifier.logits_processing import processed_log_probs
 from services.verifier.sampling_batch import SamplingBatch
 
+# Tokens that top-k/top-p/min-p remove have log probability -inf, which JSON cannot carry; like vLLM, report
+# such logprobs as this finite floor instead.
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass(frozen=True)
 class VerifyOutput:
@@ -96,9 +100,10 @@ def verify(
     num_accepted = (accept & drafted).long().cumprod(dim=1).sum(dim=1)  # [B]
     padded_drafts = torch.cat([draft_tokens, draft_tokens.new_zeros(batch_size, 1)], dim=1)  # [B, K+1]
     tokens = torch.where(offsets[None, :] < num_accepted[:, None], padded_drafts, correction)  # [B, K+1]
-    logprobs = log_p.gather(-1, tokens[:, :, None]).squeeze(-1)
+    logprobs = log_p.gather(-1, tokens[:, :, None]).squeeze(-1).clamp_min(LOGPROB_FLOOR)
 
     top_logprobs = top_ids = None
     if batch.num_logprobs > 0:
         top_logprobs, top_ids = log_p.topk(batch.num_logprobs, dim=-1)
+        top_logprobs = top_logprobs.clamp_min(LOGPROB_FLOOR)
     return VerifyOutput(tokens, num_accepted, logprobs, top_logprobs, top_ids)

@@ -31,7 +31,7 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_penalties: bool
-    num_logprobs: int  # the largest top-n asked in the batch (0 when none)
+    num_logprobs: int  # the largest top-n asked in the batch (0 when none), at most the vocabulary
 
     @staticmethod
     def build(
@@ -77,5 +77,5 @@ class SamplingBatch:
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
             any_penalties=any_penalties,
-            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            num_logprobs=min(vocab_size, max((p.logprobs or 0 for p in params), default=0)),
         )

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-45 overflows to inf and
+# turns the distribution into NaNs, while the limit of tempered sampling as T -> 0 is the argmax anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+SEED_MIN = -(2**63)  # seeds of the signed and the unsigned 64-bit range are accepted (OpenAI, vLLM)
+SEED_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -34,8 +41,8 @@ class SamplingParams:
     def _errors(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             yield f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-        if not self.temperature >= 0.0:
-            yield f"temperature must be >= 0, got {self.temperature!r}"
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            yield f"temperature must be a finite number >= 0, got {self.temperature!r}"
         if not 0.0 < self.top_p <= 1.0:
             yield f"top_p must be in (0, 1], got {self.top_p!r}"
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -46,16 +53,18 @@ class SamplingParams:
             yield f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"
         if not -2.0 <= self.frequency_penalty <= 2.0:
             yield f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"
-        if not self.repetition_penalty > 0.0:
-            yield f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"
-        if self.seed is not None and not isinstance(self.seed, int):
-            yield f"seed must be an integer, got {self.seed!r}"
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            yield f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
+            yield f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}"
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            yield "stop_token_ids must be non-negative integers"
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             yield f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def top_k_enabled(self) -> bool:
