@@ -132,6 +132,30 @@ async def test_invalid_requests_are_invalid_argument_and_reused_ids_already_exis
         first.cancel()
 
 
+async def test_full_range_seeds_run_beside_other_requests_and_non_finite_values_are_refused(model):
+    """The verifier is a public API too: a uint64 seed >= 2**63 once failed every request of its engine step."""
+    def seeded(request_id: str, seed: int | None):
+        request = greedy(request_id, [5, 6, 7, 5, 6], 8)
+        request.sampling.temperature = 1.0
+        if seed is not None:
+            request.sampling.seed = seed
+        return request
+
+    async with verifier(model) as (_, stub):
+        replies = await asyncio.gather(
+            collect(stub, seeded("max", 2**64 - 1)), collect(stub, seeded("half", 2**63)),
+            collect(stub, seeded("plain", None)), collect(stub, greedy("greedy", [1, 2, 3], 8)),
+        )
+        assert all(sum(len(m.token_ids) for m in reply) == 8 for reply in replies)
+        again = await collect(stub, seeded("max-again", 2**64 - 1))
+        assert [t for m in again for t in m.token_ids] == [t for m in replies[0] for t in m.token_ids]
+        for field, value in (("temperature", float("nan")), ("temperature", float("inf")),
+                             ("repetition_penalty", float("inf"))):
+            bad = greedy(f"bad-{field}-{value}", [1, 2, 3], 4)
+            setattr(bad.sampling, field, value)
+            assert field in await expect_status(collect(stub, bad), grpc.StatusCode.INVALID_ARGUMENT)
+
+
 async def info(stub):
     return await stub.Info(verifier_pb2.InfoRequest(), timeout=2)
 
