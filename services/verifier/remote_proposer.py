@@ -235,8 +235,11 @@ class RemoteProposer:
         link.next_step_id += 1
         try:
             await link.call.write(step_to_proto(step))
-        except BaseException:
+        except BaseException as error:
             self._drop_link()  # whether the drafter got the request is unknown: start over on a new link
+            if isinstance(error, Exception) and not isinstance(error, grpc.aio.AioRpcError):
+                # grpc.aio raises InvalidStateError ("RPC already finished") when the drafter went away
+                raise DrafterUnavailableError(f"Draft stream broke while sending: {error}") from error
             raise
         link.closed.clear()
         for update in updates:

@@ -104,3 +104,23 @@ async def test_resync_re_sends_the_whole_sequence_and_closed_ids_travel():
     finally:
         await remote.close()
         await server.server.stop(0)
+
+
+async def test_a_drafter_that_dies_with_an_open_link_is_unavailable_not_an_unexpected_error():
+    """The verifier logged a traceback for grpc.aio's InvalidStateError ("RPC already finished") when the drafter
+    process died between two steps; that is an outage like any other (DrafterUnavailableError: a ConnectionError)."""
+    server, port = await serve(NgramProposer(NgramSettings(1, 3)), "127.0.0.1", 0)
+    remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, step_timeout_s=2.0))
+    try:
+        await remote.propose([DraftInput("a", tuple(A), 3)])
+        await server.server.stop(0)
+        errors = []
+        for step in range(3):
+            remote._retry_at = 0.0  # skip the backoff: each step tries the link again
+            try:
+                await remote.propose([DraftInput("a", (*A, *range(step + 1)), 3)])
+            except Exception as error:  # noqa: BLE001 - collected and checked below
+                errors.append(error)
+        assert len(errors) == 3 and all(isinstance(e, ConnectionError) for e in errors), errors
+    finally:
+        await remote.close()
