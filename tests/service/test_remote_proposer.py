@@ -3,6 +3,8 @@ sequences a drafter lost, and sends each committed token once."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from services.common.drafter_wire import DrafterDescription, DraftStep, drafter_pb2_grpc
@@ -114,6 +116,7 @@ async def test_a_drafter_that_dies_with_an_open_link_is_unavailable_not_an_unexp
     try:
         await remote.propose([DraftInput("a", tuple(A), 3)])
         await server.server.stop(0)
+        await asyncio.sleep(0.5)  # the link's call has finished before the next step writes to it
         errors = []
         for step in range(3):
             remote._retry_at = 0.0  # skip the backoff: each step tries the link again
