@@ -1,9 +1,10 @@
 """The FastAPI application: OpenAI routes, health, metrics.
 
 Bodies are read and parsed by hand (size limit, strict UTF-8, JSON, then pydantic) so every failure has the
-OpenAI error shape and a 400/413 status rather than FastAPI's 422. Streaming responses wait for the first
-token before sending headers, so the verifier refusing a request (prompt too long, overloaded) still yields a
-proper HTTP status; errors after that arrive as an SSE `error` object.
+OpenAI error shape and a 400/413 status rather than FastAPI's 422 (services/gateway/openapi.py documents the
+bodies all the same). Streaming responses wait for the first token before sending headers, so the verifier
+refusing a request (prompt too long, overloaded) still yields a proper HTTP status; errors after that arrive as
+an SSE `error` object. A bug anywhere in a route is still an OpenAI-shaped 500, logged once and counted.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import re
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -27,9 +31,10 @@ from starlette.concurrency import run_in_threadpool
 
 from services.gateway import schemas as s
 from services.gateway.disconnect import unless_disconnected
-from services.gateway.errors import ApiError, from_grpc, install_error_handlers
+from services.gateway.errors import ApiError, from_grpc, install_error_handlers, internal_error
 from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_choice
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import error_responses, generation_docs, install_openapi
 from services.gateway.responses import Accounting, LogprobFormatter, sse
 from services.gateway.sampling import build_request, resolve_max_tokens
 from services.gateway.settings import GatewaySettings
@@ -40,6 +45,10 @@ from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
                    pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+# A JSON escape of a UTF-16 surrogate; only bodies that contain one are searched for an unpaired one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+logger = logging.getLogger("specserve.gateway")
 
 
 @dataclass
@@ -110,11 +119,67 @@ async def _read_json(request: Request, limit: int) -> Any:
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})",
                        code="invalid_encoding") from exc
+    data = _decode_json(text)
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(data)
+    return data
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _decode_json(text: str) -> Any:
+    """json.loads, with everything it accepts that JSON does not (NaN, Infinity) or cannot take (an integer
+    beyond Python's 4300-digit limit, nesting deeper than the recursion limit) refused as a 400."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
                        code="invalid_json") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "request body is not valid JSON: it is nested too deeply",
+                       code="invalid_json") from exc
+    except ValueError as exc:  # an over-long integer, NaN or Infinity
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate_path(data: Any) -> list[str] | None:
+    """Path of the shallowest string (or key) holding an unpaired surrogate, which json.loads lets through
+    from a `\\ud800` escape but which is not text: the tokenizer and every UTF-8 encoder fail on it.
+    Iterative, so a deeply nested body cannot exhaust the stack."""
+    pending: deque[tuple[list[str], Any]] = deque([([], data)])
+    while pending:
+        path, value = pending.popleft()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_text(key):
+                    return [*path, key.encode("utf-8", "backslashreplace").decode()]
+                pending.append(([*path, key], item))
+        elif isinstance(value, list):
+            pending.extend(([*path, str(i)], item) for i, item in enumerate(value)
+                           if isinstance(item, (str, dict, list)))
+    return None
+
+
+def _refuse_lone_surrogates(data: Any) -> None:
+    path = _lone_surrogate_path(data)
+    if path is not None:
+        where = ".".join(path) or "request body"
+        raise ApiError(400, f"{where}: contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
+                            "which is not valid Unicode text", param=path[0] if path else None,
+                       code="invalid_encoding")
 
 
 def _parse(model: type[BaseModel], data: Any) -> Any:
@@ -142,10 +207,18 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     app = FastAPI(title="specserve gateway", lifespan=lifespan)
     app.state.gateway = state
     install_error_handlers(app)
+    install_openapi(app, [s.CompletionRequest, s.ChatCompletionRequest],
+                    [s.CompletionChunk, s.ChatCompletionChunk])
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next):
-        response = await call_next(request)
+        """Counts every response, a bug's 500 included: an exception no handler knows reaches this middleware
+        through call_next, so it is logged (once, with its traceback) and answered here."""
+        try:
+            response = await call_next(request)
+        except Exception:
+            logger.exception("unhandled error in %s %s", request.method, request.url.path)
+            response = internal_error().response()
         path = request.url.path if request.url.path in _ROUTES else "other"
         state.metrics.requests.labels(path, str(response.status_code)).inc()
         return response
@@ -168,33 +241,28 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
                            param="model", code="model_not_found")
         return served
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": s.Health}, 503: {"model": s.Health}})
     async def health() -> JSONResponse:
-        try:
-            info = await client.info()
-        except grpc.RpcError as exc:
-            return JSONResponse({"status": "unavailable", "verifier": client.address,
-                                 "error": from_grpc(exc).message}, status_code=503)
-        drafters = [{"name": d.name, "method": d.method, "address": d.address,
-                     "state": _DRAFTER_STATES.get(d.state, "unknown"), "detail": d.detail,
-                     "num_fallbacks": d.num_fallbacks} for d in info.drafters]
-        degraded = any(d["state"] != "serving" for d in drafters)
-        return JSONResponse({"status": "degraded" if degraded else "ok", "model": info.model_id,
-                             "verifier": client.address, "num_running": info.num_running,
-                             "num_waiting": info.num_waiting, "drafters": drafters})
+        """Open even with an API key (load balancers probe it), so then it tells the status only: the
+        verifier's and drafters' addresses and error details are for operators, on the metrics and logs."""
+        report = await _health(client)
+        body = s.Health(status=report.status) if settings.api_key is not None else report
+        return JSONResponse(body.public(), status_code=503 if report.status == "unavailable" else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)],
+             responses={200: {"model": s.ModelList}, **error_responses(401, 500, 503)})
     async def models() -> JSONResponse:
         info = await state.model_info()
         card = s.ModelCard(id=await state.served_name(), created=int(time.time()),
                            max_model_len=info.max_model_len or None)
         return JSONResponse(s.ModelList(data=[card]).model_dump())
 
-    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
+    @app.post("/v1/completions", dependencies=[Depends(require_api_key)],
+              **generation_docs(s.CompletionRequest, s.CompletionResponse, s.CompletionChunk))
     async def completions(request: Request) -> Response:
         req: s.CompletionRequest = _parse(s.CompletionRequest, await _read_json(request,
                                                                                settings.max_request_body_bytes))
@@ -206,7 +274,8 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
             request, _generate(state, "completion", req, served, prompts, req.max_tokens, req.logprobs, echo)
         )
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
+              **generation_docs(s.ChatCompletionRequest, s.ChatCompletionResponse, s.ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         req: s.ChatCompletionRequest = _parse(s.ChatCompletionRequest,
                                               await _read_json(request, settings.max_request_body_bytes))
@@ -223,6 +292,19 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         )
 
     return app
+
+
+async def _health(client: VerifierClient) -> s.Health:
+    try:
+        info = await client.info()
+    except grpc.RpcError as exc:
+        return s.Health(status="unavailable", verifier=client.address, error=from_grpc(exc).message)
+    drafters = [s.DrafterHealth(name=d.name, method=d.method, address=d.address,
+                                state=_DRAFTER_STATES.get(d.state, "unknown"), detail=d.detail,
+                                num_fallbacks=d.num_fallbacks) for d in info.drafters]
+    degraded = any(d.state != "serving" for d in drafters)
+    return s.Health(status="degraded" if degraded else "ok", model=info.model_id, verifier=client.address,
+                    num_running=info.num_running, num_waiting=info.num_waiting, drafters=drafters)
 
 
 async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str,
@@ -339,6 +421,11 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
             except (grpc.RpcError, ApiError) as exc:
                 error = from_grpc(exc) if isinstance(exc, grpc.RpcError) else exc
                 yield sse(error.body())
+                yield sse("[DONE]")
+                return
+            except Exception:  # the headers are sent: a bug ends the stream with an error event, not a reset
+                logger.exception("unhandled error while streaming %s", rid)
+                yield sse(internal_error().body())
                 yield sse("[DONE]")
                 return
         finish_metrics()

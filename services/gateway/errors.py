@@ -4,7 +4,11 @@ or a 422 would surface to users as an opaque failure."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from http import HTTPStatus
+from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
@@ -35,11 +39,24 @@ _TYPE_BY_STATUS = {
 }
 
 
+RETRY_AFTER_S = 1  # what a 503 for a full queue or a verifier that is (re)starting asks clients to wait
+
+logger = logging.getLogger("specserve.gateway")
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: an error message may quote what the client sent, and a string
+    that is not valid Unicode (a lone surrogate) must still render instead of turning the error into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 class ApiError(Exception):
     """An error the client should see as-is."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
+                 type_: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = int(status)
         self.message = message
@@ -47,25 +64,44 @@ class ApiError(Exception):
         self.code = code
         self.type = type_ or _TYPE_BY_STATUS.get(self.status, "server_error" if self.status >= 500 else
                                                  "invalid_request_error")
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
+
+
+def internal_error() -> ApiError:
+    """What the client sees of a bug: no internals (the traceback is in the gateway's log)."""
+    return ApiError(500, "The server had an error while processing your request; it has been logged.",
+                    code="internal_error")
+
+
+def _reason(details: str) -> str:
+    """The verifier's explanation without the advice the gateway's own message gives (the engine says
+    "engine overloaded: ... retry later"), so the combined message says each thing once."""
+    reason = re.sub(r"^\s*engine overloaded:\s*", "", details or "")
+    return re.sub(r"[\s;,.]*retry later[\s.]*$", "", reason).strip()
 
 
 def from_grpc(error: grpc.RpcError) -> ApiError:
     code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     status = _GRPC_TO_HTTP.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    reason = _reason(details)
+    suffix = f" ({reason})" if reason else ""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        message = f"the server is overloaded, retry later ({details})"
-    elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        message = f"the verifier is unavailable: {details}"
-    else:
-        message = details or code.name
-    return ApiError(status, message, code=code.name.lower())
+        return ApiError(status, f"The server is overloaded{suffix}; retry in {RETRY_AFTER_S} s.",
+                        code=code.name.lower(), headers=retry)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ApiError(status, f"The verifier is unavailable{suffix}; retry in {RETRY_AFTER_S} s.",
+                        code=code.name.lower(), headers=retry)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ApiError(status, f"The verifier did not answer in time{suffix}.", code=code.name.lower())
+    return ApiError(status, details or code.name, code=code.name.lower())
 
 
 def from_validation(error: ValidationError | RequestValidationError) -> ApiError:
@@ -104,7 +140,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail)).response()
+        # exc.headers carry what the status needs: a 405's Allow, a 401's WWW-Authenticate
+        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(grpc.RpcError)
     async def _grpc(_: Request, exc: grpc.RpcError) -> JSONResponse:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,14 @@ from pydantic import BaseModel
 
 from services.gateway import schemas as s
 from services.gateway.generation import ChoiceEvent
+
+LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities, and null would read as "absent"
+
+
+def finite_logprob(value: float) -> float:
+    """A token filtered out by top-p/top-k/min-p has logprob -inf under the processed distribution; the
+    verifier should send the floor already, but whatever it sends, the client gets a finite number."""
+    return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
 def sse(payload: BaseModel | dict | str) -> bytes:
@@ -76,7 +85,7 @@ class Accounting:
 
 class LogprobFormatter:
     """Token strings for logprobs come from decoding single tokens (partial characters show as U+FFFD, as in
-    OpenAI's API, with the raw bytes alongside for chat)."""
+    OpenAI's API, with the raw bytes alongside for chat); every logprob is finite (LOGPROB_FLOOR for -inf)."""
 
     def __init__(self, token_text: Callable[[int], str]) -> None:
         self._text = token_text
@@ -86,8 +95,8 @@ class LogprobFormatter:
         for lp in logprobs:
             token = self._text(lp.token_id)
             out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self._text(t.token_id): t.logprob for t in lp.top})
+            out.token_logprobs.append(finite_logprob(lp.logprob))
+            out.top_logprobs.append({self._text(t.token_id): finite_logprob(t.logprob) for t in lp.top})
             out.text_offset.append(offset)
             offset += len(token)
         return out
@@ -96,8 +105,9 @@ class LogprobFormatter:
         content = []
         for lp in logprobs:
             token = self._text(lp.token_id)
-            tops = [s.TopLogprob(token=(t_text := self._text(t.token_id)), logprob=t.logprob,
+            tops = [s.TopLogprob(token=(t_text := self._text(t.token_id)), logprob=finite_logprob(t.logprob),
                                  bytes=list(t_text.encode())) for t in lp.top]
-            content.append(s.ChatTokenLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()),
+            content.append(s.ChatTokenLogprob(token=token, logprob=finite_logprob(lp.logprob),
+                                              bytes=list(token.encode()),
                                               top_logprobs=tops))
         return s.ChatLogprobs(content=content)

@@ -2,7 +2,8 @@
 
 OpenAI defaults are filled in here (temperature 1, top_p 1, penalties off) so the verifier receives explicit
 values; `max_tokens` is checked against the context window so the client gets vLLM's clear message instead of a
-generation silently cut short.
+generation silently cut short. Values the schema accepts but the proto cannot carry as meant (a top_k beyond
+uint32, a 64-bit signed seed, a temperature or top_p that float32 rounds to 0) are mapped here to what they mean.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from typing import Any
 from services.gateway.errors import ApiError
 from services.gateway.schemas import SamplingFields
 from services.gateway.verifier_client import pb
+
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS; the engine uses the same)
+MIN_TOP_P = 1e-8  # below any vocabulary's top probability: keeps the most likely token only, as any smaller p
+_UINT32_MAX = 2**32 - 1
+_UINT64 = 2**64
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
@@ -29,13 +35,39 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return requested
 
 
+def temperature_of(req: SamplingFields) -> float:
+    """OpenAI's default 1; a temperature too small to divide logits by meaningfully (1e-45 is 0 or a denormal
+    in float32, and logits / it overflow to NaN) is greedy, as the engine treats it, so both sides agree."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    return 0.0 if temperature < GREEDY_TEMPERATURE else temperature
+
+
+def top_p_of(req: SamplingFields) -> float:
+    """A top_p that float32 rounds to 0 would mean "disabled" on the wire; any p this small keeps the single
+    most likely token, so send the smallest p that still says so."""
+    return 1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P)
+
+
+def top_k_of(req: SamplingFields) -> int:
+    """-1 and 0 disable top-k. A top_k at least the vocabulary's size keeps every token, i.e. is disabled too
+    (the engine clamps it); one beyond the proto's uint32 is therefore sent as 0 = disabled, not refused."""
+    top_k = req.top_k or 0
+    return 0 if top_k < 0 or top_k > _UINT32_MAX else top_k
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The wire seed of one choice: any 64-bit seed (negative ones too) taken mod 2**64, and `seed + choice`
+    wrapping the same way, so n > 1 gets distinct reproducible streams and the same seed the same output."""
+    return (seed + choice) % _UINT64
+
+
 def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int], max_tokens: int,
                   choice: int, logprobs: int | None) -> Any:
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
+        temperature=temperature_of(req),
+        top_p=top_p_of(req),
+        top_k=top_k_of(req),
         min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
@@ -44,7 +76,7 @@ def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int]
         ignore_eos=req.ignore_eos,
     )
     if req.seed is not None:
-        sampling.seed = req.seed + choice  # distinct but reproducible streams for n > 1
+        sampling.seed = choice_seed(req.seed, choice)
     if logprobs is not None:
         sampling.logprobs = logprobs
     speculation = pb.SpeculationParams()

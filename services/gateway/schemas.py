@@ -7,13 +7,19 @@ those whose silent omission would change the answer (`suffix`), which are refuse
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
+# Generate calls one request may start (prompts x n): more would fill the verifier's waiting queue by
+# themselves, turning one client's request into everyone's 503s.
+MAX_CHOICES = 64
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_STOP_STRINGS = 16
+
+SEED_MIN = -(2**63)  # OpenAI and vLLM take any 64-bit seed, signed or not; sampling.py maps it into uint64
+SEED_MAX = 2**64 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -46,7 +52,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    seed: int | None = Field(None, ge=0, le=2**64 - 1 - MAX_N * 64)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -74,7 +80,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: (str | Annotated[list[str], Field(max_length=MAX_CHOICES)] | list[TokenId]
+             | Annotated[list[list[TokenId]], Field(max_length=MAX_CHOICES)])
     suffix: str | None = None
     echo: bool = False
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
@@ -86,6 +93,13 @@ class CompletionRequest(SamplingFields):
         if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
             raise ValueError("prompt must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _check_choices(self) -> CompletionRequest:
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} choices per request (number of prompts x n); "
+                             "send several requests")
+        return self
 
     @field_validator("suffix")
     @classmethod
@@ -255,3 +269,40 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (errors.ApiError), as OpenAI's API shapes it."""
+
+    error: ErrorDetail
+
+
+class DrafterHealth(BaseModel):
+    name: str
+    method: str
+    address: str
+    state: Literal["serving", "disconnected", "refused", "unknown"]
+    detail: str
+    num_fallbacks: int
+
+
+class Health(BaseModel):
+    """`GET /health`. With an API key set, only `status`: the endpoint is open, the addresses are not."""
+
+    status: Literal["ok", "degraded", "unavailable"]
+    model: str | None = None
+    verifier: str | None = None
+    num_running: int | None = None
+    num_waiting: int | None = None
+    drafters: list[DrafterHealth] | None = None
+    error: str | None = None
+
+    def public(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)

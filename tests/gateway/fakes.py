@@ -53,7 +53,11 @@ def ids_of(text: str) -> list[int]:
 @dataclass
 class ScriptedVerifier(pb_grpc.VerifierServicer):
     """Answers every Generate with the UTF-8 bytes of `reply` (then EOS), `tokens_per_step` per message, and
-    plausible speculation stats; records requests and which calls were cancelled by the client."""
+    plausible speculation stats; records requests and which calls were cancelled by the client.
+
+    Failure scripts: the next `unavailable_calls` Generate calls fail with UNAVAILABLE before any message (a
+    connection lost before the answer); `unavailable_after_first` fails every call after its first message;
+    `logprob` is the value sent for every logprob (e.g. -inf, as a token filtered by top-p has)."""
 
     reply: str = "Hello, wörld! 你好. The end."
     tokens_per_step: int = 3
@@ -61,6 +65,9 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
     first_delay_s: float = 0.0  # before the first message (a long prefill or queue wait)
     max_model_len: int = 256
     overloaded: bool = False
+    unavailable_calls: int = 0
+    unavailable_after_first: bool = False
+    logprob: float = -0.5
     drafters: list = field(default_factory=list)
     tokenizer_fingerprint: str = ""
     requests: list = field(default_factory=list)
@@ -79,7 +86,11 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
     def Generate(self, request, context):
         self.requests.append(request)
         if self.overloaded:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "engine overloaded: 3 requests already waiting for 4 busy slots; retry later")
+        if self.unavailable_calls > 0:
+            self.unavailable_calls -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         prompt_len = len(request.prompt_token_ids)
         if prompt_len >= self.max_model_len:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -103,6 +114,8 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
                 threading.Event().wait(self.step_delay_s)
             if not context.is_active():
                 return
+            if self.unavailable_after_first and start > 0:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
             chunk = out[start:start + self.tokens_per_step]
             if speculate and start > 0:
                 stats.num_drafts += 1
@@ -111,8 +124,8 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
             last = start + self.tokens_per_step >= len(out)
             logprobs = []
             if sp.HasField("logprobs"):
-                logprobs = [pb.TokenLogprob(token_id=t, logprob=-0.5,
-                                            top=[pb.TopLogprob(token_id=t, logprob=-0.5)][:sp.logprobs])
+                logprobs = [pb.TokenLogprob(token_id=t, logprob=self.logprob,
+                                            top=[pb.TopLogprob(token_id=t, logprob=self.logprob)][:sp.logprobs])
                             for t in chunk]
             yield pb.GenerateResponse(
                 token_ids=chunk, logprobs=logprobs,

@@ -1,0 +1,63 @@
+"""The OpenAPI document (`/openapi.json`) of the routes that read their bodies by hand.
+
+The completion routes parse their bodies themselves (size limit, strict UTF-8, JSON, then pydantic) so every
+failure is an OpenAI-shaped 400/413, never FastAPI's 422; that leaves FastAPI nothing to describe. So the
+request models' JSON schemas are added to the document's components here, and each route names its body and its
+responses (the JSON body on 200, the same status as an SSE stream when `stream` is true, the error shape on
+every error status), so clients and fuzzers can use the document as it stands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from services.gateway.schemas import ErrorResponse
+
+_REF = "#/components/schemas/{model}"
+ERROR_STATUSES = (400, 401, 404, 413, 500, 503)
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+def generation_docs(request_model: type[BaseModel], response_model: type[BaseModel],
+                    chunk_model: type[BaseModel]) -> dict[str, Any]:
+    """Keyword arguments for a completion route's decorator: its request body and its responses."""
+    body = {"$ref": _REF.format(model=request_model.__name__)}
+    stream = {"schema": {"type": "string", "description": f"server-sent events, each `data: <{chunk_model.__name__}"
+                                                          " JSON>`, ending with `data: [DONE]`"}}
+    return {
+        "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
+        "responses": {200: {"model": response_model, "description": "The completion; an SSE stream of "
+                            f"{chunk_model.__name__} objects when `stream` is true",
+                            "content": {"text/event-stream": stream}},
+                      **error_responses(*ERROR_STATUSES)},
+    }
+
+
+def install_openapi(app: FastAPI, request_models: Sequence[type[BaseModel]],
+                    extra_models: Sequence[type[BaseModel]] = ()) -> Callable[[], dict[str, Any]]:
+    """Make `app.openapi()` FastAPI's document plus the schemas of the hand-parsed request bodies (validation
+    mode: what a client may send) and of `extra_models` (e.g. SSE chunks, which no route returns as JSON)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            models = [(m, "validation") for m in request_models] + [(m, "serialization") for m in extra_models]
+            _, definitions = models_json_schema(models, ref_template=_REF)
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in definitions.get("$defs", {}).items():
+                schemas.setdefault(name, schema)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return openapi

@@ -1,0 +1,41 @@
+"""/openapi.json describes the bodies the hand-parsing routes really take and return, so clients and fuzzers
+(tests/e2e/test_fuzz_schemathesis.py) can use it."""
+
+from __future__ import annotations
+
+from services.gateway import schemas as s
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+async def test_the_document_has_the_real_bodies(client):
+    doc = (await client.get("/openapi.json")).json()
+    schemas = doc["components"]["schemas"]
+    for path, request, response in [("/v1/completions", "CompletionRequest", "CompletionResponse"),
+                                    ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")]:
+        operation = doc["paths"][path]["post"]
+        body = operation["requestBody"]
+        assert body["required"] and body["content"]["application/json"]["schema"] == _ref(request)
+        ok = operation["responses"]["200"]["content"]
+        assert ok["application/json"]["schema"] == _ref(response) and "text/event-stream" in ok
+        for status in ("400", "401", "404", "413", "500", "503"):
+            assert operation["responses"][status]["content"]["application/json"]["schema"] == _ref("ErrorResponse")
+        assert "422" not in operation["responses"]  # the routes answer bad bodies with 400, not FastAPI's 422
+    assert set(schemas["CompletionRequest"]["required"]) == {"model", "prompt"}
+    assert schemas["CompletionRequest"]["properties"]["seed"]["anyOf"][0] == {
+        "type": "integer", "minimum": s.SEED_MIN, "maximum": s.SEED_MAX}
+    assert set(schemas["ChatCompletionRequest"]["required"]) == {"model", "messages"}
+    assert {"ChatMessage", "SpeculativeConfig", "CompletionChunk", "ChatCompletionChunk"} <= set(schemas)
+    models = doc["paths"]["/v1/models"]["get"]["responses"]
+    assert models["200"]["content"]["application/json"]["schema"] == _ref("ModelList")
+    assert doc["paths"]["/health"]["get"]["responses"]["503"]["content"]["application/json"]["schema"] == _ref(
+        "Health")
+
+
+async def test_the_error_schema_matches_what_is_sent(client):
+    r = await client.post("/v1/completions", json={"model": "tiny-test"})
+    assert r.status_code == 400
+    s.ErrorResponse.model_validate(r.json())
+    assert set(r.json()["error"]) == set(s.ErrorDetail.model_fields)
