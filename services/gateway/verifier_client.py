@@ -4,10 +4,15 @@ Every call carries a deadline, so a hung verifier becomes a 503 instead of a hun
 opened lazily inside the running event loop (grpc.aio channels belong to the loop that made them), and
 leaving a `generate` iterator early — a stop string, a client disconnect — cancels the call, which tells the
 verifier to abort the request and free its KV slot.
+
+A Generate that fails as "unavailable" before its first message (the connection was closed under it: a
+verifier restart, a GOAWAY) is re-issued once on a fresh channel: nothing was generated yet, so the client
+gets its answer instead of a 503. Once a message has arrived it is never retried (the tokens were sent on).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,27 @@ from services.common.tls import channel_credentials, open_channel
 pb, pb_grpc = protos.load("verifier")
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]  # keepalive: open_channel's policy
+# How a dropped connection reads when grpc does not report it as UNAVAILABLE (e.g. a GOAWAY mid-setup).
+_CONNECTION_LOST = ("goaway", "socket closed", "connection reset", "too_many_pings", "too many pings")
+
+
+def connection_lost(error: grpc.RpcError) -> bool:
+    """Whether a call failed because the connection failed, not because the verifier refused it."""
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    details = (error.details() if callable(getattr(error, "details", None)) else "") or ""
+    return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and any(
+        marker in details.lower() for marker in _CONNECTION_LOST)
+
+
+def _retry_of(request: Any) -> Any:
+    """The same request under its own id: if the first attempt did reach the verifier, its id stays taken
+    until the verifier notices the call is gone, and reusing it would be refused as ALREADY_EXISTS."""
+    retry = type(request)()
+    retry.CopyFrom(request)
+    retry.request_id = f"{request.request_id}-retry" if request.request_id else ""
+    return retry
 
 
 class VerifierClient:
@@ -31,6 +57,7 @@ class VerifierClient:
         self._credentials = channel_credentials(root_cert)
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
+        self._retiring: dict[grpc.aio.Channel, asyncio.Task] = {}  # old channels, closing once their calls end
 
     def _ensure(self) -> Any:
         if self._stub is None:
@@ -38,20 +65,45 @@ class VerifierClient:
             self._stub = pb_grpc.VerifierStub(self._channel)
         return self._stub
 
+    def _reopen(self, failed: Any) -> None:
+        """Replace the channel `failed` came from (unless a concurrent failure did already). The old one closes
+        in the background with a grace as long as a request may run, so calls still streaming on it (other
+        requests, which may be fine) are not cut short by one request's failure."""
+        if self._stub is not failed or self._channel is None:
+            return
+        old, self._channel, self._stub = self._channel, None, None
+        task = asyncio.create_task(old.close(grace=self._request_timeout_s))
+        self._retiring[old] = task
+        task.add_done_callback(lambda _: self._retiring.pop(old, None))
+
     async def info(self, timeout_s: float | None = None) -> Any:
         return await self._ensure().Info(pb.InfoRequest(), timeout=timeout_s or self._info_timeout_s)
 
     async def generate(self, request: Any) -> AsyncIterator[Any]:
-        """GenerateResponse messages of one request; closing the iterator early cancels the call."""
-        call = self._ensure().Generate(request, timeout=self._request_timeout_s)
-        try:
-            async for response in call:
-                yield response
-        finally:
-            if not call.done():
-                call.cancel()
+        """GenerateResponse messages of one request; closing the iterator early cancels the call. Retried once,
+        on a fresh channel, when the connection failed before the first message (see the module docstring)."""
+        for attempt in (0, 1):
+            stub = self._ensure()
+            call = stub.Generate(request if not attempt else _retry_of(request), timeout=self._request_timeout_s)
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield response
+                return
+            except grpc.RpcError as error:
+                if received or attempt or not connection_lost(error):
+                    raise
+                self._reopen(stub)
+            finally:
+                if not call.done():
+                    call.cancel()
 
     async def close(self) -> None:
         if self._channel is not None:
             channel, self._channel, self._stub = self._channel, None, None
             await channel.close()
+        retiring, self._retiring = self._retiring, {}
+        for channel in retiring:
+            await channel.close()  # no grace left: the gateway is stopping
+        await asyncio.gather(*retiring.values(), return_exceptions=True)
