@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL ?= smollm2-135m-instruct
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto run test bench fetch-model clean
+.PHONY: install proto run test bench soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -35,6 +35,11 @@ test: install
 
 bench: fetch-model
 	$(BIN)/specserve bench --model $(MODEL)
+
+# `specserve serve` on free ports under saturating mixed traffic (SOAK_ARGS, e.g. --duration-s 60); exit 1 when a
+# target is missed (failures other than clean 503s, requests left running, memory growth >= 5% after warm-up).
+soak: fetch-model
+	$(BIN)/specserve soak --model $(MODEL) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

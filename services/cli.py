@@ -87,6 +87,7 @@ DELEGATED = {
     "drafter": "services.drafter.server",
     "verifier": "services.verifier.server",
     "gateway": "services.gateway.main",
+    "soak": "services.soak.main",
 }
 
 
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("drafter", "the drafter gRPC service"),
         ("verifier", "the verifier gRPC service (target model)"),
         ("gateway", "the OpenAI-compatible HTTP gateway"),
+        ("soak", "the stack under saturating mixed traffic, with pass/fail targets"),
     ):
         sub.add_parser(command, help=f"{what} (see `specserve {command} --help`)", add_help=False)
     return parser
@@ -126,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in DELEGATED:
-        level = logging.WARNING if argv[0] == "bench" else logging.INFO
+        level = logging.WARNING if argv[0] in ("bench", "soak") else logging.INFO
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return _delegate(argv[0], argv[1:])
     args = build_parser().parse_args(argv)

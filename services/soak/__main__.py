@@ -1,0 +1,3 @@
+from services.soak.main import main
+
+raise SystemExit(main())
