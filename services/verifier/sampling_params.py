@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE_EPS = 1e-5
 SEED_MIN = -(2**63)  # seeds of the signed and the unsigned 64-bit range are accepted (OpenAI, vLLM)
 SEED_MAX = 2**64 - 1
+# Every emitted token is checked against the stop ids on the engine's loop, which all requests share: a bound
+# keeps one request's list from slowing everyone's steps.
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class SamplingParams:
             yield f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
             yield f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}"
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            yield f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"
+        elif not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             yield "stop_token_ids must be non-negative integers"
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             yield f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"

@@ -76,7 +76,16 @@ def test_seeds_outside_the_64_bit_range_are_refused_at_admission(seed):
         SamplingParams(seed=seed)
 
 
-@pytest.mark.parametrize("bad", [{"temperature": math.inf}, {"temperature": math.nan}, {"repetition_penalty": math.inf}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": math.inf},
+        {"temperature": math.nan},
+        {"repetition_penalty": math.inf},
+        {"stop_token_ids": tuple(range(100_000))},  # every emitted token is checked against them on the shared loop
+        {"stop_token_ids": (-1,)},
+    ],
+)
 def test_non_finite_values_are_refused_at_admission(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
