@@ -169,7 +169,15 @@ class Supervisor:
                  f"(restart {entry.restarts + 1}, crash {entry.crashes_in_a_row} in a row)")
 
     def _restart(self, entry: Supervised) -> None:
-        entry.process = self.spawn(entry.child)
+        try:
+            process = self.spawn(entry.child)
+        except OSError as error:  # no memory, no pids, a vanished interpreter: retried like a crash
+            entry.crashes_in_a_row += 1
+            delay = self.policy.backoff_s(entry.crashes_in_a_row)
+            entry.restart_at = self.clock() + delay
+            self.log(f"could not restart {entry.child.name} ({error}); retrying in {delay:.1f} s")
+            return
+        entry.process = process
         entry.started_at = self.clock()
         entry.restart_at = None
         entry.restarts += 1

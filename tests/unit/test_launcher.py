@@ -242,3 +242,23 @@ def test_a_child_that_dies_during_start_up_fails_fast(capsys):
     code = launcher.serve([child], launcher.RestartPolicy(), start_timeout_s=30)
     assert code == 1
     assert "process exited with code 3 before listening on 127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_a_restart_that_cannot_spawn_is_retried_with_backoff():
+    world = FakeWorld()
+    supervisor = world.supervisor(launcher.RestartPolicy(initial_backoff_s=0.5, max_backoff_s=10.0), "drafter")
+    working_spawn, failures = supervisor.spawn, [OSError(12, "Cannot allocate memory")] * 2
+
+    def flaky_spawn(child: launcher.Child) -> FakeProcess:
+        if failures:
+            raise failures.pop()
+        return working_spawn(child)
+
+    supervisor.spawn = flaky_spawn
+    supervisor.processes[0].returncode = -9
+    world.advance(supervisor, 0.7)
+    assert "could not restart drafter ([Errno 12] Cannot allocate memory); retrying in 1.0 s" in world.lines[-1]
+    world.advance(supervisor, 1.0)
+    assert "retrying in 2.0 s" in world.lines[-1]
+    world.advance(supervisor, 2.0)
+    assert "restarted drafter: pid 1001 (restart 1)" in world.lines and supervisor.restarts == {"drafter": 1}
