@@ -2,9 +2,9 @@
 started in dependency order, supervised, and stopped together.
 
 The services are the same processes a deployment runs separately (docker-compose, Helm); this launcher wires
-their flags, waits for each to listen, prints every endpoint, and then supervises them the way a process manager
-would: a child that dies is restarted with the very same argv (same ports), after an exponential backoff, so one
-crash costs the requests that were on that process and nothing else. The verifier reconnects to a restarted
+their flags, waits for each to listen, prints every endpoint, and then supervises them the way a process
+manager would: a child that dies is restarted with the very same argv (same ports), after an exponential backoff,
+so one crash costs the requests that were on that process and nothing else. The verifier reconnects to a restarted
 drafter by itself and the gateway to a restarted verifier. SIGINT/SIGTERM stops them all, gateway first.
 """
 
@@ -298,7 +298,10 @@ def serve(children: Sequence[Child], policy: RestartPolicy, *, start_timeout_s: 
             print(f"starting {child.name}: {' '.join(child.argv[1:])}", flush=True)
             process = spawn(child)
             started.append(process)
-            wait_for_port(child.host, child.port, process, start_timeout_s, cancelled=lambda: stopping)
+            try:
+                wait_for_port(child.host, child.port, process, start_timeout_s, cancelled=lambda: stopping)
+            except (RuntimeError, TimeoutError) as error:  # name the service that failed to start
+                raise type(error)(f"{child.name} did not start: {error}") from error
             print(f"{child.name} is listening on {child.host}:{child.port} (pid {process.pid})", flush=True)
             supervisor.adopt(child, process)
         if banner:
@@ -324,7 +327,8 @@ def serve(children: Sequence[Child], policy: RestartPolicy, *, start_timeout_s: 
 
 def run(args: argparse.Namespace) -> int:
     children = plan(args)
-    policy = RestartPolicy(args.restart_backoff_initial_s, args.restart_backoff_max_s, args.restart_backoff_reset_s)
+    policy = RestartPolicy(initial_backoff_s=args.restart_backoff_initial_s,
+                           max_backoff_s=args.restart_backoff_max_s, reset_after_s=args.restart_backoff_reset_s)
     return serve(children, policy, start_timeout_s=args.start_timeout_s, banner=_banner(args, children))
 
 

@@ -60,7 +60,8 @@ def wait_for_log(serve: ServeProcess, text: str, timeout_s: float = 60.0) -> Non
     deadline = time.monotonic() + timeout_s
     while text not in serve.log():
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {text!r} in the launcher's output within {timeout_s:.0f} s:\n{serve.log()[-3000:]}")
+            raise AssertionError(f"no {text!r} in the launcher's output within {timeout_s:.0f} s:\n"
+                                 f"{serve.log()[-3000:]}")
         time.sleep(0.2)
 
 

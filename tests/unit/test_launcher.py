@@ -241,7 +241,8 @@ def test_a_child_that_dies_during_start_up_fails_fast(capsys):
     child = launcher.Child("verifier", [__import__("sys").executable, "-c", "raise SystemExit(3)"], "127.0.0.1", 9)
     code = launcher.serve([child], launcher.RestartPolicy(), start_timeout_s=30)
     assert code == 1
-    assert "process exited with code 3 before listening on 127.0.0.1:9" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "verifier did not start: process exited with code 3 before listening on 127.0.0.1:9" in error
 
 
 def test_a_restart_that_cannot_spawn_is_retried_with_backoff():
