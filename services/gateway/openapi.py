@@ -28,12 +28,28 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
 
 
+def sse_event_schema(chunk_model: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream, as OpenAPI before 3.2 has `schema` describe each event: its `data` is
+    a chunk (or, after the headers, an error) as JSON, and the last one is `[DONE]`."""
+    payload = {"anyOf": [{"$ref": _REF.format(model=chunk_model.__name__)},
+                         {"$ref": _REF.format(model=ErrorResponse.__name__)}]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+        ]}},
+        "description": f"server-sent events, each `data: <{chunk_model.__name__} JSON>` (an error object if "
+                       "the generation fails after the headers), ending with `data: [DONE]`",
+    }
+
+
 def generation_docs(request_model: type[BaseModel], response_model: type[BaseModel],
                     chunk_model: type[BaseModel]) -> dict[str, Any]:
     """Keyword arguments for a completion route's decorator: its request body and its responses."""
     body = {"$ref": _REF.format(model=request_model.__name__)}
-    stream = {"schema": {"type": "string", "description": f"server-sent events, each `data: <{chunk_model.__name__}"
-                                                          " JSON>`, ending with `data: [DONE]`"}}
+    stream = {"schema": sse_event_schema(chunk_model)}
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
         "responses": {200: {"model": response_model, "description": "The completion; an SSE stream of "
