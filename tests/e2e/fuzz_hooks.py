@@ -1,0 +1,64 @@
+"""Schemathesis hooks for tests/e2e/test_fuzz_schemathesis.py (loaded by the CLI through SCHEMATHESIS_HOOKS).
+
+They keep each generated request cheap without changing whether it is valid: a generation limit the server
+would accept (max_tokens, n, prompt batches, messages) is lowered to a small one that it accepts too, and a
+request without max_tokens gets one (absent or null, it means the rest of the context window). Values the server must refuse
+(wrong types, out of range) are left alone, so negative cases stay negative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import schemathesis
+
+MAX_TOKENS = 8
+MAX_N = 2
+MAX_BATCH = 2  # prompts in a batch, messages in a chat
+MAX_TEXT = 256  # characters of a prompt or message
+
+
+def _valid_int(value: Any, low: int, high: int) -> bool:
+    """Whether the server takes `value` as an integer in [low, high] (pydantic's lax mode takes 2887.0 too)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def cap_body(body: Any) -> Any:
+    if not isinstance(body, dict):
+        return body
+    for key in ("max_tokens", "max_completion_tokens"):
+        if _valid_int(body.get(key), MAX_TOKENS + 1, 2**31 - 1):
+            body[key] = MAX_TOKENS
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_TOKENS  # absent or null means the rest of the context window
+    if _valid_int(body.get("n"), MAX_N + 1, 16):
+        body["n"] = MAX_N
+    for key in ("prompt", "messages"):
+        value = body.get(key)
+        if isinstance(value, str):
+            body[key] = value[:MAX_TEXT]
+        elif isinstance(value, list) and value and isinstance(value[0], (str, list, dict)):
+            body[key] = value[:MAX_BATCH]
+        elif isinstance(value, list):
+            body[key] = value[:MAX_TEXT]  # one prompt of token ids
+    return body
+
+
+@schemathesis.hook
+def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
+    case.body = cap_body(case.body)
+
+
+@schemathesis.hook
+def after_call(context: Any, case: Any, response: Any) -> None:
+    """Log each generation's size, so a slow run shows which cases cost (SPECSERVE_FUZZ_LOG names the file)."""
+    log = os.environ.get("SPECSERVE_FUZZ_LOG")
+    if log and isinstance(case.body, dict):
+        with open(log, "a") as out:
+            out.write(json.dumps({"path": case.path, "status": response.status_code,
+                                  "seconds": round(response.elapsed, 3), "max_tokens": case.body.get("max_tokens"),
+                                  "n": case.body.get("n"), "stream": case.body.get("stream")}) + "\n")

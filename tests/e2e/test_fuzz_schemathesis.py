@@ -1,0 +1,100 @@
+"""Fuzzing the running stack (drafter, verifier with SmolLM2-135M, gateway as processes) with schemathesis,
+from the gateway's own /openapi.json: valid and invalid requests on every /v1 operation must get no 5xx and
+responses that conform to the document, and afterwards the stack must be healthy with nothing left running.
+
+The run is bounded: a fixed seed, a few dozen fuzzed cases per operation plus schemathesis's coverage cases
+(boundary and invalid values of every field), one worker, and tests/e2e/fuzz_hooks.py lowering max_tokens, n
+and prompt sizes that the server would accept to small ones (a valid case stays valid, an invalid one invalid).
+The document is fetched from the gateway; the only change made to it is that `model` names the served model
+(anything else is a 404, and every positive case would end there).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.stack import REPO, Stack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+MAX_EXAMPLES = 30  # fuzzed cases per operation (the coverage phase adds its own)
+CHECKS = "not_a_server_error,response_schema_conformance"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    running = Stack().start()
+    yield running
+    running.stop()
+
+
+def fuzz_document(document: dict, model: str) -> dict:
+    """The gateway's document with `model` pinned to the served name in both request bodies."""
+    fuzzed = copy.deepcopy(document)
+    schemas = fuzzed["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model]}
+    return fuzzed
+
+
+def run_schemathesis(base_url: str, document: dict, workdir: Path) -> dict:
+    """`schemathesis run` on the document against the running gateway; returns its JSON report."""
+    schema_file = workdir / "openapi.json"
+    schema_file.write_text(json.dumps(document))
+    report = workdir / "report.json"
+    command = [
+        sys.executable, "-m", "schemathesis.cli", "run", str(schema_file), "--url", base_url,
+        "--checks", CHECKS, "--mode", "all", "--phases", "examples,coverage,fuzzing",
+        "--include-path-regex", "^/v1/", "--max-examples", str(MAX_EXAMPLES), "--seed", "20261123",
+        "--workers", "1", "--request-timeout", "120", "--no-shrink", "--suppress-health-check", "all",
+        "--report", "json", "--report-json-path", str(report),
+    ]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.e2e.fuzz_hooks", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, check=False, cwd=workdir, env=env, capture_output=True, text=True,
+                            timeout=420)
+    assert report.exists(), result.stdout[-4000:] + result.stderr[-4000:]
+    data = json.loads(report.read_text())
+    data["output"] = result.stdout[-6000:]
+    return data
+
+
+def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
+    """/health once the verifier has no running or waiting request (cancelled ones are freed at its next step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = httpx.get(f"{base_url}/health", timeout=10).json()
+        if health.get("num_running") == 0 and health.get("num_waiting") == 0 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.2)
+
+
+def test_fuzzing_finds_no_server_error_and_no_schema_violation(stack, tmp_path):
+    document = httpx.get(f"{stack.base_url}/openapi.json", timeout=10).json()
+    report = run_schemathesis(stack.base_url, fuzz_document(document, MODEL), tmp_path)
+    cases = report["test_cases"]
+    summary = json.dumps({"generated": cases, "valid_rates": report["valid_rates"]})
+    print(f"schemathesis {report['schemathesis_version']}: {summary}")
+    assert report["failures"] == [] and report["errors"] == [], report["output"]
+    assert report["exit_code"] == 0 and cases["with_failures"] == 0 and cases["errored"] == 0, report["output"]
+    assert report["operations"]["tested"] == 3
+    assert cases["generated"] >= 200, summary  # the run really ran
+    for operation in ("POST /v1/completions", "POST /v1/chat/completions"):
+        accepted = sum(phase["accepted"] for phase in report["valid_rates"][operation].values())
+        assert accepted >= 10, summary  # valid requests reached the model, not only the 4xx paths
+
+    health = wait_idle(stack.base_url)
+    assert health["status"] == "ok", health
+    assert health["num_running"] == 0 and health["num_waiting"] == 0, health
+    ok = httpx.post(f"{stack.base_url}/v1/completions", timeout=60,
+                    json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
