@@ -98,3 +98,65 @@ def test_fuzzing_finds_no_server_error_and_no_schema_violation(stack, tmp_path):
     ok = httpx.post(f"{stack.base_url}/v1/completions", timeout=60,
                     json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
+def _post(stack: Stack, path: str, body: dict | bytes) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(f"{stack.base_url}{path}", content=body, timeout=120,
+                          headers={"content-type": "application/json"})
+    return httpx.post(f"{stack.base_url}{path}", json=body, timeout=120)
+
+
+def _logprobs(response: httpx.Response, stream: bool) -> list[float]:
+    bodies = ([json.loads(line[6:]) for line in response.text.split("\n\n")
+               if line.startswith("data: ") and line[6:] != "[DONE]"] if stream else [response.json()])
+    values = []
+    for body in bodies:
+        for choice in body["choices"]:
+            lp = choice.get("logprobs") or {}
+            values += [v for v in lp.get("token_logprobs", [])]
+            values += [v for top in lp.get("top_logprobs", []) for v in top.values()]
+            values += [v for t in lp.get("content", []) for v in [t["logprob"]] + [x["logprob"]
+                                                                               for x in t["top_logprobs"]]]
+    return values
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_filtered_tokens_are_finite(stack, stream):
+    """A sampled token can have -inf logprob under top-p/top-k/min-p filtering: the response carries -9999.0."""
+    prompt = "Once upon a time"
+    values = []
+    for seed in range(4):
+        r = _post(stack, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6, "logprobs": 5,
+                                             "top_p": 0.05, "top_k": 2, "min_p": 0.5, "seed": seed,
+                                             "stream": stream})
+        assert r.status_code == 200, r.text
+        values += _logprobs(r, stream)
+        r = _post(stack, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                                                  "max_tokens": 6, "logprobs": True, "top_logprobs": 5,
+                                                  "top_p": 0.05, "seed": seed, "stream": stream})
+        assert r.status_code == 200, r.text
+        values += _logprobs(r, stream)
+    assert values and all(v is not None and -9999.0 <= v <= 0.0 for v in values), values
+    assert -9999.0 in values  # the top-5 alternatives include tokens the filters removed
+
+
+def test_edge_values_on_the_real_model(stack):
+    base = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6}
+    greedy = _post(stack, "/v1/completions", {**base, "temperature": 0})
+    assert greedy.status_code == 200
+    for temperature in (1e-45, 1e-38, 9e-6):  # greedy, not NaN or empty
+        r = _post(stack, "/v1/completions", {**base, "temperature": temperature, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+        assert all(v > -9999.0 for v in _logprobs(r, False))
+    assert _post(stack, "/v1/completions", {**base, "top_k": 2**32, "temperature": 0}).status_code == 200
+    same = [_post(stack, "/v1/completions", {**base, "seed": seed, "n": 2, "max_tokens": 8}).json()["choices"]
+            for seed in (-1, 2**64 - 1, 2**64 - 1)]
+    assert same[0] == same[1] == same[2]  # -1 is 2**64 - 1 mod 2**64; choice 1 wraps to seed 0
+    for body in (b'{"model": "smollm2-135m-instruct", "prompt": "a\\ud800"}',
+                 b'{"model": "smollm2-135m-instruct", "prompt": "a", "n": 1' + b"1" * 5000 + b"}",
+                 b'{"model": "smollm2-135m-instruct", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+        r = _post(stack, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    assert wait_idle(stack.base_url)["num_running"] == 0
