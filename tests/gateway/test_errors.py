@@ -241,6 +241,23 @@ async def test_health_without_an_api_key_keeps_the_detail(client, verifier):
     assert body["status"] == "ok" and body["drafters"][0]["address"] == "10.0.0.7:50061" and body["verifier"]
 
 
+async def test_a_chat_template_that_refuses_the_messages_is_a_400(scripted, verifier):
+    from services.gateway.app import create_app
+    from services.gateway.settings import GatewaySettings
+    from tests.gateway.fakes import byte_tokenizer
+
+    strict = byte_tokenizer()
+    strict.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must "
+                            "alternate user/assistant') }}{% endif %}{{ messages[0]['content'] }}")
+    app = create_app(GatewaySettings(verifier=scripted[1]), tokenizer=strict)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        r = await c.post(CHAT, json={"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]})
+        ok = await c.post(CHAT, json={"model": MODEL, "messages": MSGS, "max_tokens": 2})
+    await app.state.gateway.client.close()
+    assert_openai_error(r, 400, "messages")
+    assert "roles must alternate" in r.json()["error"]["message"] and ok.status_code == 200
+
+
 async def test_body_too_large(make_app):
     import httpx
 
