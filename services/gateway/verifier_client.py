@@ -84,7 +84,8 @@ class VerifierClient:
         on a fresh channel, when the connection failed before the first message (see the module docstring)."""
         for attempt in (0, 1):
             stub = self._ensure()
-            call = stub.Generate(request if not attempt else _retry_of(request), timeout=self._request_timeout_s)
+            sent = _retry_of(request) if attempt else request
+            call = stub.Generate(sent, timeout=self._request_timeout_s)
             received = False
             try:
                 async for response in call:

@@ -1,9 +1,11 @@
 """Schemathesis hooks for tests/e2e/test_fuzz_schemathesis.py (loaded by the CLI through SCHEMATHESIS_HOOKS).
 
-They keep each generated request cheap without changing whether it is valid: a generation limit the server
-would accept (max_tokens, n, prompt batches, messages) is lowered to a small one that it accepts too, and a
-request without max_tokens gets one (absent or null, it means the rest of the context window). Values the server must refuse
-(wrong types, out of range) are left alone, so negative cases stay negative.
+They keep each generated request cheap: a generation limit the server would accept (max_tokens, n) is
+lowered to a small one that it accepts too, a request without max_tokens gets one (absent or null, it means the
+rest of the context window), and prompts and message lists are cut short. Values the server must refuse
+(wrong types, out of range) are left alone, so negative cases stay negative, except where the cut drops the
+invalid part (a bad third message): such a case becomes a valid one, which the checks run here (no 5xx,
+responses as documented) cover just the same.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ MAX_TEXT = 256  # characters of a prompt or message
 
 
 def _valid_int(value: Any, low: int, high: int) -> bool:
-    """Whether the server takes `value` as an integer in [low, high] (pydantic's lax mode takes 2887.0 too)."""
+    """Whether the server takes `value` as an integer in [low, high] (pydantic's lax mode takes 2887.0)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
@@ -55,10 +57,11 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
 
 @schemathesis.hook
 def after_call(context: Any, case: Any, response: Any) -> None:
-    """Log each generation's size, so a slow run shows which cases cost (SPECSERVE_FUZZ_LOG names the file)."""
+    """Log each call's size and time, so a slow run shows which cases cost (to $SPECSERVE_FUZZ_LOG)."""
     log = os.environ.get("SPECSERVE_FUZZ_LOG")
     if log and isinstance(case.body, dict):
         with open(log, "a") as out:
             out.write(json.dumps({"path": case.path, "status": response.status_code,
-                                  "seconds": round(response.elapsed, 3), "max_tokens": case.body.get("max_tokens"),
-                                  "n": case.body.get("n"), "stream": case.body.get("stream")}) + "\n")
+                                  "seconds": round(response.elapsed, 3),
+                                  "max_tokens": case.body.get("max_tokens"), "n": case.body.get("n"),
+                                  "stream": case.body.get("stream")}) + "\n")

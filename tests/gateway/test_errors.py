@@ -132,7 +132,7 @@ async def test_a_vanishing_temperature_is_greedy(client, verifier, temperature, 
     r = await client.post(COMP, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 1,
                                       "temperature": temperature})
     assert r.status_code == 200, r.text
-    assert verifier.requests[0].sampling.temperature == pytest.approx(sent, rel=1e-6, abs=0)  # 0: not a denormal
+    assert verifier.requests[0].sampling.temperature == pytest.approx(sent, rel=1e-6, abs=0)  # not a denormal
 
 
 async def test_a_top_p_float32_cannot_hold_keeps_the_top_token(client, verifier):
@@ -198,7 +198,8 @@ async def test_unavailable_has_retry_after():
         r = await c.post(COMP, json={"model": MODEL, "prompt": "Hi"})
     await app.state.gateway.client.close()
     assert_openai_error(r, 503)
-    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == grpc.StatusCode.UNAVAILABLE.name.lower()
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == grpc.StatusCode.UNAVAILABLE.name.lower()
 
 
 async def test_405_keeps_its_allow_header(client):
