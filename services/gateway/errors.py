@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from http import HTTPStatus
 from typing import Any
 
@@ -79,20 +78,12 @@ def internal_error() -> ApiError:
                     code="internal_error")
 
 
-def _reason(details: str) -> str:
-    """The verifier's explanation without the advice the gateway's own message gives (the engine says
-    "engine overloaded: ... retry later"), so the combined message says each thing once."""
-    reason = re.sub(r"^\s*engine overloaded:\s*", "", details or "")
-    return re.sub(r"[\s;,.]*retry later[\s.]*$", "", reason).strip()
-
-
 def from_grpc(error: grpc.RpcError) -> ApiError:
     code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     status = _GRPC_TO_HTTP.get(code, HTTPStatus.INTERNAL_SERVER_ERROR)
     retry = {"Retry-After": str(RETRY_AFTER_S)}
-    reason = _reason(details)
-    suffix = f" ({reason})" if reason else ""
+    suffix = f" ({details})" if details else ""  # the verifier states facts; the advice is the gateway's
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(status, f"The server is overloaded{suffix}; retry in {RETRY_AFTER_S} s.",
                         code=code.name.lower(), headers=retry)

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the caller should retry later (maps to HTTP 503 / gRPC RESOURCE_EXHAUSTED)."""
+    """The waiting queue is full; the caller should retry later (maps to HTTP 503 / gRPC RESOURCE_EXHAUSTED, whose
+    status says so: the message states only the facts, so a client's own advice is not repeated)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -218,9 +219,8 @@ class Engine:
         capacity = self.config.max_waiting_requests + self.runner.num_free_slots()
         if len(self._waiting) >= capacity:
             raise EngineOverloadedError(
-                f"engine overloaded: {len(self._waiting)} requests already waiting for "
-                f"{self.runner.max_num_seqs} busy slots (max_waiting_requests={self.config.max_waiting_requests});"
-                " retry later"
+                f"the waiting queue is full: {len(self._waiting)} requests already waiting for "
+                f"{self.runner.max_num_seqs} busy slots (max_waiting_requests={self.config.max_waiting_requests})"
             )
         seed = request.sampling.seed
         seed = seed_to_int64(seed) if seed is not None else self._seed_source.getrandbits(63)

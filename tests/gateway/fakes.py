@@ -87,7 +87,7 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
         self.requests.append(request)
         if self.overloaded:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          "engine overloaded: 3 requests already waiting for 4 busy slots; retry later")
+                          "the waiting queue is full: 3 requests already waiting for 4 busy slots (max_waiting_requests=3)")
         if self.unavailable_calls > 0:
             self.unavailable_calls -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")

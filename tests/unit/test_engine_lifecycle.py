@@ -85,7 +85,7 @@ async def test_full_queue_is_refused_with_a_clear_error(model):
     engine = engine_for(model, max_num_seqs=2, max_waiting=1)
     for i in range(3):  # two free slots plus one waiting place
         engine.add_request(GenerationRequest(f"r{i}", PROMPT, GREEDY))
-    with pytest.raises(EngineOverloadedError, match="overloaded"):
+    with pytest.raises(EngineOverloadedError, match="waiting queue is full"):
         engine.add_request(GenerationRequest("r3", PROMPT, GREEDY))
     async with engine:
         await asyncio.sleep(0)
