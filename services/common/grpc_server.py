@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.grpc_errors import ErrorMappingInterceptor, StatusFor, default_status
-from services.common.grpc_keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy, with_options
+from services.common.grpc_link_policy import DEFAULT_LINK_POLICY, LinkPolicy, with_options
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +60,14 @@ async def start_grpc_server(
     options: Sequence[tuple[str, int | str]] = (),
     credentials: grpc.ServerCredentials | None = None,
     status_for: StatusFor = default_status,
-    keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
+    link_policy: LinkPolicy = DEFAULT_LINK_POLICY,
 ) -> GrpcServer:
     """Start a server with the services `register` adds (full names, e.g. "specserve.v1.Drafter", for health
     and reflection). Port 0 binds a free port; the bound one is returned. With `credentials` the port speaks
     TLS only (services.common.tls.server_credentials). Exceptions escaping a servicer become the status
-    `status_for` names (grpc_errors). The server accepts the keepalive pings of `keepalive`'s clients
-    (grpc_keepalive); `options` add to or override it. Raises OSError if binding fails."""
-    options = with_options(keepalive.server_options(), list(options))
+    `status_for` names (grpc_errors). The server accepts the keepalive pings of `link_policy`'s clients
+    (grpc_link_policy); `options` add to or override it. Raises OSError if binding fails."""
+    options = with_options(link_policy.server_options(), list(options))
     server = grpc.aio.server(options=options, interceptors=[ErrorMappingInterceptor(status_for)])
     register(server)
     health_servicer = health.aio.HealthServicer()

@@ -13,7 +13,7 @@ import grpc
 from pydantic import model_validator
 from pydantic_settings import BaseSettings
 
-from services.common.grpc_keepalive import DEFAULT_KEEPALIVE, KeepalivePolicy, with_options
+from services.common.grpc_link_policy import DEFAULT_LINK_POLICY, LinkPolicy, with_options
 
 
 def _read(path: str | Path, what: str) -> bytes:
@@ -43,11 +43,11 @@ def open_channel(
     target: str,
     credentials: grpc.ChannelCredentials | None,
     options: list[tuple[str, int | str]],
-    keepalive: KeepalivePolicy = DEFAULT_KEEPALIVE,
+    link_policy: LinkPolicy = DEFAULT_LINK_POLICY,
 ) -> grpc.aio.Channel:
-    """A grpc.aio channel, secure when `credentials` is given, pinging by the project's keepalive policy (the
-    servers are started with the matching one); `options` add to or override it."""
-    options = with_options(keepalive.client_options(), options)
+    """A grpc.aio channel, secure when `credentials` is given, pinging and reconnecting by the project's link
+    policy (the servers are started with the matching one); `options` add to or override it."""
+    options = with_options(link_policy.client_options(), options)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)

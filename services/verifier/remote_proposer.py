@@ -66,11 +66,7 @@ class RemoteProposerConfig:
     backoff_max_s: float = 2.0
     max_missed_steps: int = 4  # unanswered steps in a row before the link is considered dead
     channel_credentials: grpc.ChannelCredentials | None = None  # TLS to the drafter; None: plaintext
-    channel_options: tuple[tuple[str, int], ...] = (
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2000),
-    )
+    channel_options: tuple[tuple[str, int], ...] = ()  # beyond the shared link policy (open_channel)
 
 
 def check_compatible(info: DrafterDescription, config: RemoteProposerConfig) -> None:

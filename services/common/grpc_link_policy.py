@@ -1,10 +1,15 @@
-"""One keepalive policy for every gRPC client and server pair of the project (gateway -> verifier -> drafters).
+"""One link policy (keepalive pings, reconnect backoff) for every gRPC client and server pair of the project
+(gateway -> verifier -> drafters).
 
-Why one policy: gRPC servers by default refuse pings on a connection without calls and answer a client that pings
+Keepalive, why one policy: gRPC servers by default refuse pings on a connection without calls and answer a client that pings
 more often than every 5 minutes with GOAWAY "too_many_pings". A client that pings every 30 s while idle (so it
 notices a dead peer behind a NAT or load balancer) is then disconnected after a few idle minutes, and its next
-call fails. Deriving both sides' options from one `KeepalivePolicy` keeps them consistent: the server permits
+call fails. Deriving both sides' options from one `LinkPolicy` keeps them consistent: the server permits
 pings without calls and accepts them at half the client's interval, so jitter never counts as a strike.
+
+Reconnect backoff: gRPC's default (1 s, growing 1.6x up to 120 s) means a client whose peer was away for a minute
+keeps failing fast for up to two more after the peer is back. Services here restart in seconds (specserve serve
+supervises them), so clients retry at most every `reconnect_max_ms`.
 
 `open_channel` (services.common.tls) and `start_grpc_server` (services.common.grpc_server) apply the default
 policy, so every link gets it without each caller repeating options.
@@ -18,12 +23,15 @@ GrpcOptions = list[tuple[str, int | str]]
 
 
 @dataclass(frozen=True)
-class KeepalivePolicy:
+class LinkPolicy:
     """Client pings every `ping_interval_ms` (also while idle) and gives a peer `ping_timeout_ms` to answer;
-    servers allow pings that often and ping idle clients themselves at the same interval."""
+    servers allow pings that often and ping idle clients themselves at the same interval. A client that lost its
+    peer tries to reconnect after `reconnect_initial_ms`, backing off to at most `reconnect_max_ms`."""
 
     ping_interval_ms: int = 30_000
     ping_timeout_ms: int = 10_000
+    reconnect_initial_ms: int = 100
+    reconnect_max_ms: int = 2_000
 
     def client_options(self) -> GrpcOptions:
         return [
@@ -31,6 +39,9 @@ class KeepalivePolicy:
             ("grpc.keepalive_timeout_ms", self.ping_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),  # idle pings are not limited in number
+            ("grpc.initial_reconnect_backoff_ms", self.reconnect_initial_ms),
+            ("grpc.min_reconnect_backoff_ms", self.reconnect_initial_ms),
+            ("grpc.max_reconnect_backoff_ms", self.reconnect_max_ms),
         ]
 
     def server_options(self) -> GrpcOptions:
@@ -45,7 +56,7 @@ class KeepalivePolicy:
         ]
 
 
-DEFAULT_KEEPALIVE = KeepalivePolicy()
+DEFAULT_LINK_POLICY = LinkPolicy()
 
 
 def with_options(base: GrpcOptions, extra: GrpcOptions) -> GrpcOptions:
