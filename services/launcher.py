@@ -11,6 +11,7 @@ drafter by itself and the gateway to a restarted verifier. SIGINT/SIGTERM stops 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import signal
 import socket
 import subprocess
@@ -275,9 +276,19 @@ def _banner(args: argparse.Namespace, children: Sequence[Child]) -> str:
     )
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: when the launcher dies without stopping its children (SIGKILL,
+    OOM killer), the kernel sends each child SIGTERM, so no orphan keeps the stack's ports or memory."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _spawn(child: Child) -> subprocess.Popen:
     """Children share the launcher's stdout/stderr, so one terminal (or one log file) shows the whole stack."""
-    return subprocess.Popen(child.argv)
+    die_with_parent = _die_with_parent if sys.platform == "linux" else None
+    return subprocess.Popen(child.argv, preexec_fn=die_with_parent)  # noqa: PLW1509 - spawned from the one thread
 
 
 def serve(children: Sequence[Child], policy: RestartPolicy, *, start_timeout_s: float, banner: str = "",

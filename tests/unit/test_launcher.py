@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from services import launcher
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -263,3 +269,41 @@ def test_a_restart_that_cannot_spawn_is_retried_with_backoff():
     assert "retrying in 2.0 s" in world.lines[-1]
     world.advance(supervisor, 2.0)
     assert "restarted drafter: pid 1001 (restart 1)" in world.lines and supervisor.restarts == {"drafter": 1}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_stop_when_the_launcher_is_killed_without_a_chance_to_stop_them(tmp_path):
+    """SIGKILL of `specserve serve` used to leave its services running and holding their ports."""
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import sys, time\n"
+        "from services.launcher import Child, _spawn\n"
+        "child = _spawn(Child('sleeper', [sys.executable, '-c', 'import time; time.sleep(60)'], '127.0.0.1', 0))\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and parent.poll() is None, "the child was not started"
+            time.sleep(0.05)
+        child_pid = int(pid_file.read_text())
+        assert Path(f"/proc/{child_pid}").exists()
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child_pid):
+            assert time.monotonic() < deadline, "the child outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie (an orphan's zombie lingers until init reaps it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
