@@ -11,188 +11,23 @@ drafter by itself and the gateway to a restarted verifier. SIGINT/SIGTERM stops 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from services.common.speculative_config import SpeculativeConfig
-
-
-@dataclass(frozen=True)
-class Child:
-    name: str
-    argv: list[str]
-    host: str
-    port: int
-
-
-class StartInterrupted(Exception):
-    """SIGINT/SIGTERM arrived while the stack was still starting."""
-
-
-def port_is_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    """Whether something accepts TCP connections on host:port right now."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float,
-                  cancelled: Callable[[], bool] = lambda: False) -> None:
-    """Block until something accepts connections on host:port; fail early if the process died, and give up at
-    once when `cancelled()` turns true (a Ctrl-C during a long model load must not wait for it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cancelled():
-            raise StartInterrupted(f"stopped while waiting for {host}:{port}")
-        if process.poll() is not None:
-            raise RuntimeError(f"process exited with code {process.returncode} before listening on {host}:{port}")
-        if port_is_open(host, port):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
-
-
-def stop_processes(processes: Sequence[subprocess.Popen], timeout_s: float = 20.0) -> list[subprocess.Popen]:
-    """SIGTERM every process still running, in the given order (each service stops gracefully), then SIGKILL
-    those still up after `timeout_s` in all. Returns the ones that had to be killed."""
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + timeout_s
-    killed = []
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            killed.append(process)
-    return killed
-
-
-class ChildProcess(Protocol):
-    """What supervision needs of a process (subprocess.Popen, or a fake in tests)."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When to restart a child that died: after `initial_backoff_s`, doubling with every crash in a row up to
-    `max_backoff_s`. A child that stayed up `reset_after_s` before dying counts as healthy again (its next
-    backoff is the initial one), so a rare crash is retried at once while a crash loop neither spins the CPU
-    nor floods the log. There is no give-up: a service that keeps crashing keeps being retried at the cap,
-    because a launcher that silently stops restarting leaves a stack that looks up and is not."""
-
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 10.0
-    reset_after_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.initial_backoff_s <= self.max_backoff_s:
-            raise ValueError("restart backoff: need 0 < initial <= max")
-        if self.reset_after_s < 0:
-            raise ValueError("restart backoff: the reset time cannot be negative")
-
-    def backoff_s(self, crashes_in_a_row: int) -> float:
-        """Delay before restarting after the `crashes_in_a_row`-th consecutive crash (1-based)."""
-        return min(self.max_backoff_s, self.initial_backoff_s * 2.0 ** max(0, crashes_in_a_row - 1))
-
-    def crashes_in_a_row(self, previous: int, uptime_s: float) -> int:
-        """The consecutive-crash count after a crash that ended `uptime_s` of life."""
-        return 1 if uptime_s >= self.reset_after_s else previous + 1
-
-
-@dataclass
-class Supervised:
-    """One child under supervision: its current process and its restart history."""
-
-    child: Child
-    process: ChildProcess
-    started_at: float
-    restarts: int = 0
-    crashes_in_a_row: int = 0
-    restart_at: float | None = None  # set while the child is down, waiting for its backoff
-    listening: bool = True  # false from a restart until the child accepts connections again
-
-
-@dataclass
-class Supervisor:
-    """Restarts children that die, by `policy`; advanced by `tick()`, which never blocks longer than one port
-    probe. The clock, the way to start a process and the port probe are injected so the restart logic can be
-    tested without processes or sleeping."""
-
-    policy: RestartPolicy
-    spawn: Callable[[Child], ChildProcess]
-    clock: Callable[[], float] = time.monotonic
-    is_listening: Callable[[str, int], bool] = port_is_open
-    log: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
-    children: list[Supervised] = field(default_factory=list)
-
-    def adopt(self, child: Child, process: ChildProcess) -> None:
-        """Supervise a child that start-up has already seen listening."""
-        self.children.append(Supervised(child, process, started_at=self.clock()))
-
-    def tick(self) -> None:
-        """Notice deaths, restart children whose backoff is over, and announce restarted children that listen
-        again."""
-        for entry in self.children:
-            if entry.restart_at is not None:
-                if self.clock() >= entry.restart_at:
-                    self._restart(entry)
-            elif entry.process.poll() is not None:
-                self._schedule_restart(entry)
-            elif not entry.listening and self.is_listening(entry.child.host, entry.child.port):
-                entry.listening = True
-                self.log(f"{entry.child.name} is listening again on {entry.child.host}:{entry.child.port} "
-                         f"(pid {entry.process.pid}, restart {entry.restarts})")
-
-    def _schedule_restart(self, entry: Supervised) -> None:
-        now = self.clock()
-        uptime = now - entry.started_at
-        entry.crashes_in_a_row = self.policy.crashes_in_a_row(entry.crashes_in_a_row, uptime)
-        delay = self.policy.backoff_s(entry.crashes_in_a_row)
-        entry.restart_at = now + delay
-        self.log(f"{entry.child.name} (pid {entry.process.pid}) exited with code {entry.process.returncode} "
-                 f"after {uptime:.1f} s; restarting it in {delay:.1f} s "
-                 f"(restart {entry.restarts + 1}, crash {entry.crashes_in_a_row} in a row)")
-
-    def _restart(self, entry: Supervised) -> None:
-        try:
-            process = self.spawn(entry.child)
-        except OSError as error:  # no memory, no pids, a vanished interpreter: retried like a crash
-            entry.crashes_in_a_row += 1
-            delay = self.policy.backoff_s(entry.crashes_in_a_row)
-            entry.restart_at = self.clock() + delay
-            self.log(f"could not restart {entry.child.name} ({error}); retrying in {delay:.1f} s")
-            return
-        entry.process = process
-        entry.started_at = self.clock()
-        entry.restart_at = None
-        entry.restarts += 1
-        entry.listening = False
-        self.log(f"restarted {entry.child.name}: pid {entry.process.pid} (restart {entry.restarts})")
-
-    @property
-    def processes(self) -> list[ChildProcess]:
-        """The current process of every child, in start order."""
-        return [entry.process for entry in self.children]
-
-    @property
-    def restarts(self) -> dict[str, int]:
-        return {entry.child.name: entry.restarts for entry in self.children}
+from services.supervision import (
+    Child,
+    RestartPolicy,
+    StartInterrupted,
+    Supervisor,
+    spawn_child,
+    stop_processes,
+    wait_for_port,
+)
 
 
 @dataclass(frozen=True)
@@ -276,23 +111,8 @@ def _banner(args: argparse.Namespace, children: Sequence[Child]) -> str:
     )
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: when the launcher dies without stopping its children (SIGKILL,
-    OOM killer), the kernel sends each child SIGTERM, so no orphan keeps the stack's ports or memory."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _spawn(child: Child) -> subprocess.Popen:
-    """Children share the launcher's stdout/stderr, so one terminal (or one log file) shows the whole stack."""
-    die_with_parent = _die_with_parent if sys.platform == "linux" else None
-    return subprocess.Popen(child.argv, preexec_fn=die_with_parent)  # noqa: PLW1509 - spawned from the one thread
-
-
 def serve(children: Sequence[Child], policy: RestartPolicy, *, start_timeout_s: float, banner: str = "",
-          tick_s: float = 0.2, spawn: Callable[[Child], subprocess.Popen] = _spawn) -> int:
+          tick_s: float = 0.2, spawn: Callable[[Child], subprocess.Popen] = spawn_child) -> int:
     """Start `children` in order, each once the previous one listens (a failure there stops everything: exit
     1), then supervise them until SIGINT/SIGTERM and stop them in reverse order (exit 0)."""
     stopping = False

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
 
-from services import launcher
+from services import launcher, supervision
 from services.bench.report import Generation
 
 __all__ = ["HttpClient", "HttpStack", "HttpTarget", "StackError", "launcher_args", "system_label"]
@@ -121,7 +121,7 @@ class HttpStack:
         self.progress = progress
         self.base_url = f"http://{args.host}:{args.port}"
         self.log_dir: Path | None = None
-        self._children: list[tuple[launcher.Child, subprocess.Popen, IO[str]]] = []
+        self._children: list[tuple[supervision.Child, subprocess.Popen, IO[str]]] = []
 
     def __enter__(self) -> Self:
         try:
@@ -144,7 +144,7 @@ class HttpStack:
             process = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
             self._children.append((child, process, log))
             try:
-                launcher.wait_for_port(child.host, child.port, process, self.args.start_timeout_s)
+                supervision.wait_for_port(child.host, child.port, process, self.args.start_timeout_s)
             except (RuntimeError, TimeoutError) as error:
                 raise StackError(
                     f"HTTP stack: {child.name} did not start ({error}); its log, {log_path}:\n{_tail(log_path)}"
@@ -184,7 +184,7 @@ class HttpStack:
     def stop(self, keep_logs: bool = False) -> None:
         """SIGTERM gateway, verifier, drafter (in that order), then SIGKILL whatever is still up after 20 s."""
         children = list(reversed(self._children))
-        killed = launcher.stop_processes([process for _, process, _ in children])
+        killed = supervision.stop_processes([process for _, process, _ in children])
         for child, process, log in children:
             if process in killed:
                 self.progress(f"HTTP stack: {child.name} ignored SIGTERM; killed it")

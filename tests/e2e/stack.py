@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from services.launcher import stop_processes, wait_for_port
+from services.supervision import stop_processes, wait_for_port
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
