@@ -22,11 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.requests import MODEL
 from tests.e2e.stack import REPO, Stack
 
 pytestmark = pytest.mark.slow
 
-MODEL = "smollm2-135m-instruct"
 MAX_EXAMPLES = 30  # fuzzed cases per operation (the coverage phase adds its own)
 CHECKS = "not_a_server_error,response_schema_conformance"
 

@@ -19,16 +19,9 @@ import pytest
 from services.soak.main import SoakSettings, soak
 from services.soak.serve_process import ServeProcess, service_name
 from services.soak.traffic import TrafficSettings
+from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC
 
 pytestmark = pytest.mark.slow
-
-MODEL = "smollm2-135m-instruct"
-CODE = (
-    "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.quantity\n"
-    "    return result\n"
-)
-EDIT = f"Rename the function total to order_total and return the whole code:\n\n{CODE}"
-NO_SPEC = {"speculative_config": {"method": "none"}}
 
 
 @pytest.fixture(scope="module")
