@@ -11,10 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from services.common.sampling_rules import LOGPROB_FLOOR
 from services.gateway import schemas as s
 from services.gateway.generation import ChoiceEvent
-
-LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities, and null would read as "absent"
 
 
 def finite_logprob(value: float) -> float:

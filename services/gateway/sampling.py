@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS
 from services.gateway.errors import ApiError
 from services.gateway.schemas import SamplingFields
 from services.gateway.verifier_client import pb
 
-GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS; the engine uses the same)
 MIN_TOP_P = 1e-8  # below any vocabulary's top probability: keeps the most likely token only, as any smaller p
 _UINT32_MAX = 2**32 - 1
 _UINT64 = 2**64
@@ -39,7 +39,7 @@ def temperature_of(req: SamplingFields) -> float:
     """OpenAI's default 1; a temperature too small to divide logits by meaningfully (1e-45 is 0 or a denormal
     in float32, and logits / it overflow to NaN) is greedy, as the engine treats it, so both sides agree."""
     temperature = 1.0 if req.temperature is None else req.temperature
-    return 0.0 if temperature < GREEDY_TEMPERATURE else temperature
+    return 0.0 if temperature < GREEDY_TEMPERATURE_EPS else temperature
 
 
 def top_p_of(req: SamplingFields) -> float:

@@ -11,15 +11,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.common.sampling_rules import SEED_MAX, SEED_MIN
+
 MAX_N = 16
 # Generate calls one request may start (prompts x n): more would fill the verifier's waiting queue by
 # themselves, turning one client's request into everyone's 503s.
 MAX_CHOICES = 64
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_STOP_STRINGS = 16
-
-SEED_MIN = -(2**63)  # OpenAI and vLLM take any 64-bit seed, signed or not; sampling.py maps it into uint64
-SEED_MAX = 2**64 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 

@@ -21,13 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.sampling_rules import LOGPROB_FLOOR
 from services.verifier import random_streams
 from services.verifier.logits_processing import processed_log_probs
 from services.verifier.sampling_batch import SamplingBatch
-
-# Tokens that top-k/top-p/min-p remove have log probability -inf, which JSON cannot carry; like vLLM, report
-# such logprobs as this finite floor instead.
-LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(frozen=True)

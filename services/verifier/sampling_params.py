@@ -5,11 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-45 overflows to inf and
-# turns the distribution into NaNs, while the limit of tempered sampling as T -> 0 is the argmax anyway.
-GREEDY_TEMPERATURE_EPS = 1e-5
-SEED_MIN = -(2**63)  # seeds of the signed and the unsigned 64-bit range are accepted (OpenAI, vLLM)
-SEED_MAX = 2**64 - 1
+from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS, SEED_MAX, SEED_MIN
+
 # Every emitted token is checked against the stop ids on the engine's loop, which all requests share: a bound
 # keeps one request's list from slowing everyone's steps.
 MAX_STOP_TOKEN_IDS = 1024

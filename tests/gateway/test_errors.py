@@ -7,8 +7,8 @@ import logging
 import httpx
 import pytest
 
+from services.common.sampling_rules import LOGPROB_FLOOR
 from services.gateway.errors import ApiError, from_grpc
-from services.gateway.responses import LOGPROB_FLOOR
 
 MODEL = "tiny-test"
 CHAT = "/v1/chat/completions"

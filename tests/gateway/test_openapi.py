@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from services.common.sampling_rules import SEED_MAX, SEED_MIN
 from services.gateway import schemas as s
 
 
@@ -31,7 +32,7 @@ async def test_the_document_has_the_real_bodies(client):
         assert "422" not in operation["responses"]  # the routes answer bad bodies with 400, not FastAPI's 422
     assert set(schemas["CompletionRequest"]["required"]) == {"model", "prompt"}
     assert schemas["CompletionRequest"]["properties"]["seed"]["anyOf"][0] == {
-        "type": "integer", "minimum": s.SEED_MIN, "maximum": s.SEED_MAX}
+        "type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}
     assert set(schemas["ChatCompletionRequest"]["required"]) == {"model", "messages"}
     assert {"ChatMessage", "SpeculativeConfig", "CompletionChunk", "ChatCompletionChunk"} <= set(schemas)
     models = doc["paths"]["/v1/models"]["get"]["responses"]

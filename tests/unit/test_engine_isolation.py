@@ -11,12 +11,12 @@ import math
 import pytest
 
 from services.common.proposer import Draft
+from services.common.sampling_rules import LOGPROB_FLOOR
 from services.drafter.ngram import NgramProposer, NgramSettings
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine, RequestFailedError
 from services.verifier.engine_config import EngineConfig
 from services.verifier.random_streams import seed_to_int64
-from services.verifier.rejection import LOGPROB_FLOOR
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
 from tests.proposers import FailingProposer
