@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from services.bench import http_runs, specserve_runs, transformers_baseline
+from services.bench.hardware import describe_hardware
 from services.bench.http_runs import HttpTarget
 from services.bench.prompts import Workload
 from services.bench.report import (
@@ -138,9 +139,10 @@ async def measure_specserve(
     eos_token_ids: Sequence[int],
     progress: Progress,
     http: http_runs.HttpClient | None = None,
-) -> list[Measurement]:
+) -> tuple[list[Measurement], str]:
     """Speculation off and ngram, one request at a time and `concurrency` at once, all on one engine; with
-    `http`, the single-request runs also through the HTTP API (see `_sequential`)."""
+    `http`, the single-request runs also through the HTTP API (see `_sequential`). Also returns the kernels the
+    engine's runner chose, for the report."""
     ngram = NgramSettings(settings.prompt_lookup_min, settings.prompt_lookup_max)
     engine = specserve_runs.build_engine(
         model, eos_token_ids, ngram, settings.concurrency, max_model_len(workloads, settings)
@@ -153,7 +155,7 @@ async def measure_specserve(
             measurements += await _sequential(engine, ids, workloads, settings, k, label, progress, http)
         for k, label in modes:
             measurements += await _concurrent(engine, ids, workloads, settings, k, label, progress)
-    return measurements
+    return measurements, getattr(engine.runner, "kernels", type(engine.runner).__name__)
 
 
 def equality_checks(measurements: Sequence[Measurement]) -> list[Check]:
@@ -216,15 +218,16 @@ def run_benchmark(
         for number in range(settings.repeats):
             progress(f"round {number + 1}/{settings.repeats}")
             measurements = measure_transformers(model, workloads, settings, eos_token_ids, progress)
-            measurements += asyncio.run(
+            specserve, kernels = asyncio.run(
                 measure_specserve(model, workloads, settings, eos_token_ids, progress, client)
             )
-            rounds.append(measurements)
+            rounds.append(measurements + specserve)
     measurements = merge_rounds(rounds)
     if http is not None:
         measurements = with_text(measurements, http.decode)
     order = {w.name: i for i, w in enumerate(workloads)}
     measurements.sort(key=lambda m: order[m.workload])  # stable: keeps the system order within a workload
+    header = {**header, "specserve kernels": kernels}
     return BenchResult(header, [summarize(m) for m in measurements], equality_checks(measurements))
 
 
@@ -318,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": f"{loaded.model_id} ({loaded.dtype}, {loaded.device}), greedy, chat template",
         "machine": f"{platform.machine()}, {available_cores()} cores, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}",
+        **describe_hardware(),
         "workloads": ", ".join(
             f"{w.name}: {len(w.prompts)} prompt(s) of {min(map(len, w.prompts))}-{max(map(len, w.prompts))} "
             f"tokens, max {w.max_tokens} new"

@@ -86,6 +86,15 @@ class LlamaFamilyRunner:
             len(layers), max_num_seqs, self.num_kv_heads, max_model_len, self.head_dim, self.dtype, self.device
         )
 
+    @property
+    def kernels(self) -> str:
+        """Which linear kernels the forward uses, for logs and benchmark reports."""
+        packed = sum(k is not None for k in self._kernels)
+        if not packed:
+            return "plain torch modules (F.linear)"
+        head = "packed" if self._lm_head is not self.model.lm_head else "plain"
+        return f"oneDNN-packed linears in {packed} of {len(self._kernels)} layers, {head} LM head"
+
     @staticmethod
     def _sliding_window(attention: torch.nn.Module, config) -> int | None:
         if hasattr(attention, "sliding_window"):

@@ -6,7 +6,10 @@ from __future__ import annotations
 import math
 import random
 
+import torch
+
 from services.bench import BenchSettings, run_benchmark
+from services.bench.hardware import cpu_info, describe_hardware
 from services.bench.prompts import Workload
 from services.bench.report import RATIO_SPECS, format_report
 from tests.tiny_models import VOCAB, tiny_llama
@@ -49,8 +52,17 @@ def test_bench_pipeline_on_tiny_model():
     assert all(math.isfinite(r.value) and r.value > 0 for r in result.ratios)
     assert result.failed_checks == 0, [c for c in result.checks if c.mismatches]
 
+    assert result.header["specserve kernels"].startswith(("oneDNN-packed linears in 2 of 2 layers", "plain"))
     report = format_report(result)
     for heading in ("== ratios ==", "== greedy equality ==", "== markdown =="):
         assert heading in report
     assert report.count("MET") >= len(result.ratios)
     assert result.to_json()["rows"]
+
+
+def test_hardware_lines_name_the_cpu_its_relevant_flags_and_torch_threads():
+    cpuinfo = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu sse avx2 fma avx512f amx_tile amx_bf16\n"
+    assert cpu_info(cpuinfo) == ("Intel(R) Xeon(R) Platinum", ("avx2", "fma", "avx512f", "amx_tile", "amx_bf16"))
+    assert cpu_info("Features\t: fp asimd\n")[1] == ()  # an Arm machine: none of the x86 flags
+    lines = describe_hardware()
+    assert lines["cpu"] and f"intra-op {torch.get_num_threads()}" in lines["torch threads"]
