@@ -1,6 +1,8 @@
 """What the end-to-end tests send: the served model's name and a code-edit prompt whose answer copies much of
 the prompt (so n-gram speculation accepts tokens)."""
 
+import time
+
 MODEL = "smollm2-135m-instruct"
 CODE = (
     "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.quantity\n"
@@ -8,3 +10,15 @@ CODE = (
 )
 EDIT = f"Rename the function total to order_total and return the whole code:\n\n{CODE}"
 NO_SPEC = {"speculative_config": {"method": "none"}}
+
+
+def wait_until_speculation_accepts(client, messages, attempts: int = 10) -> int:
+    """Accepted draft tokens of the first of a few greedy chat requests that accepts any (a drafter that came
+    back is used again once the verifier's link to it is up); 0 if none did."""
+    for _ in range(attempts):
+        again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+        accepted = again.model_extra["speculative_decoding"]["num_accepted_tokens"]
+        if accepted > 0:
+            return accepted
+        time.sleep(0.5)
+    return 0

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC
+from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, wait_until_speculation_accepts
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -169,14 +169,7 @@ def test_drafter_death_costs_speed_not_correctness(stack, client):
     assert "".join(received) == reference.choices[0].message.content
     assert stack.verifier_metric("specserve_spec_decode_num_fallbacks_total") > fallbacks_before
     stack.start_drafter()  # the verifier reconnects and re-opens sequences
-    accepted = 0
-    for _ in range(10):
-        again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
-        accepted = again.model_extra["speculative_decoding"]["num_accepted_tokens"]
-        if accepted > 0:
-            break
-        time.sleep(0.5)
-    assert accepted > 0
+    assert wait_until_speculation_accepts(client, messages) > 0
     # the restarted drafter's own /metrics saw the steps it answered
     assert stack.drafter_metric("specserve_drafter_steps_total") > 0
     assert stack.drafter_metric("specserve_drafter_proposed_tokens_total") > 0

@@ -19,7 +19,7 @@ import pytest
 from services.soak.main import SoakSettings, soak
 from services.soak.serve_process import ServeProcess, service_name
 from services.soak.traffic import TrafficSettings
-from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC
+from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, wait_until_speculation_accepts
 
 pytestmark = pytest.mark.slow
 
@@ -124,14 +124,7 @@ def test_drafter_killed_mid_stream_costs_speed_not_correctness(healthy, client):
         healthy.wait_healthy(timeout_s=60)  # the verifier re-attached the restarted drafter by itself
     assert "degraded" in watcher.statuses and watcher.statuses[-1] == "ok", watcher.statuses
     assert healthy.children()["drafter"] != drafter
-    accepted = 0
-    for _ in range(10):  # speculation works again, on the new drafter
-        again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
-        accepted = again.model_extra["speculative_decoding"]["num_accepted_tokens"]
-        if accepted > 0:
-            break
-        time.sleep(0.5)
-    assert accepted > 0
+    assert wait_until_speculation_accepts(client, messages) > 0  # speculation works again, on the new drafter
 
 
 async def _stream_until_error(client: openai.AsyncOpenAI, started: list[int], index: int) -> object:
