@@ -79,8 +79,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: (str | Annotated[list[str], Field(max_length=MAX_CHOICES)] | list[TokenId]
-             | Annotated[list[list[TokenId]], Field(max_length=MAX_CHOICES)])
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     suffix: str | None = None
     echo: bool = False
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
@@ -89,8 +88,12 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, value):
+        """Checked here rather than as a length bound on the union's list branches: pydantic would then report
+        the union's first branch ("should be a valid string"), not the limit."""
         if isinstance(value, list) and (not value or any(isinstance(p, list) and not p for p in value)):
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts per request, got {len(value)}; send several requests")
         return value
 
     @model_validator(mode="after")

@@ -60,6 +60,7 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed"),
     (COMP, {"model": MODEL, "prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
     (COMP, {"model": MODEL, "prompt": ["a"] * 65}, 400, "prompt"),
+    (COMP, {"model": MODEL, "prompt": [[1, 2]] * 300}, 400, "prompt"),
     (COMP, {"model": MODEL, "prompt": ["a"] * 5, "n": 13}, 400, None),
 ]
 
