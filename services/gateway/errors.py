@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.disconnect import ClientDisconnected
+from services.gateway.schemas import ErrorDetail, ErrorResponse
 
 _GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
@@ -66,7 +67,9 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The documented error shape (schemas.ErrorResponse, which /openapi.json publishes)."""
+        detail = ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=detail).model_dump()
 
     def response(self) -> JSONResponse:
         return AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
