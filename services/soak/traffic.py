@@ -25,8 +25,9 @@ CODE = (
     "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.quantity\n"
     "    return result\n"
 )
+EDIT = f"Rename the function total to order_total and return the whole code:\n\n{CODE}"
 PROMPTS = (
-    f"Rename the function total to order_total and return the whole code:\n\n{CODE}",
+    EDIT,
     "Write a Python function that reverses a string.",
     "Name three rivers and one fact about each.",
     "Explain in two sentences what a hash map is.",

@@ -3,12 +3,10 @@ the prompt (so n-gram speculation accepts tokens)."""
 
 import time
 
-MODEL = "smollm2-135m-instruct"
-CODE = (
-    "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.quantity\n"
-    "    return result\n"
-)
-EDIT = f"Rename the function total to order_total and return the whole code:\n\n{CODE}"
+from services.soak.traffic import CODE, EDIT, MODEL  # one copy: the soak's traffic sends the same edit
+
+__all__ = ["CODE", "EDIT", "MODEL", "NO_SPEC", "wait_until_speculation_accepts"]
+
 NO_SPEC = {"speculative_config": {"method": "none"}}
 
 
