@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI routes, health, metrics.
 
 Bodies are read and parsed by hand (size limit, strict UTF-8, JSON, then pydantic) so every failure has the
-OpenAI error shape and a 400/413 status rather than FastAPI's 422 (services/gateway/openapi.py documents the
+OpenAI error shape and a 400/413 status rather than FastAPI's 422 (request_body.py; openapi.py documents the
 bodies all the same). Streaming responses wait for the first token before sending headers, so the verifier
 refusing a request (prompt too long, overloaded) still yields a proper HTTP status; errors after that arrive as
 an SSE `error` object. A bug anywhere in a route is still an OpenAI-shaped 500, logged once and counted.
@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-import re
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,6 +32,7 @@ from services.gateway.errors import ApiError, from_grpc, install_error_handlers,
 from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_choice
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import error_responses, generation_docs, install_openapi
+from services.gateway.request_body import parse_body, read_json
 from services.gateway.responses import Accounting, LogprobFormatter, sse
 from services.gateway.sampling import build_request, resolve_max_tokens
 from services.gateway.settings import GatewaySettings
@@ -45,8 +43,6 @@ from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
                    pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
-# A JSON escape of a UTF-16 surrogate; only bodies that contain one are searched for an unpaired one.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 logger = logging.getLogger("specserve.gateway")
 
@@ -101,91 +97,6 @@ class GatewayState:
 
     async def served_name(self) -> str:
         return self.settings.served_model_name or (await self.model_info()).model_id
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})",
-                       code="invalid_encoding") from exc
-    data = _decode_json(text)
-    if _SURROGATE_ESCAPE.search(text):
-        _refuse_lone_surrogates(data)
-    return data
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _decode_json(text: str) -> Any:
-    """json.loads, with everything it accepts that JSON does not (NaN, Infinity) or cannot take (an integer
-    beyond Python's 4300-digit limit, nesting deeper than the recursion limit) refused as a 400."""
-    try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
-                       code="invalid_json") from exc
-    except RecursionError as exc:
-        raise ApiError(400, "request body is not valid JSON: it is nested too deeply",
-                       code="invalid_json") from exc
-    except ValueError as exc:  # an over-long integer, NaN or Infinity
-        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-
-
-def _is_text(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _lone_surrogate_path(data: Any) -> list[str] | None:
-    """Path of the shallowest string (or key) holding an unpaired surrogate, which json.loads lets through
-    from a `\\ud800` escape but which is not text: the tokenizer and every UTF-8 encoder fail on it.
-    Iterative, so a deeply nested body cannot exhaust the stack."""
-    pending: deque[tuple[list[str], Any]] = deque([([], data)])
-    while pending:
-        path, value = pending.popleft()
-        if isinstance(value, str):
-            if not _is_text(value):
-                return path
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not _is_text(key):
-                    return [*path, key.encode("utf-8", "backslashreplace").decode()]
-                pending.append(([*path, key], item))
-        elif isinstance(value, list):
-            pending.extend(([*path, str(i)], item) for i, item in enumerate(value)
-                           if isinstance(item, (str, dict, list)))
-    return None
-
-
-def _refuse_lone_surrogates(data: Any) -> None:
-    path = _lone_surrogate_path(data)
-    if path is not None:
-        where = ".".join(path) or "request body"
-        raise ApiError(400, f"{where}: contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
-                            "which is not valid Unicode text", param=path[0] if path else None,
-                       code="invalid_encoding")
-
-
-def _parse(model: type[BaseModel], data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_value")
-    return model.model_validate(data)  # ValidationError -> 400 by the installed handler
 
 
 def create_app(settings: GatewaySettings, tokenizer: Any = None, client: VerifierClient | None = None) -> FastAPI:
@@ -264,7 +175,7 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)],
               **generation_docs(s.CompletionRequest, s.CompletionResponse, s.CompletionChunk))
     async def completions(request: Request) -> Response:
-        req: s.CompletionRequest = _parse(s.CompletionRequest, await _read_json(request,
+        req: s.CompletionRequest = parse_body(s.CompletionRequest, await read_json(request,
                                                                                settings.max_request_body_bytes))
         served = await check_model(req.model)
         tokenizer = await state.get_tokenizer()
@@ -277,8 +188,8 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
               **generation_docs(s.ChatCompletionRequest, s.ChatCompletionResponse, s.ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
-        req: s.ChatCompletionRequest = _parse(s.ChatCompletionRequest,
-                                              await _read_json(request, settings.max_request_body_bytes))
+        req: s.ChatCompletionRequest = parse_body(s.ChatCompletionRequest,
+                                              await read_json(request, settings.max_request_body_bytes))
         served = await check_model(req.model)
         tokenizer = await state.get_tokenizer()
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]

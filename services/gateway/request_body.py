@@ -1,0 +1,106 @@
+"""Request bodies read by hand: a size limit, strict UTF-8, JSON as JSON defines it, then the pydantic model.
+
+FastAPI's own body parsing would answer 422 in its own shape and let through what Python's json module accepts
+but JSON does not (NaN, lone surrogate escapes), or fail with a 500 on what it cannot take (an integer of over
+4300 digits, nesting deeper than the recursion limit). Here every such body is an OpenAI-shaped 400 or 413.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import deque
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from services.gateway.errors import ApiError
+
+# A JSON escape of a UTF-16 surrogate; only bodies that contain one are searched for an unpaired one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                       code="invalid_encoding") from exc
+    data = _decode_json(text)
+    if _SURROGATE_ESCAPE.search(text):
+        _refuse_lone_surrogates(data)
+    return data
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _decode_json(text: str) -> Any:
+    """json.loads, with everything it accepts that JSON does not (NaN, Infinity) or cannot take (an integer
+    beyond Python's 4300-digit limit, nesting deeper than the recursion limit) refused as a 400."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
+                       code="invalid_json") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "request body is not valid JSON: it is nested too deeply",
+                       code="invalid_json") from exc
+    except ValueError as exc:  # an over-long integer, NaN or Infinity
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate_path(data: Any) -> list[str] | None:
+    """Path of the shallowest string (or key) holding an unpaired surrogate, which json.loads lets through
+    from a `\\ud800` escape but which is not text: the tokenizer and every UTF-8 encoder fail on it.
+    Iterative, so a deeply nested body cannot exhaust the stack."""
+    pending: deque[tuple[list[str], Any]] = deque([([], data)])
+    while pending:
+        path, value = pending.popleft()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_text(key):
+                    return [*path, key.encode("utf-8", "backslashreplace").decode()]
+                pending.append(([*path, key], item))
+        elif isinstance(value, list):
+            pending.extend(([*path, str(i)], item) for i, item in enumerate(value)
+                           if isinstance(item, (str, dict, list)))
+    return None
+
+
+def _refuse_lone_surrogates(data: Any) -> None:
+    path = _lone_surrogate_path(data)
+    if path is not None:
+        where = ".".join(path) or "request body"
+        raise ApiError(400, f"{where}: contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
+                            "which is not valid Unicode text", param=path[0] if path else None,
+                       code="invalid_encoding")
+
+
+def parse_body(model: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_value")
+    return model.model_validate(data)  # ValidationError -> 400 by the installed handler
