@@ -8,14 +8,14 @@ arguments, so the restart logic is tested without processes or sleeping.
 
 from __future__ import annotations
 
-import ctypes
-import signal
+import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 
@@ -190,16 +190,16 @@ class Supervisor:
         return {entry.child.name: entry.restarts for entry in self.children}
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: when the launcher dies without stopping its children (SIGKILL,
-    OOM killer), the kernel sends each child SIGTERM, so no orphan keeps the stack's ports or memory."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+DIE_WITH_PARENT_SHIM = Path(__file__).with_name("die_with_parent.py")
 
 
 def spawn_child(child: Child) -> subprocess.Popen:
-    """Children share the launcher's stdout/stderr, so one terminal (or one log file) shows the whole stack."""
-    die_with_parent = _die_with_parent if sys.platform == "linux" else None
-    return subprocess.Popen(child.argv, preexec_fn=die_with_parent)  # noqa: PLW1509 - spawned from the one thread
+    """Children share the launcher's stdout/stderr, so one terminal (or one log file) shows the whole stack.
+
+    On Linux each child starts through die_with_parent.py, which sets PR_SET_PDEATHSIG and execs the real argv:
+    when the launcher dies without stopping its children (SIGKILL, OOM killer), the kernel sends each SIGTERM, so
+    no orphan keeps the stack's ports or memory. The shim module says why this is not a preexec_fn."""
+    argv = child.argv
+    if sys.platform == "linux":
+        argv = [sys.executable, str(DIE_WITH_PARENT_SHIM), str(os.getpid()), *argv]
+    return subprocess.Popen(argv)

@@ -197,3 +197,39 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+def test_children_start_cleanly_while_grpc_threads_are_busy_in_the_launcher():
+    """A preexec_fn made subprocess fork() with gRPC threads alive, and gRPC's fork handlers crashed about one
+    child in seven before exec (exit -11 or -6 instead of the child's own code). The exec shim avoids fork."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+
+    def keep_grpc_busy():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call_nothing = channel.unary_unary("/nothing.Here/Call")
+            while not stop.is_set():
+                try:
+                    call_nothing(b"", timeout=1)
+                except grpc.RpcError:  # UNIMPLEMENTED: the point is gRPC's threads at work, not the answer
+                    pass
+
+    threads = [threading.Thread(target=keep_grpc_busy, daemon=True) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        child = supervision.Child("exits-with-3", [sys.executable, "-c", "raise SystemExit(3)"], "127.0.0.1", 0)
+        codes = [supervision.spawn_child(child).wait() for _ in range(40)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        server.stop(grace=None)
+    assert codes == [3] * 40
