@@ -68,7 +68,8 @@ def plan(args: argparse.Namespace) -> list[Child]:
     verifier = [
         *python, "verifier", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
         "--max-num-seqs", str(args.max_num_seqs), "--host", args.host, "--port", str(args.verifier_port),
-        "--metrics-port", str(args.verifier_metrics_port), *tls.server_flags,
+        "--metrics-port", str(args.verifier_metrics_port), "--compute-thread", args.compute_thread,
+        *tls.server_flags,
     ]
     if args.max_model_len:
         verifier += ["--max-model-len", str(args.max_model_len)]
@@ -169,6 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--compute-thread", choices=["auto", "main", "worker"], default="auto",
+                        help="verifier thread for the model's forwards; auto measures both at start-up")
     parser.add_argument(
         "--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 5}',
         help="JSON; '{\"method\": \"none\"}' serves without speculation",

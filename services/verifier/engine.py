@@ -17,7 +17,7 @@ import math
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Self
 
@@ -160,7 +160,10 @@ class Engine:
         config: EngineConfig | None = None,
         proposers: Mapping[str, Proposer] | None = None,
         eos_token_ids: Iterable[int] = (),
+        compute: Executor | None = None,
     ) -> None:
+        """compute: the executor that runs every forward (see services/modeling/compute_placement.py); its owner
+        shuts it down. Without one the engine keeps a worker thread of its own."""
         self.runner = runner
         self.config = config or EngineConfig()
         self.proposers = dict(proposers or {})
@@ -175,9 +178,10 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._seed_source = random.SystemRandom()
-        # One dedicated thread for all tensor work: torch's OpenMP pool belongs to the calling thread, so every
-        # step reuses one pool instead of waking the pools of several default-executor threads.
-        self._executor = _compute_thread()
+        # One thread for all tensor work: torch's OpenMP pool belongs to the calling thread, so every step reuses
+        # one pool instead of waking the pools of several default-executor threads.
+        self._owns_executor = compute is None
+        self._executor = compute if compute is not None else _compute_thread()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -194,8 +198,9 @@ class Engine:
             await self._task
             self._task = None
         self._reap()
-        self._executor.shutdown(wait=True)
-        self._executor = _compute_thread()  # threads start lazily, so the engine can be started again
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
+            self._executor = _compute_thread()  # threads start lazily, so the engine can be started again
 
     async def __aenter__(self) -> Self:
         await self.start()

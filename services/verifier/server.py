@@ -11,14 +11,19 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
+from services.common.main_thread_compute import run_beside_main_thread
 from services.common.metrics_http import MetricsEndpoint, serve_metrics
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import channel_credentials
+from services.modeling.compute_placement import choose_compute_thread
+from services.modeling.loading import LoadedModel
+from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.drafter_status import TrackedProposer
@@ -126,13 +131,16 @@ async def start_verifier(
     settings: VerifierSettings,
     eos_token_ids: Iterable[int] = (),
     tokenizer_fingerprint: str = "",
+    runner: ModelRunner | None = None,
+    compute: Executor | None = None,
 ) -> RunningVerifier:
-    """Build runner, drafter links and engine around `model` and start serving (port 0: a free port).
-    `tokenizer_fingerprint` (of the model's tokenizer) is published in Info and checked against drafters."""
+    """Build runner (unless given), drafter links and engine around `model` and start serving (port 0: a free
+    port). `tokenizer_fingerprint` (of the model's tokenizer) is published in Info and checked against drafters;
+    `compute` is the executor for the engine's forwards (default: a worker thread of the engine's own)."""
     credentials = settings.server_credentials()
     max_model_len = resolve_max_model_len(model, settings.max_model_len)
     metrics = create_metrics()
-    runner = create_runner(model, settings.max_num_seqs, max_model_len)
+    runner = runner or create_runner(model, settings.max_num_seqs, max_model_len)
     drafters = await _attach_drafters(settings, runner.vocab_size, tokenizer_fingerprint, model_id, metrics)
     default = default_speculation(settings, [d.name for d in drafters])
     engine = Engine(
@@ -145,6 +153,7 @@ async def start_verifier(
         ),
         {d.name: d for d in drafters},
         eos_token_ids,
+        compute,
     )
     metrics.attach(EngineCollector(engine, model_id, lambda: [d.name for d in drafters]))
     facts = ModelFacts(
@@ -176,16 +185,16 @@ async def start_verifier(
     return running
 
 
-async def serve(settings: VerifierSettings) -> int:
-    """Load `settings.model`, serve until SIGTERM/SIGINT, stop gracefully."""
+async def serve(settings: VerifierSettings, loaded: LoadedModel, runner: ModelRunner, compute: Executor) -> int:
+    """Serve the loaded model until SIGTERM/SIGINT, then stop gracefully."""
     from services.inprocess import (
         eos_token_ids,  # reads generation config / tokenizer; imports no drafter code
     )
-    from services.modeling.loading import load_model
 
-    loaded = await asyncio.to_thread(load_model, settings.model, device=settings.device, dtype=settings.dtype)
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
-    running = await start_verifier(loaded.model, loaded.model_id, settings, eos_token_ids(loaded), fingerprint)
+    running = await start_verifier(
+        loaded.model, loaded.model_id, settings, eos_token_ids(loaded), fingerprint, runner, compute
+    )
     install_sigterm_handler(lambda: running.stop(settings.drain_s, settings.grace_s))
     scheme = "grpcs" if settings.tls_enabled else "grpc"
     print(f"verifier ({loaded.model_id}) listening on {scheme}://{settings.host}:{running.port}", flush=True)
@@ -194,6 +203,25 @@ async def serve(settings: VerifierSettings) -> int:
     await running.grpc.wait()
     await running.stop(0, 0)  # no-op after a signal-driven stop
     return 0
+
+
+def run(settings: VerifierSettings) -> int:
+    """Load `settings.model` and build its runner on the main thread, decide which thread runs the forwards
+    (services/modeling/compute_placement.py), then serve: the asyncio loop stays on the main thread when the
+    forwards go to a worker, and moves to a thread of its own when they run on the main thread."""
+    from services.modeling.loading import load_model
+
+    loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
+    max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
+    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len)
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-engine")
+    try:
+        placement, _ = choose_compute_thread(settings.compute_thread, runner, worker)
+        if placement == "main":
+            return run_beside_main_thread(lambda compute: serve(settings, loaded, runner, compute))
+        return asyncio.run(serve(settings, loaded, runner, worker))
+    finally:
+        worker.shutdown(wait=True)
 
 
 def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
@@ -205,6 +233,8 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=s)
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=s)
     parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=s)
+    parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"], default=s,
+                        help="thread for the model's forwards; auto measures both at start-up (default: auto)")
     parser.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int, default=s)
     parser.add_argument("--draft-timeout-s", dest="draft_timeout_s", type=float, default=s)
     parser.add_argument("--drafter-health-interval-s", dest="drafter_health_interval_s", type=float, default=s,
@@ -233,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="specserve verifier", description="Serve a target model over gRPC.")
     add_verifier_flags(parser)
-    return asyncio.run(serve(settings_from_args(parser.parse_args(argv))))
+    return run(settings_from_args(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

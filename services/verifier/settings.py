@@ -4,6 +4,8 @@ overridden by command-line flags (server.main), so the same process is configure
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -32,6 +34,7 @@ class VerifierSettings(TlsServerSettings):
     max_model_len: int | None = Field(None, ge=2)  # None: the model's context, capped at 2048
     max_num_batched_tokens: int = Field(512, ge=1)
     max_waiting_requests: int = Field(256, ge=0)
+    compute_thread: Literal["auto", "main", "worker"] = "auto"  # thread for the forwards; auto: measured
     draft_timeout_s: float = Field(0.5, gt=0)  # per step; a late drafter costs K = 0 for that step
     drafter_health_interval_s: float = Field(2.0, ge=0)  # Info probe of a drafter idle this long; 0: never
     host: str = "127.0.0.1"

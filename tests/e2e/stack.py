@@ -25,6 +25,9 @@ class Stack:
     model: str = "smollm2-135m-instruct"
     num_speculative_tokens: int = 5
     max_num_seqs: int = 8
+    # The e2e stack pins the forwards to the main thread (asyncio loop on its own thread), so these tests cover
+    # that arrangement; `specserve serve` (test_serve_supervision.py) covers the measured default, auto.
+    compute_thread: str = "main"
     gateway_port: int = field(default_factory=free_port)
     verifier_port: int = field(default_factory=free_port)
     verifier_metrics_port: int = field(default_factory=free_port)
@@ -65,7 +68,7 @@ class Stack:
         self._spawn(
             "verifier",
             ["verifier", "--model", self.model, "--device", "cpu", "--max-num-seqs", str(self.max_num_seqs),
-             "--max-model-len", "1024", "--speculative-config", spec,
+             "--max-model-len", "1024", "--speculative-config", spec, "--compute-thread", self.compute_thread,
              "--drafter", f"ngram=127.0.0.1:{self.drafter_port}", "--host", "127.0.0.1",
              "--port", str(self.verifier_port), "--metrics-port", str(self.verifier_metrics_port)],
             self.verifier_port,
