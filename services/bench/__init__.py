@@ -18,7 +18,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,11 @@ from services.bench.report import (
     merge_rounds,
     summarize,
 )
+from services.common.main_thread_compute import run_beside_main_thread
 from services.drafter.ngram import NgramSettings
+from services.modeling.compute_placement import choose_compute_thread
+from services.modeling.runner import ModelRunner
+from services.modeling.runner_factory import create_runner
 
 __all__ = ["BenchSettings", "HttpTarget", "main", "run_benchmark"]
 
@@ -51,6 +56,7 @@ class BenchSettings:
     prompt_lookup_max: int = 4
     concurrency: int = 8
     repeats: int = 3  # rounds over every system; rows report medians across rounds
+    compute_thread: str = "auto"  # thread for the engine's forwards, as the verifier's --compute-thread
 
 
 def measure_transformers(
@@ -133,20 +139,18 @@ def max_model_len(workloads: Sequence[Workload], settings: BenchSettings) -> int
 
 
 async def measure_specserve(
-    model: torch.nn.Module,
+    runner: ModelRunner,
+    compute: Executor,
     workloads: Sequence[Workload],
     settings: BenchSettings,
     eos_token_ids: Sequence[int],
     progress: Progress,
     http: http_runs.HttpClient | None = None,
-) -> tuple[list[Measurement], str]:
+) -> list[Measurement]:
     """Speculation off and ngram, one request at a time and `concurrency` at once, all on one engine; with
-    `http`, the single-request runs also through the HTTP API (see `_sequential`). Also returns the kernels the
-    engine's runner chose, for the report."""
+    `http`, the single-request runs also through the HTTP API (see `_sequential`)."""
     ngram = NgramSettings(settings.prompt_lookup_min, settings.prompt_lookup_max)
-    engine = specserve_runs.build_engine(
-        model, eos_token_ids, ngram, settings.concurrency, max_model_len(workloads, settings)
-    )
+    engine = specserve_runs.build_engine(runner, eos_token_ids, ngram, compute)
     ids = specserve_runs.RequestIds()
     modes = ((0, "specserve off"), (settings.k, f"specserve ngram K={settings.k}"))
     measurements = []
@@ -155,7 +159,17 @@ async def measure_specserve(
             measurements += await _sequential(engine, ids, workloads, settings, k, label, progress, http)
         for k, label in modes:
             measurements += await _concurrent(engine, ids, workloads, settings, k, label, progress)
-    return measurements, getattr(engine.runner, "kernels", type(engine.runner).__name__)
+    return measurements
+
+
+def run_specserve(
+    runner: ModelRunner, placement: str, worker: Executor, make_run: Callable[[Executor], Awaitable[list]]
+) -> list:
+    """`make_run(compute)` on an asyncio loop, the forwards on the thread `placement` names, as the verifier
+    service arranges them (services/verifier/server.py:run)."""
+    if placement == "main":
+        return run_beside_main_thread(make_run)
+    return asyncio.run(make_run(worker))
 
 
 def equality_checks(measurements: Sequence[Measurement]) -> list[Check]:
@@ -209,35 +223,45 @@ def run_benchmark(
     With `http`, the whole stack also serves `http.model` as processes (started once, before the first round)
     and every round measures it through the HTTP API too."""
     with contextlib.ExitStack() as stack:
+        runner = create_runner(model, max_num_seqs=settings.concurrency, max_model_len=max_model_len(workloads, settings))
+        worker = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-engine"))
+        placement, timing = choose_compute_thread(settings.compute_thread, runner, worker)
         client = None
-        if http is not None:
-            client = stack.enter_context(start_http_stack(http, workloads, settings, progress))
+        if http is not None:  # its verifier uses the same placement, so the HTTP rows differ by the API alone
+            client = stack.enter_context(start_http_stack(http, workloads, settings, progress, placement))
         # Each round runs every system once, so a noisy spell on a shared machine hits all systems of that
         # round rather than one system's every repeat; rows then take medians across rounds.
         rounds = []
         for number in range(settings.repeats):
             progress(f"round {number + 1}/{settings.repeats}")
             measurements = measure_transformers(model, workloads, settings, eos_token_ids, progress)
-            specserve, kernels = asyncio.run(
-                measure_specserve(model, workloads, settings, eos_token_ids, progress, client)
-            )
+            specserve = run_specserve(runner, placement, worker, lambda compute: measure_specserve(
+                runner, compute, workloads, settings, eos_token_ids, progress, client
+            ))
             rounds.append(measurements + specserve)
     measurements = merge_rounds(rounds)
     if http is not None:
         measurements = with_text(measurements, http.decode)
     order = {w.name: i for i, w in enumerate(workloads)}
     measurements.sort(key=lambda m: order[m.workload])  # stable: keeps the system order within a workload
-    header = {**header, "specserve kernels": kernels}
+    header = {
+        **header,
+        "specserve kernels": getattr(runner, "kernels", type(runner).__name__),
+        "specserve compute thread": placement + (f" ({timing.describe()})" if timing else " (forced)"),
+    }
     return BenchResult(header, [summarize(m) for m in measurements], equality_checks(measurements))
 
 
 @contextlib.contextmanager
-def start_http_stack(http: HttpTarget, workloads: Sequence[Workload], settings: BenchSettings, progress: Progress):
+def start_http_stack(
+    http: HttpTarget, workloads: Sequence[Workload], settings: BenchSettings, progress: Progress, compute_thread: str
+):
     """Drafter, verifier and gateway configured like the in-process engine (K, n-gram sizes, slots, context
-    length); yields a client on the gateway and stops the processes afterwards, whatever happened."""
+    length, compute thread); yields a client on the gateway and stops the processes afterwards, whatever
+    happened."""
     args = http_runs.launcher_args(
         http, settings.k, settings.prompt_lookup_min, settings.prompt_lookup_max, settings.concurrency,
-        max_model_len(workloads, settings),
+        max_model_len(workloads, settings), compute_thread,
     )
     started = time.perf_counter()
     with http_runs.HttpStack(args, http.threads, progress) as stack, http_runs.HttpClient(stack.base_url) as client:
@@ -268,6 +292,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default 8)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds over every system (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: available cores)")
+    parser.add_argument("--compute-thread", choices=["auto", "main", "worker"], default="auto",
+                        help="thread for specserve's forwards; auto measures both, as the verifier does")
     parser.add_argument("--quick", action="store_true", help="a tiny run that checks the setup")
     parser.add_argument(
         "--no-http", dest="http", action="store_false",
@@ -315,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # stop on the same tokens.
     eos_token_ids = sorted(served_eos_token_ids(loaded))
     settings = BenchSettings(
-        args.k, args.prompt_lookup_min, args.prompt_lookup_max, args.concurrency, args.repeats
+        args.k, args.prompt_lookup_min, args.prompt_lookup_max, args.concurrency, args.repeats,
+        args.compute_thread,
     )
     header = {
         "model": f"{loaded.model_id} ({loaded.dtype}, {loaded.device}), greedy, chat template",

@@ -72,7 +72,7 @@ def free_ports(count: int) -> list[int]:
 
 def launcher_args(
     target: HttpTarget, k: int, prompt_lookup_min: int, prompt_lookup_max: int, max_num_seqs: int,
-    max_model_len: int,
+    max_model_len: int, compute_thread: str = "auto",
 ) -> argparse.Namespace:
     """`specserve serve` flags, parsed by the launcher's own parser so any newer flag gets its default; every
     port flag it has (gateway, gRPC, metrics) gets a free port, so the bench never collides with a running
@@ -90,7 +90,7 @@ def launcher_args(
         "--model", target.model, "--device", target.device, "--dtype", target.dtype,
         "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
         "--speculative-config", json.dumps(spec), "--host", HOST,
-        "--start-timeout-s", str(target.start_timeout_s),
+        "--start-timeout-s", str(target.start_timeout_s), "--compute-thread", compute_thread,
     ]
     for name, port in zip(port_flags, free_ports(len(port_flags)), strict=True):
         argv += [f"--{name.replace('_', '-')}", str(port)]

@@ -10,28 +10,23 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Sequence
-
-import torch
+from concurrent.futures import Executor
 
 from services.bench.report import Generation
 from services.drafter.ngram import NgramProposer, NgramSettings
-from services.modeling.runner_factory import create_runner
+from services.modeling.runner import ModelRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 
 
 def build_engine(
-    model: torch.nn.Module,
-    eos_token_ids: Sequence[int],
-    ngram: NgramSettings,
-    max_num_seqs: int,
-    max_model_len: int,
+    runner: ModelRunner, eos_token_ids: Sequence[int], ngram: NgramSettings, compute: Executor
 ) -> Engine:
-    """One engine for every run: slots for the concurrent batch, the ngram proposer for speculative ones."""
-    runner = create_runner(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    """One engine per round on the bench's one runner (slots for the concurrent batch), the ngram proposer for
+    speculative runs, its forwards on `compute` (the thread the start-up measurement chose)."""
     config = EngineConfig(max_num_batched_tokens=512, log_stats_interval_s=0)
-    return Engine(runner, config, proposers={"ngram": NgramProposer(ngram)}, eos_token_ids=eos_token_ids)
+    return Engine(runner, config, {"ngram": NgramProposer(ngram)}, eos_token_ids, compute)
 
 
 def speculation(k: int) -> SpeculationParams:
