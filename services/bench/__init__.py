@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from services.bench import http_runs, specserve_runs, transformers_baseline
+from services.bench.forward_cost import describe_verify_cost
 from services.bench.hardware import describe_hardware
 from services.bench.http_runs import HttpTarget
 from services.bench.prompts import Workload
@@ -226,6 +227,7 @@ def run_benchmark(
         runner = create_runner(model, max_num_seqs=settings.concurrency, max_model_len=max_model_len(workloads, settings))
         worker = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-engine"))
         placement, timing = choose_compute_thread(settings.compute_thread, runner, worker)
+        verify_cost = describe_verify_cost(runner, placement, worker, settings.k + 1)
         client = None
         if http is not None:  # its verifier uses the same placement, so the HTTP rows differ by the API alone
             client = stack.enter_context(start_http_stack(http, workloads, settings, progress, placement))
@@ -248,6 +250,7 @@ def run_benchmark(
         **header,
         "specserve kernels": getattr(runner, "kernels", type(runner).__name__),
         "specserve compute thread": placement + (f" ({timing.describe()})" if timing else " (forced)"),
+        "specserve forward cost": verify_cost,
     }
     return BenchResult(header, [summarize(m) for m in measurements], equality_checks(measurements))
 

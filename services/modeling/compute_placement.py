@@ -68,17 +68,18 @@ def time_on_both_threads(
     return PlacementTiming(statistics.median(main), statistics.median(other))
 
 
-def decode_probe(runner: ModelRunner) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(forward, release): `forward` decodes one token after a prompt of up to PROBE_CONTEXT_TOKENS in a slot of
-    the runner's own, and rolls it back; `release` frees the slot. Needs one free slot."""
-    context = max(1, min(PROBE_CONTEXT_TOKENS, runner.max_model_len - 2))
+def decode_probe(runner: ModelRunner, num_tokens: int = 1) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(forward, release): `forward` runs `num_tokens` positions with their logits (one decode token, or a
+    verify step of K + 1 = num_tokens) after a prompt of up to PROBE_CONTEXT_TOKENS in a slot of the runner's
+    own, and rolls it back; `release` frees the slot. Needs one free slot."""
+    context = max(1, min(PROBE_CONTEXT_TOKENS, runner.max_model_len - 1 - num_tokens))
     vocab = runner.vocab_size
     runner.add_sequence(PROBE_SEQUENCE_ID)
     runner.forward([RowInput(PROBE_SEQUENCE_ID, [(7 * i + 1) % vocab for i in range(context)], 1)])
     synchronize = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
 
     def forward() -> None:
-        runner.forward([RowInput(PROBE_SEQUENCE_ID, [3 % vocab], 1)])
+        runner.forward([RowInput(PROBE_SEQUENCE_ID, [(3 + i) % vocab for i in range(num_tokens)], num_tokens)])
         synchronize()
         runner.truncate(PROBE_SEQUENCE_ID, context)
 
