@@ -7,7 +7,9 @@ F.linear 31 ms at M=1 token and 63 ms at M=9 tokens, against 14 ms and 21 ms wit
 of ~2x, which is what makes drafting pay off on CPU.
 
 The ops are the ones torch's own CPU compiler (inductor freezing) uses; they are probed once, and anything
-unsupported (other devices, dtypes or torch builds) returns None so callers keep the plain modules.
+unsupported (other devices, dtypes or torch builds) returns None so callers keep the plain modules. Packed is
+not faster everywhere (an AMX Xeon runs small shapes at one token faster through F.linear), so the runner
+picks between the two per shape and token count by measuring at start-up (kernel_choice.py).
 """
 
 from __future__ import annotations

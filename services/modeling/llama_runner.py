@@ -15,7 +15,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from services.modeling.attention import additive_mask, grouped_attention
-from services.modeling.cpu_linear import LinearFn, packed_linear
+from services.modeling.cpu_linear import LinearFn
+from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_cache import SlotKVCache
 from services.modeling.runner import ForwardOutput, RowInput
 
@@ -35,7 +36,8 @@ def supports(model: torch.nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class LayerKernels:
-    """Packed linears of one decoder layer: q/k/v and gate/up fused into one matmul each."""
+    """Linears of one decoder layer, q/k/v and gate/up fused into one matmul each; each one runs plain
+    F.linear or the oneDNN-packed kernel per number of token rows, as measured at start-up (kernel_choice.py)."""
 
     qkv: LinearFn
     qkv_sizes: tuple[int, int, int]
@@ -44,27 +46,40 @@ class LayerKernels:
     down_proj: LinearFn
 
     @staticmethod
-    def build(layer: torch.nn.Module) -> LayerKernels | None:
+    def sites(layer: torch.nn.Module) -> list[Site]:
+        """The layer's four linears, in forward order, for KernelChooser.choose."""
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        kernels = (
-            packed_linear([p.weight for p in projections], [p.bias for p in projections]),
-            packed_linear([attention.o_proj.weight], [attention.o_proj.bias]),
-            packed_linear([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
-            packed_linear([mlp.down_proj.weight], [mlp.down_proj.bias]),
-        )
-        if any(k is None for k in kernels):
+        return [
+            ("q/k/v", [p.weight for p in projections], [p.bias for p in projections]),
+            ("o_proj", [attention.o_proj.weight], [attention.o_proj.bias]),
+            ("gate/up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
+            ("down_proj", [mlp.down_proj.weight], [mlp.down_proj.bias]),
+        ]
+
+    @staticmethod
+    def build(layer: torch.nn.Module, linears: Sequence[LinearFn | None]) -> LayerKernels | None:
+        """From the chooser's linears for `sites(layer)`; None unless all four exist."""
+        if any(k is None for k in linears):
             return None
-        sizes = tuple(p.weight.shape[0] for p in projections)
-        return LayerKernels(kernels[0], sizes, kernels[1], kernels[2], kernels[3])
+        attention = layer.self_attn
+        sizes = tuple(p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+        return LayerKernels(linears[0], sizes, linears[1], linears[2], linears[3])
 
 
 class LlamaFamilyRunner:
     def __init__(
-        self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, pack_weights: bool = True
+        self,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        max_model_len: int,
+        pack_weights: bool = True,
+        kernel_chooser: KernelChooser | None = None,
     ) -> None:
-        """pack_weights: keep a oneDNN-reordered copy of the linear weights on CPU (cpu_linear.py); costs one
-        more copy of those weights in memory, saves about half of each step."""
+        """pack_weights: let each linear run oneDNN-packed weights (cpu_linear.py) at the token-row counts
+        where a start-up measurement found them faster than F.linear (kernel_choice.py); a shape packed at
+        some M keeps one more copy of its weights. False: the plain modules only, nothing measured.
+        kernel_chooser: how that choice is measured (tests pass one with fake timings)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a llama-family model this runner supports")
         config = model.config
@@ -78,22 +93,35 @@ class LlamaFamilyRunner:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         layers = model.model.layers
-        self._kernels = [LayerKernels.build(layer) for layer in layers] if pack_weights else [None] * len(layers)
-        self._lm_head = packed_linear([model.lm_head.weight], [model.lm_head.bias]) if pack_weights else None
-        self._lm_head = self._lm_head or model.lm_head
+        self._chooser = (kernel_chooser or KernelChooser()) if pack_weights else None
+        self._kernels: list[LayerKernels | None] = [None] * len(layers)
+        self._lm_head = model.lm_head
+        if self._chooser is not None:
+            head = model.lm_head
+            sites = [site for layer in layers for site in LayerKernels.sites(layer)]
+            linears = self._chooser.choose([*sites, ("lm_head", [head.weight], [head.bias])])
+            self._kernels = [LayerKernels.build(layer, linears[4 * i : 4 * i + 4]) for i, layer in enumerate(layers)]
+            self._lm_head = linears[-1] or head
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
         self.cache = SlotKVCache(
             len(layers), max_num_seqs, self.num_kv_heads, max_model_len, self.head_dim, self.dtype, self.device
         )
 
     @property
+    def kernel_measurement_s(self) -> float:
+        """Start-up seconds spent timing kernel candidates (0 when nothing was measured)."""
+        return self._chooser.measure_seconds if self._chooser else 0.0
+
+    @property
     def kernels(self) -> str:
-        """Which linear kernels the forward uses, for logs and benchmark reports."""
-        packed = sum(k is not None for k in self._kernels)
-        if not packed:
+        """Which linear kernels the forward uses, one line for logs and benchmark reports."""
+        layers = sum(k is not None for k in self._kernels)
+        if self._chooser is None or not self._chooser.choices:
             return "plain torch modules (F.linear)"
-        head = "packed" if self._lm_head is not self.model.lm_head else "plain"
-        return f"oneDNN-packed linears in {packed} of {len(self._kernels)} layers, {head} LM head"
+        text = f"per-shape choice of F.linear (plain) or oneDNN-packed by measurement: {self._chooser.describe()}"
+        if layers < len(self._kernels):
+            text += f"; plain torch modules in {len(self._kernels) - layers} of {len(self._kernels)} layers"
+        return text
 
     @staticmethod
     def _sliding_window(attention: torch.nn.Module, config) -> int | None:

@@ -1,7 +1,27 @@
+"""oneDNN-packed linears (cpu_linear.py) and the per-shape, per-M choice between them and F.linear
+(kernel_choice.py): decisions checked with fake timings, outputs checked against F.linear."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections import Counter
+
 import pytest
 import torch
 
+from services.modeling import kernel_choice
 from services.modeling.cpu_linear import packed_linear
+from services.modeling.kernel_choice import (
+    DEFAULT_ROWS,
+    DispatchLinear,
+    KernelChoice,
+    KernelChooser,
+    measure_choice,
+)
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.modeling.runner import RowInput
+from tests.tiny_models import tiny_llama
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -20,3 +40,183 @@ def test_packed_linear_matches_plain_linear(with_bias, shape):
 def test_unsupported_inputs_fall_back_to_none():
     assert packed_linear([torch.randn(4, 4, dtype=torch.float64)], [None]) is None
     assert packed_linear([torch.randn(4, 4), torch.randn(4, 4)], [torch.randn(4), None]) is None
+
+
+# -- the choice between plain and packed (kernel_choice.py) -------------------------------------------------
+
+
+def recording_kernels(calls: list[tuple[str, int]], tag: int = 0):
+    """Stand-in candidates that record (name, rows) per call (name suffixed with tag if given) and return x."""
+
+    def kernel(name):
+        def run(x):
+            calls.append((f"{name}{tag or ''}", x.numel() // x.shape[-1]))
+            return x
+
+        return run
+
+    return {"plain": kernel("plain"), "packed": kernel("packed")}
+
+
+def fake_timer(seconds):
+    """A `measure` that runs the kernel but reports seconds(name, rows) instead of timing it."""
+
+    def measure(name, kernel, x):
+        kernel(x)
+        return seconds(name, x.shape[0])
+
+    return measure
+
+
+def plain_up_to_4(name: str, m: int) -> float:
+    """Fake timings: plain wins at M <= 4 tokens, packed from 5 on (the Intel pattern of issue 8)."""
+    if name == "plain":
+        return 1e-6 if m <= 4 else 3e-6
+    return 2e-6
+
+
+def test_choice_follows_fake_timings_per_bucket():
+    calls: list[tuple[str, int]] = []
+    choice = measure_choice([recording_kernels(calls)], 16, torch.float32, measure=fake_timer(plain_up_to_4))
+    assert choice.rows == tuple(sorted(DEFAULT_ROWS))
+    assert choice.chosen == ("plain", "plain", "plain", "packed", "packed", "packed", "packed")
+    assert choice.seconds[0] == (1e-6, 2e-6)
+    expected = {1: "plain", 3: "plain", 4: "plain", 5: "packed", 8: "packed", 9: "packed", 64: "packed", 900: "packed"}
+    assert {m: choice.kernel_at(m) for m in expected} == expected
+    assert choice.describe() == "plain at M=1..4, packed at M>=5"
+    # M=1 first, then M=8 (decode and verify sizes before the rest), each with one warm-up call per candidate
+    assert [m for _, m in calls][:12] == [1] * 12 and calls[12][1] == 8
+    # interleaved, the order rotated each round: warm-up, then plain-packed, packed-plain, plain-packed, ...
+    assert [name for name, _ in calls[:8]] == ["plain", "packed"] * 2 + ["packed", "plain"] + ["plain", "packed"]
+
+
+def test_each_round_goes_to_the_next_weight_of_the_shape():
+    calls: list[tuple[str, int]] = []
+    instances = [recording_kernels(calls, tag) for tag in (1, 2, 3)]
+    measure_choice(instances, 16, torch.float32, rows=(1, 8), measure=fake_timer(plain_up_to_4))
+    weights_in_turn = [name[-1] for name, _ in calls[::2]]  # each round calls both candidates of one weight
+    assert weights_in_turn == list("123123123123"), "warm-up and 5 rounds per M, cycling through the weights"
+    assert all(a[0][-1] == b[0][-1] for a, b in zip(calls[::2], calls[1::2])), "both candidates of one weight"
+
+
+def test_median_ignores_a_slow_outlier():
+    seen = Counter()
+
+    def seconds(name, m):
+        seen[name] += 1
+        if name == "plain":
+            return 9e-3 if seen[name] == 2 else 1e-6  # the first timed plain call is a 9 ms hiccup
+        return 2e-6
+
+    choice = measure_choice([recording_kernels([])], 8, torch.float32, rows=(1,), measure=fake_timer(seconds))
+    assert choice.chosen == ("plain",), "the median of 5 ignores one outlier (a mean would pick packed)"
+
+
+@pytest.mark.parametrize(("packed_s", "expected"), [(0.98e-6, "plain"), (0.5e-6, "packed")])
+def test_packed_must_be_faster_by_more_than_the_margin(packed_s, expected):
+    timer = fake_timer(lambda name, m: 1e-6 if name == "plain" else packed_s)
+    choice = measure_choice([recording_kernels([])], 8, torch.float32, rows=(1,), measure=timer)
+    assert choice.chosen == (expected,)
+
+
+def test_budget_keeps_decode_and_verify_sizes_and_extends_the_largest_measured():
+    calls: list[tuple[str, int]] = []
+
+    def seconds(name, m):  # M=1 is cheap; M=8 alone overruns the 0.1 s budget
+        if m == 1:
+            return 1e-3 if name == "plain" else 2e-3
+        return 0.05 if name == "plain" else 0.01
+
+    timer = fake_timer(seconds)
+    choice = measure_choice([recording_kernels(calls)], 8, torch.float32, measure=timer, budget_s=0.1)
+    assert choice.rows == (1, 8) and choice.chosen == ("plain", "packed")
+    assert Counter(m for _, m in calls) == {1: 12, 8: 2 + 2 * 3}, "M=8 stops after warm-up and 3 rounds"
+    assert [choice.kernel_at(m) for m in (1, 2, 8, 64)] == ["plain", "packed", "packed", "packed"]
+
+
+def test_dispatch_runs_the_chosen_kernel_for_each_calls_rows():
+    calls: list[tuple[str, int]] = []
+    choice = KernelChoice(("plain", "packed"), (1, 4, 16), ("plain", "packed", "plain"), ((0, 0),) * 3)
+    linear = DispatchLinear(recording_kernels(calls), choice, in_features=8)
+    for shape in [(1, 8), (3, 8), (2, 2, 8), (1, 5, 8), (16, 8), (40, 8), (2, 1, 8)]:
+        linear(torch.zeros(shape))
+    assert calls == [
+        ("plain", 1),
+        ("packed", 3),
+        ("packed", 4),
+        ("plain", 5),
+        ("plain", 16),
+        ("plain", 40),
+        ("packed", 2),
+    ]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("timings", ["measured", "fake"])
+def test_chosen_linear_matches_plain_linear_at_every_rows(with_bias, timings):
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 64), torch.randn(16, 64)]
+    biases = [torch.randn(48), torch.randn(16)] if with_bias else [None, None]
+    chooser = KernelChooser() if timings == "measured" else KernelChooser(measure=fake_timer(plain_up_to_4))
+    linear = chooser.linear("gate/up", weights, biases)
+    assert linear is not None
+    if timings == "fake":
+        assert linear.choice.describe() == "plain at M=1..4, packed at M>=5"  # both paths run below
+    expected_weight, expected_bias = torch.cat(weights), torch.cat(biases) if with_bias else None
+    for shape in [(1, 64), (3, 64), (2, 5, 64), (9, 64), (70, 64)]:
+        x = torch.randn(*shape)
+        expected = torch.nn.functional.linear(x, expected_weight, expected_bias)
+        torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_no_packing_means_no_candidate_and_no_measurement():
+    calls: list[tuple[str, int]] = []
+    chooser = KernelChooser(measure=fake_timer(lambda name, m: calls.append((name, m)) or 1e-6))
+    assert chooser.linear("o_proj", [torch.randn(8, 8, dtype=torch.float64)], [None]) is None
+    assert calls == [] and chooser.choices == {} and chooser.measure_seconds == 0.0
+
+
+def test_runner_measures_each_distinct_shape_once_and_matches_unpacked():
+    model = tiny_llama()
+    calls = Counter()
+    chooser = KernelChooser(measure=fake_timer(lambda name, m: calls.update([m]) or plain_up_to_4(name, m)))
+    runner = LlamaFamilyRunner(model, max_num_seqs=1, max_model_len=64, kernel_chooser=chooser)
+    reference = LlamaFamilyRunner(model, max_num_seqs=1, max_model_len=64, pack_weights=False)
+
+    assert len(chooser.choices) == 5, "q/k/v, o_proj, gate/up, down_proj and the head: 2 layers share 4 shapes"
+    assert calls[1] == 5 * 12, "one measurement per shape: 2 warm-up + 5 rounds of 2 calls at M=1"
+    assert runner.kernels.startswith("per-shape choice of F.linear (plain) or oneDNN-packed by measurement: ")
+    assert "q/k/v [128x64] plain at M=1..4, packed at M>=5" in runner.kernels
+    assert "lm_head [96x64] plain at M=1..4, packed at M>=5" in runner.kernels
+    assert reference.kernels == "plain torch modules (F.linear)"
+
+    tokens = torch.randint(0, model.config.vocab_size, (40,)).tolist()
+    for r in (runner, reference):
+        r.add_sequence("a")
+    for chunk, logits in ((tokens[:30], 30), (tokens[30:31], 1), (tokens[31:33], 2), (tokens[33:], 7)):
+        got = runner.forward([RowInput("a", chunk, logits)]).logits
+        expected = reference.forward([RowInput("a", chunk, logits)]).logits
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_copies_of_a_shape_that_never_wins_are_freed(monkeypatch):
+    packed_kernels: dict[tuple[int, int], list[weakref.ref]] = {}
+    real_packed_linear = kernel_choice.packed_linear
+
+    def tracking_packed_linear(weights, biases):
+        kernel = real_packed_linear(weights, biases)
+        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+        packed_kernels.setdefault(shape, []).append(weakref.ref(kernel))
+        return kernel
+
+    monkeypatch.setattr(kernel_choice, "packed_linear", tracking_packed_linear)
+
+    def measure(name, kernel, x):  # packed wins only where in_features is 128: the [64x128] down_proj
+        kernel(x)
+        return 1e-6 if name == "plain" else (0.5e-6 if x.shape[1] == 128 else 2e-6)
+
+    runner = LlamaFamilyRunner(tiny_llama(), max_num_seqs=1, max_model_len=16, kernel_chooser=KernelChooser(measure))
+    gc.collect()
+    alive = {shape: sum(ref() is not None for ref in refs) for shape, refs in packed_kernels.items()}
+    assert alive == {(128, 64): 0, (64, 64): 0, (256, 64): 0, (64, 128): 2, (96, 64): 0}, "only down_proj's kept"
+    assert "o_proj [64x64] plain at all M" in runner.kernels and "down_proj [64x128] packed at all M" in runner.kernels
