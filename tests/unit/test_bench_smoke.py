@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import torch
 
@@ -52,7 +53,11 @@ def test_bench_pipeline_on_tiny_model():
     assert all(math.isfinite(r.value) and r.value > 0 for r in result.ratios)
     assert result.failed_checks == 0, [c for c in result.checks if c.mismatches]
 
-    assert result.header["specserve kernels"].startswith(("oneDNN-packed linears in 2 of 2 layers", "plain"))
+    assert "lm_head" in result.header["specserve kernels"] or "plain" in result.header["specserve kernels"]
+    assert re.fullmatch(r"(main|worker) \(one-token forward [\d.]+ ms on the main thread, [\d.]+ ms on a worker "
+                        r"thread\)", result.header["specserve compute thread"])
+    assert re.fullmatch(rf"1 position [\d.]+ ms, {settings.k + 1} positions [\d.]+ ms \([\d.]+x\) after \d+ tokens "
+                        r"of context", result.header["specserve forward cost"])
     report = format_report(result)
     for heading in ("== ratios ==", "== greedy equality ==", "== markdown =="):
         assert heading in report
