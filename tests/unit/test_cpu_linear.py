@@ -99,17 +99,18 @@ def test_each_round_goes_to_the_next_weight_of_the_shape():
     assert all(a[0][-1] == b[0][-1] for a, b in zip(calls[::2], calls[1::2])), "both candidates of one weight"
 
 
-def test_median_ignores_a_slow_outlier():
+def test_interference_on_most_repetitions_does_not_decide():
+    """Contention only adds time: plain is judged by its undisturbed calls even when 3 of its 5 were slowed."""
     seen = Counter()
 
     def seconds(name, m):
         seen[name] += 1
         if name == "plain":
-            return 9e-3 if seen[name] == 2 else 1e-6  # the first timed plain call is a 9 ms hiccup
+            return 9e-6 if seen[name] in (2, 3, 4) else 1e-6  # warm-up is call 1; rounds 1-3 hit by other work
         return 2e-6
 
     choice = measure_choice([recording_kernels([])], 8, torch.float32, rows=(1,), measure=fake_timer(seconds))
-    assert choice.chosen == ("plain",), "the median of 5 ignores one outlier (a mean would pick packed)"
+    assert choice.chosen == ("plain",), "the fastest repetition decides (a median of 5 would pick packed)"
 
 
 @pytest.mark.parametrize(("packed_s", "expected"), [(0.98e-6, "plain"), (0.5e-6, "packed")])
