@@ -11,6 +11,7 @@ drafter by itself and the gateway to a restarted verifier. SIGINT/SIGTERM stops 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import subprocess
 import sys
@@ -27,6 +28,12 @@ from services.supervision import (
     spawn_child,
     stop_processes,
     wait_for_port,
+)
+
+# `specserve serve` drafts with the speculative config's own defaults (ngram, K = 5) on a drafter it starts.
+_SPECULATION_DEFAULTS = SpeculativeConfig()
+DEFAULT_SERVE_SPECULATION = json.dumps(
+    {"method": _SPECULATION_DEFAULTS.method, "num_speculative_tokens": _SPECULATION_DEFAULTS.num_speculative_tokens}
 )
 
 
@@ -59,6 +66,20 @@ class TlsFlags:
         return ["--grpc-root-cert", self.root_cert] if self.cert_file else []
 
 
+ENGINE_FLAGS = ("model", "device", "dtype", "max_num_seqs", "max_model_len", "compute_thread")
+
+
+def _given_engine_flags(args: argparse.Namespace) -> list[str]:
+    """Only the verifier flags given on this command line: the others are left to the verifier's settings, so
+    its defaults and SPECSERVE_VERIFIER_* environment variables hold under `specserve serve` too."""
+    flags = []
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
 def plan(args: argparse.Namespace) -> list[Child]:
     """The three commands, in start order."""
     python = [sys.executable, "-m", "services.cli"]
@@ -66,29 +87,26 @@ def plan(args: argparse.Namespace) -> list[Child]:
     tls = TlsFlags.from_args(args)
     children = []
     verifier = [
-        *python, "verifier", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
-        "--max-num-seqs", str(args.max_num_seqs), "--host", args.host, "--port", str(args.verifier_port),
-        "--metrics-port", str(args.verifier_metrics_port), "--compute-thread", args.compute_thread,
-        *tls.server_flags,
+        *python, "verifier", *_given_engine_flags(args), "--host", args.host, "--port", str(args.verifier_port),
+        "--metrics-port", str(args.verifier_metrics_port), *tls.server_flags,
     ]
-    if args.max_model_len:
-        verifier += ["--max-model-len", str(args.max_model_len)]
     if spec.enabled:
-        verifier += ["--speculative-config", spec.model_dump_json()]
-        drafter = [
-            *python, "drafter", "--method", spec.method,
-            "--num-speculative-tokens", str(spec.num_speculative_tokens),
-            "--prompt-lookup-min", str(spec.prompt_lookup_min), "--prompt-lookup-max", str(spec.prompt_lookup_max),
+        spec_json = json.dumps({"method": spec.method, **spec.model_dump(exclude_defaults=True)})  # short, readable
+        verifier += ["--speculative-config", spec_json]
+        drafter = [  # the same config: the drafter builds the method it names, with all of that method's options
+            *python, "drafter", "--speculative-config", spec_json,
             "--host", args.host, "--port", str(args.drafter_port),
             "--metrics-port", str(args.drafter_metrics_port), *tls.server_flags,
         ]
         children.append(Child("drafter", drafter, args.host, args.drafter_port))
         verifier += ["--drafter", f"{spec.method}={args.host}:{args.drafter_port}", *tls.drafter_client_flags]
     children.append(Child("verifier", verifier, args.host, args.verifier_port))
-    gateway = [
-        *python, "gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
+    gateway = [  # without --model the gateway loads the tokenizer of the model the verifier reports
+        *python, "gateway", "--host", args.host, "--port", str(args.port),
         "--verifier", f"{args.host}:{args.verifier_port}", *tls.gateway_flags,
     ]
+    if args.model is not None:
+        gateway += ["--model", args.model]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     children.append(Child("gateway", gateway, args.host, args.port))
@@ -165,16 +183,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-num-seqs", type=int, default=8)
+    # Engine flags default to None: unset, the verifier's own settings (defaults or environment) decide.
+    parser.add_argument("--model", default=None, help="default: the verifier's (smollm2-135m-instruct)")
+    parser.add_argument("--device", default=None, help="auto | cpu | cuda | npu (default: the verifier's, auto)")
+    parser.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16 (default: auto)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the verifier's (8)")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--compute-thread", choices=["auto", "main", "worker"], default="auto",
-                        help="verifier thread for the model's forwards; auto measures both at start-up")
+    parser.add_argument("--compute-thread", choices=["auto", "main", "worker"], default=None,
+                        help="verifier thread for the model's forwards; auto (default) measures both at start-up")
     parser.add_argument(
-        "--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 5}',
-        help="JSON; '{\"method\": \"none\"}' serves without speculation",
+        "--speculative-config", default=DEFAULT_SERVE_SPECULATION,
+        help="JSON (default: ngram with K = 5, its own drafter); '{\"method\": \"none\"}' serves without speculation",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")

@@ -39,7 +39,7 @@ from services.bench.report import (
     summarize,
 )
 from services.common.main_thread_compute import run_beside_main_thread
-from services.drafter.ngram import NgramSettings
+from services.drafter.methods.ngram import NgramSettings
 from services.modeling.compute_placement import choose_compute_thread
 from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
@@ -331,7 +331,6 @@ def stderr_progress() -> Progress:
 def main(argv: Sequence[str] | None = None) -> int:
     from services.bench.prompts import build_workloads
     from services.gateway.tokenizer import make_decode
-    from services.inprocess import eos_token_ids as served_eos_token_ids
     from services.modeling.loading import load_model
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -342,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workloads = build_workloads(loaded.tokenizer, args.num_prompts, args.max_tokens, args.edit_max_tokens)
     # The verifier's own EOS set (generation config, model config and tokenizer), so in-process and HTTP runs
     # stop on the same tokens.
-    eos_token_ids = sorted(served_eos_token_ids(loaded))
+    eos_token_ids = sorted(loaded.eos_token_ids)
     settings = BenchSettings(
         args.k, args.prompt_lookup_min, args.prompt_lookup_max, args.concurrency, args.repeats,
         args.compute_thread,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from services.bench.report import Generation
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.modeling.runner import ModelRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig

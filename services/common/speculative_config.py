@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-Method = Literal["ngram", "suffix", "draft_model", "eagle", "none"]
+from services.common.drafter_methods import check_method
 
 
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Method = "ngram"
+    method: str = "ngram"  # a registered drafter method (services/common/drafter_methods.py) or "none"
     num_speculative_tokens: int = Field(5, ge=0, le=64)
     # ngram (prompt lookup)
     prompt_lookup_min: int = Field(1, ge=1)
@@ -25,6 +24,11 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_max_cached_requests: int = Field(10_000, ge=0)
     suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
     suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        return check_method(value)
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:

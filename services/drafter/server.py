@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from services.common.drafter_methods import build_proposer, method_names
 from services.common.drafter_wire import DrafterDescription, drafter_pb2, drafter_pb2_grpc
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
 from services.common.metrics_http import serve_metrics
@@ -58,7 +59,9 @@ async def serve(
 def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM-style flags. Unset flags leave the SPECSERVE_DRAFTER_* environment (or the default) in charge."""
     s = argparse.SUPPRESS
-    parser.add_argument("--method", default=s, help="ngram (default)")
+    parser.add_argument("--speculative-config", dest="speculative_config", default=s,
+                        help='JSON as the verifier\'s, e.g. \'{"method": "suffix", "num_speculative_tokens": 8}\'')
+    parser.add_argument("--method", default=s, help=f"one of {', '.join(method_names())} (default ngram)")
     parser.add_argument("--num-speculative-tokens", dest="num_speculative_tokens", type=int, default=s,
                         help="largest K served per step (default 5)")
     parser.add_argument("--prompt-lookup-min", dest="prompt_lookup_min", type=int, default=s)
@@ -79,26 +82,21 @@ def settings_from_args(args: argparse.Namespace) -> DrafterSettings:
     return DrafterSettings(**{k: v for k, v in vars(args).items() if k in DrafterSettings.model_fields})
 
 
-def build_proposer(settings: DrafterSettings) -> Proposer:
-    from services.drafter.ngram import NgramProposer, NgramSettings
-
-    return NgramProposer(NgramSettings(settings.prompt_lookup_min, settings.prompt_lookup_max))
-
-
 async def run(settings: DrafterSettings) -> int:
-    proposer = build_proposer(settings)
+    speculation = settings.speculation
+    proposer = build_proposer(speculation)
     metrics = DrafterMetrics(proposer.method)
     server, port = await serve(
         proposer,
         settings.host,
         settings.port,
-        num_speculative_tokens=settings.num_speculative_tokens,
+        num_speculative_tokens=speculation.num_speculative_tokens,
         credentials=settings.server_credentials(),
         metrics=metrics,
     )
     install_sigterm_handler(lambda: server.graceful_stop(settings.drain_s, settings.grace_s))
     scheme = "grpcs" if settings.tls_enabled else "grpc"
-    print(f"drafter ({settings.method}) listening on {scheme}://{settings.host}:{port}", flush=True)
+    print(f"drafter ({speculation.method}) listening on {scheme}://{settings.host}:{port}", flush=True)
     endpoint = serve_metrics(metrics.registry, settings.host, settings.metrics_port)
     if endpoint is not None:
         print(f"metrics on http://{settings.host}:{endpoint.port}/metrics", flush=True)

@@ -4,21 +4,26 @@ configure the same process the same way."""
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import TlsServerSettings
 
 
 class DrafterSettings(TlsServerSettings):
+    """The method and its options come from `speculative_config` (the same vLLM-shaped JSON the verifier and
+    `specserve serve` take, so every method's options reach the drafter without a flag of their own); the
+    method, K and n-gram flags override single fields of it. Unset fields keep SpeculativeConfig's defaults:
+    one source of defaults for every process."""
+
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFTER_", extra="forbid", frozen=True)
 
-    method: Literal["ngram"] = "ngram"
-    num_speculative_tokens: int = Field(5, ge=1)  # the largest K served per step
-    prompt_lookup_min: int = Field(1, ge=1)
-    prompt_lookup_max: int = Field(4, ge=1)
+    speculative_config: str | None = None  # JSON, as the verifier's --speculative-config
+    method: str | None = None  # a registered method (services/common/drafter_methods.py)
+    num_speculative_tokens: int | None = Field(None, ge=1)  # the largest K served per step
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(50061, ge=0, le=65535)  # 0: a free port
     metrics_port: int | None = Field(8002, ge=0, le=65535)  # 0 or None: no metrics endpoint
@@ -26,9 +31,18 @@ class DrafterSettings(TlsServerSettings):
     grace_s: float = Field(5.0, ge=0)  # then: time for open streams to end
 
     @model_validator(mode="after")
-    def _lookup_range(self) -> DrafterSettings:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
-            )
+    def _valid_speculation(self) -> DrafterSettings:
+        speculation = self.speculation  # fails at start-up, naming the bad field
+        if not speculation.enabled:
+            raise ValueError("a drafter needs a speculative method and num_speculative_tokens >= 1, not 'none'")
         return self
+
+    @property
+    def speculation(self) -> SpeculativeConfig:
+        base = SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else SpeculativeConfig()
+        fields = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        overrides = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        try:
+            return SpeculativeConfig.model_validate({**base.model_dump(), **overrides})
+        except ValidationError as error:
+            raise ValueError(f"invalid drafter settings: {error}") from error

@@ -63,6 +63,18 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every end-of-sequence id the generation config, the model config and the tokenizer declare."""
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
 
 def _looks_like_path(spec: str) -> bool:
     """A missing local path should say 'not found', not be sent to the hub as a repo id."""

@@ -22,6 +22,7 @@ from services.common.metrics_http import MetricsEndpoint, serve_metrics
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import channel_credentials
 from services.modeling.compute_placement import choose_compute_thread
+from services.modeling.context_length import resolve_max_model_len
 from services.modeling.loading import LoadedModel
 from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
@@ -38,7 +39,6 @@ from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2,
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  # "specserve.v1.Verifier"
-DEFAULT_CONTEXT_CAP = 2048  # max_model_len when not given: the model's context, capped to bound KV memory
 
 
 @dataclass
@@ -68,15 +68,6 @@ class RunningVerifier:
             await drafter.close()
         if self.metrics is not None:
             self.metrics.stop()
-
-
-def resolve_max_model_len(model: torch.nn.Module, requested: int | None) -> int:
-    model_limit = int(getattr(model.config, "max_position_embeddings", DEFAULT_CONTEXT_CAP) or DEFAULT_CONTEXT_CAP)
-    if requested is None:
-        return min(model_limit, DEFAULT_CONTEXT_CAP)
-    if requested > model_limit:
-        raise ValueError(f"--max-model-len {requested} exceeds the model's context ({model_limit})")
-    return requested
 
 
 def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]) -> DefaultSpeculation:
@@ -187,13 +178,9 @@ async def start_verifier(
 
 async def serve(settings: VerifierSettings, loaded: LoadedModel, runner: ModelRunner, compute: Executor) -> int:
     """Serve the loaded model until SIGTERM/SIGINT, then stop gracefully."""
-    from services.inprocess import (
-        eos_token_ids,  # reads generation config / tokenizer; imports no drafter code
-    )
-
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
     running = await start_verifier(
-        loaded.model, loaded.model_id, settings, eos_token_ids(loaded), fingerprint, runner, compute
+        loaded.model, loaded.model_id, settings, loaded.eos_token_ids, fingerprint, runner, compute
     )
     install_sigterm_handler(lambda: running.stop(settings.drain_s, settings.grace_s))
     scheme = "grpcs" if settings.tls_enabled else "grpc"

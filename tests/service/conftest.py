@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.drafter.server import serve
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from services.common.proposer import DraftInput
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.drafter.metrics import DrafterMetrics
-from services.drafter.ngram import NgramProposer, NgramSettings
 from services.drafter.server import serve
 from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
 from tests.tiny_models import VOCAB

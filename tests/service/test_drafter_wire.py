@@ -23,7 +23,7 @@ from services.common.drafter_wire import (
     step_to_proto,
 )
 from services.common.proposer import Draft, DraftInput
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.drafter.server import serve
 
 A = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.drafter.server import serve
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine

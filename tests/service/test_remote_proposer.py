@@ -10,7 +10,7 @@ import pytest
 from services.common.drafter_wire import DrafterDescription, DraftStep, drafter_pb2_grpc
 from services.common.grpc_server import start_grpc_server
 from services.common.proposer import DraftInput
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.drafter.server import SERVICE_NAME, serve
 from services.drafter.servicer import DrafterServicer, LinkState
 from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig

@@ -9,7 +9,7 @@ import pytest
 
 from services.common.proposer import DraftInput
 from services.common.tls import channel_credentials, server_credentials
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.drafter.server import serve
 from services.gateway.verifier_client import VerifierClient
 from services.verifier.remote_proposer import DrafterUnavailableError, RemoteProposer, RemoteProposerConfig

@@ -224,7 +224,7 @@ async def test_info_reports_model_facts_and_drafter_states(model, ngram_drafter)
 
 async def test_idle_drafters_states_follow_the_drafter_coming_and_going(model):
     """No request uses the drafter: the health watcher alone notices it start, then stop."""
-    from services.drafter.ngram import NgramProposer
+    from services.drafter.methods.ngram import NgramProposer
     from services.drafter.server import serve
 
     port = free_port()

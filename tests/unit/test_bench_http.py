@@ -4,6 +4,7 @@ leaves nothing running, and (slow) the real rows on SmolLM2-135M through the HTT
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -27,8 +28,9 @@ def test_stack_is_planned_like_serve_with_the_bench_settings():
                                    max_model_len=777)
     children = {c.name: c for c in launcher.plan(args)}
     assert list(children) == ["drafter", "verifier", "gateway"]
-    drafter, verifier = " ".join(children["drafter"].argv), " ".join(children["verifier"].argv)
-    assert "--num-speculative-tokens 6 --prompt-lookup-min 2 --prompt-lookup-max 3" in drafter
+    drafter, verifier = children["drafter"].argv, " ".join(children["verifier"].argv)
+    sent = json.loads(drafter[drafter.index("--speculative-config") + 1])
+    assert sent == {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
     for flag in ("--model smollm2-135m-instruct", "--device cpu", "--dtype float32", "--max-num-seqs 5",
                  "--max-model-len 777", f"--drafter ngram=127.0.0.1:{args.drafter_port}"):
         assert flag in verifier
@@ -95,14 +97,13 @@ def test_http_rows_on_smollm2(smollm2):
     stack, which must generate exactly what the in-process engine generates."""
     from services.bench.prompts import build_workloads
     from services.gateway.tokenizer import make_decode
-    from services.inprocess import eos_token_ids
 
     workloads = build_workloads(smollm2.tokenizer, 1, 16, 24)
     settings = BenchSettings(k=8, prompt_lookup_min=2, prompt_lookup_max=4, concurrency=2, repeats=1)
     http = HttpTarget(MODEL, "cpu", "float32", 2, make_decode(smollm2.tokenizer))
     messages: list[str] = []
 
-    result = run_benchmark(smollm2.model, workloads, settings, sorted(eos_token_ids(smollm2)), {}, messages.append,
+    result = run_benchmark(smollm2.model, workloads, settings, sorted(smollm2.eos_token_ids), {}, messages.append,
                            http)
 
     by_key = {(r.workload, r.key): r for r in result.rows}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.drafter.ngram import NgramProposer
+from services.drafter.methods.ngram import NgramProposer
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig

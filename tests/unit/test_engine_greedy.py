@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig

@@ -12,7 +12,7 @@ import pytest
 
 from services.common.proposer import Draft
 from services.common.sampling_rules import LOGPROB_FLOOR
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine, RequestFailedError
 from services.verifier.engine_config import EngineConfig

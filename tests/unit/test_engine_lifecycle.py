@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.drafter.ngram import NgramProposer
+from services.drafter.methods.ngram import NgramProposer
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine, EngineOverloadedError
 from services.verifier.engine_config import EngineConfig

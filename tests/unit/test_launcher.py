@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -33,6 +34,26 @@ def test_default_plan_starts_drafter_verifier_gateway_with_their_ports():
     assert flag(verifier.argv, "--drafter") == "ngram=127.0.0.1:50061"
     assert flag(gateway.argv, "--verifier") == "127.0.0.1:50051"
     assert not any("tls" in arg or "cert" in arg for child in (drafter, verifier, gateway) for arg in child.argv)
+
+
+def test_unset_engine_flags_are_left_to_the_verifiers_settings_and_given_ones_pass_through():
+    """SPECSERVE_VERIFIER_MAX_NUM_SEQS used to be overridden by serve's own --max-num-seqs default."""
+    _, verifier, gateway = launcher.plan(parse())
+    assert gateway.argv[2:4] == ["services.cli", "gateway"]
+    for name in ("--model", "--device", "--dtype", "--max-num-seqs", "--max-model-len", "--compute-thread"):
+        assert name not in verifier.argv and name not in gateway.argv
+    _, verifier, gateway = launcher.plan(parse("--model", "qwen2.5-coder-0.5b-instruct", "--max-num-seqs", "3"))
+    assert flag(verifier.argv, "--model") == "qwen2.5-coder-0.5b-instruct" == flag(gateway.argv, "--model")
+    assert flag(verifier.argv, "--max-num-seqs") == "3"
+
+
+def test_the_drafter_gets_the_whole_speculative_config_so_any_methods_options_reach_it():
+    spec = '{"method": "suffix", "num_speculative_tokens": 12, "suffix_decoding_max_tree_depth": 32}'
+    drafter, verifier, _ = launcher.plan(parse("--speculative-config", spec))
+    sent = json.loads(flag(drafter.argv, "--speculative-config"))
+    assert sent == {"method": "suffix", "num_speculative_tokens": 12, "suffix_decoding_max_tree_depth": 32}
+    assert json.loads(flag(verifier.argv, "--speculative-config")) == sent
+    assert flag(verifier.argv, "--drafter").startswith("suffix=")
 
 
 def test_no_speculation_starts_no_drafter():

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from services.common.proposer import DraftInput
-from services.drafter.ngram import NgramProposer, NgramSettings, propose_ngram
+from services.drafter.methods.ngram import NgramProposer, NgramSettings, propose_ngram
 
 
 def lookup(tokens, k, lo=1, hi=4):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.drafter.ngram import NgramProposer, NgramSettings
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.runner import RowInput
 from services.verifier.engine import Engine

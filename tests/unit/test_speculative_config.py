@@ -1,7 +1,7 @@
 import pytest
 
 from services.common.speculative_config import SpeculativeConfig
-from services.drafter.ngram import NgramProposer
+from services.drafter.methods.ngram import NgramProposer
 from services.inprocess import default_speculation, local_proposers
 
 
@@ -30,18 +30,12 @@ def test_empty_flag_means_no_speculation():
     ("text", "message"),
     [
         ("{not json", "not valid JSON"),
-        ('{"method": "medusa"}', "method"),
+        ('{"method": "medusa"}', "unknown speculative method 'medusa'; available: ngram, suffix"),
         ('{"method": "ngram", "num_speculative_tokens": -1}', "num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
-        ('{"method": "draft_model"}', "needs a 'model'"),
         ('{"method": "ngram", "bogus": 1}', "bogus"),
     ],
 )
 def test_bad_flags_get_clear_errors(text, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(text)
-
-
-def test_methods_not_available_in_process_are_refused_clearly():
-    with pytest.raises(ValueError, match="not available in-process"):
-        local_proposers(SpeculativeConfig(method="suffix"))

@@ -11,6 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from services.common.proposer import Draft, DraftInput
+from services.common.speculative_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,8 @@ class NgramProposer:
 
     def release(self, seq_id: Hashable) -> None:
         """Stateless: nothing to forget."""
+
+
+def build_proposer(config: SpeculativeConfig) -> NgramProposer:
+    """The registry's entry point (services/common/drafter_methods.py)."""
+    return NgramProposer(NgramSettings(config.prompt_lookup_min, config.prompt_lookup_max))

@@ -1,0 +1,82 @@
+"""The registry of drafter methods: a method's name -> the module that builds its proposer.
+
+Why module paths and not classes: the verifier, the gateway and the launcher read the list of methods (to check
+a speculative config, to plan `specserve serve`) without importing any drafter code; only a process that runs a
+proposer (the drafter service, and the in-process engine of `specserve generate` and the bench) imports the
+method's module. A new method is one module under services/drafter/methods/ plus one line in BUILTIN_METHODS;
+a package outside this repository adds one with an entry point in the group "specserve.drafter_methods"
+(`name = "package.module"`), the usual Python plug-in mechanism.
+
+A method module provides `build_proposer(config: SpeculativeConfig) -> Proposer`, which raises
+MethodUnavailableError with a clear message when the method cannot run here (a native package missing or not
+built for this platform), so `--method suffix` fails at start-up and every other method still works.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from importlib.metadata import entry_points
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.common.proposer import Proposer
+    from services.common.speculative_config import SpeculativeConfig
+
+ENTRY_POINT_GROUP = "specserve.drafter_methods"
+NO_SPECULATION = "none"  # not a method: turns speculation off (server default or per request)
+
+BUILTIN_METHODS = MappingProxyType({
+    "ngram": "services.drafter.methods.ngram",
+    "suffix": "services.drafter.methods.suffix",
+})
+
+
+class MethodUnavailableError(RuntimeError):
+    """The method exists but cannot run in this process (e.g. its native package is not installed)."""
+
+
+class UnknownMethodError(ValueError):
+    """No registered method has this name."""
+
+
+@functools.cache
+def _plugin_methods() -> MappingProxyType:
+    """Methods that installed packages declare as entry points (read once per process)."""
+    return MappingProxyType({ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def method_modules() -> dict[str, str]:
+    """Every registered method -> its module; a built-in name cannot be taken over by a plug-in."""
+    return {**_plugin_methods(), **BUILTIN_METHODS}
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(sorted(method_modules()))
+
+
+def check_method(name: str) -> str:
+    """`name` if it is a registered method or "none"; otherwise UnknownMethodError naming the choices."""
+    if name == NO_SPECULATION or name in method_modules():
+        return name
+    raise UnknownMethodError(
+        f"unknown speculative method {name!r}; available: {', '.join(method_names())}, or {NO_SPECULATION!r}"
+    )
+
+
+def load_method(name: str) -> ModuleType:
+    """Import the module of method `name` and check that it provides build_proposer."""
+    module_path = method_modules().get(name)
+    if module_path is None:
+        check_method(name)  # raises UnknownMethodError (also for "none", which builds nothing)
+        raise UnknownMethodError(f"{name!r} turns speculation off; it has no proposer to build")
+    module = importlib.import_module(module_path)
+    if not callable(getattr(module, "build_proposer", None)):
+        raise TypeError(f"drafter method module {module_path} has no build_proposer(config) function")
+    return module
+
+
+def build_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer `config.method` names, configured by `config`."""
+    return load_method(config.method).build_proposer(config)
