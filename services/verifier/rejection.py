@@ -6,8 +6,8 @@ known at K_b+1 positions: p_1..p_{K_b} for the drafts and p_{K_b+1} for the bonu
 - Deterministic drafts (ngram, suffix, argmax drafting; q is one-hot). Draw y_j = argmax(log p_j + g_j) with
   Gumbel noise g_j keyed by the absolute position (random_streams.py) and accept x_j iff y_j == x_j; the first
   mismatch emits y_j. P(accept) = p_j(x_j) and, given a rejection, y_j ~ p_j with x_j removed and renormalised:
-  exactly the rule of DESIGN.md. Because g_j depends only on (seed, position), the emitted tokens are the very
-  tokens the engine samples with speculation off. Greedy rows are the same code with g = 0.
+  exactly the rule of docs/architecture.md. Because g_j depends only on (seed, position), the emitted tokens are
+  the very tokens the engine samples with speculation off. Greedy rows are the same code with g = 0.
 - Drafts sampled from q (q sent). Accept x_j iff u_j * q_j(x_j) < p_j(x_j) (probability min(1, p/q)); the first
   rejection emits a sample of norm(max(0, p_j - q_j)); greedy rows ignore q (argmax acceptance is exact).
 - When all K_b drafts are accepted, the bonus token y_{K_b+1} ~ p_{K_b+1} is emitted.

@@ -47,8 +47,8 @@ def test_registered_names_in_order() -> None:
     ]
 
 
-def test_hashes_match_the_design_brief() -> None:
-    """DESIGN.md quotes truncated hashes; the full ones here must extend them."""
+def test_hashes_match_the_architecture_doc() -> None:
+    """docs/architecture.md quotes truncated hashes; the full ones here must extend them."""
     expected = {
         "smollm2-135m-instruct": ("b179c952", "db53", 98_362_432),
         "qwen2.5-coder-0.5b-instruct": ("1d961463", "ff32", 491_400_064),
