@@ -38,8 +38,9 @@ from services.bench.report import (
     merge_rounds,
     summarize,
 )
+from services.common.drafter_methods import MethodUnavailableError, build_proposer
 from services.common.main_thread_compute import run_beside_main_thread
-from services.drafter.methods.ngram import NgramSettings
+from services.common.speculative_config import SpeculativeConfig
 from services.modeling.compute_placement import choose_compute_thread
 from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
@@ -86,51 +87,96 @@ def measure_transformers(
     return measurements
 
 
-async def _sequential(engine, ids, workloads, settings, k, label, progress, http=None) -> list[Measurement]:
+@dataclass(frozen=True)
+class Mode:
+    """One way specserve runs in the table: speculation off, or a drafter method with its config."""
+
+    key: str  # row key prefix: "off", "ngram", "suffix"
+    label: str
+    config: SpeculativeConfig | None = None  # None: speculation off
+
+    @property
+    def method(self) -> str | None:
+        return self.config.method if self.config else None
+
+    @property
+    def k(self) -> int:
+        return self.config.num_speculative_tokens if self.config else 0
+
+    def http_k(self) -> int | None:
+        """K for the HTTP rows, which the bench measures for off and ngram (the stack's drafter); None: no row."""
+        return {"off": 0, "ngram": self.k}.get(self.key)
+
+
+async def _sequential(engine, ids, workloads, settings, mode: Mode, progress, http=None) -> list[Measurement]:
     """One request at a time: the latency-bound case speculation is for. With `http` (a client on the stack),
     each prompt then goes through the HTTP API too, right after its in-process run: the two timings of a pair
     are seconds apart, so a noisy spell on a shared machine hits both rather than one (the ratio between them
     is a target). The HTTP request blocks this event loop, which has nothing to do then: no request is in
     flight in the in-process engine, and the stack's processes idle while the in-process engine runs."""
-    progress(f"warm-up: {label}")
+    http_k = mode.http_k() if http is not None else None
+    progress(f"warm-up: {mode.label}")
     warmup = workloads[0].prompts[0]
-    await specserve_runs.generate_one(engine, ids.next("warmup"), warmup, WARMUP_TOKENS, k)
-    if http is not None:
-        progress(f"warm-up: {http_runs.system_label(k)}")
-        http.complete(warmup, WARMUP_TOKENS, k)
+    if mode.config:
+        specserve_runs.fresh_proposer(engine, mode.config)
+    await specserve_runs.generate_one(engine, ids.next("warmup"), warmup, WARMUP_TOKENS, mode.method, mode.k)
+    if http_k is not None:
+        progress(f"warm-up: {http_runs.system_label(http_k)}")
+        http.complete(warmup, WARMUP_TOKENS, http_k)
     measurements = []
     for w in workloads:
-        also = ", each prompt also through the HTTP API" if http is not None else ""
-        progress(f"{w.name}: {label}, 1 request at a time{also}")
+        also = ", each prompt also through the HTTP API" if http_k is not None else ""
+        progress(f"{w.name}: {mode.label}, 1 request at a time{also}")
+        if mode.config:
+            specserve_runs.fresh_proposer(engine, mode.config)  # a workload's prompts share one history
         local, remote = [], []
         for i, prompt in enumerate(w.prompts):
-            result = await specserve_runs.generate_one(engine, ids.next("seq"), prompt, w.max_tokens, k)
+            result = await specserve_runs.generate_one(
+                engine, ids.next("seq"), prompt, w.max_tokens, mode.method, mode.k
+            )
             local.append(result)
             line = f"  prompt {i + 1}/{len(w.prompts)}: {len(result.tokens)} tokens in {result.seconds:.2f} s"
-            if http is not None:
-                over_http = http.complete(prompt, w.max_tokens, k)
+            if http_k is not None:
+                over_http = http.complete(prompt, w.max_tokens, http_k)
                 remote.append(over_http)
                 line += f"; HTTP API: {over_http.num_tokens} tokens in {over_http.seconds:.2f} s"
             progress(line)
-        key = "ngram-1" if k else "off-1"
-        measurements.append(Measurement(key, w.name, label, 1, (tuple(local),), speculative=k > 0))
-        if http is not None:
-            measurements.append(
-                Measurement(f"http-{key}", w.name, http_runs.system_label(k), 1, (tuple(remote),), speculative=k > 0)
-            )
+        key = f"{mode.key}-1"
+        measurements.append(Measurement(key, w.name, mode.label, 1, (tuple(local),), speculative=mode.k > 0))
+        if http_k is not None:
+            measurements.append(Measurement(
+                f"http-{key}", w.name, http_runs.system_label(http_k), 1, (tuple(remote),), speculative=http_k > 0
+            ))
     return measurements
 
 
-async def _concurrent(engine, ids, workloads, settings, k, label, progress) -> list[Measurement]:
+async def _concurrent(engine, ids, workloads, settings, mode: Mode, progress) -> list[Measurement]:
     """`concurrency` requests at once: the throughput case, one batched forward per step."""
     n = settings.concurrency
     measurements = []
     for w in workloads:
-        progress(f"{w.name}: {label}, {n} concurrent")
-        run, wall = await specserve_runs.run_concurrent(engine, ids, w.prompts, w.max_tokens, k, n, progress)
-        key = "ngram-N" if k else "off-N"
-        measurements.append(Measurement(key, w.name, label, n, (run,), (wall,), speculative=k > 0))
+        progress(f"{w.name}: {mode.label}, {n} concurrent")
+        if mode.config:
+            specserve_runs.fresh_proposer(engine, mode.config)
+        run, wall = await specserve_runs.run_concurrent(
+            engine, ids, w.prompts, w.max_tokens, mode.method, mode.k, n, progress
+        )
+        measurements.append(Measurement(f"{mode.key}-N", w.name, mode.label, n, (run,), (wall,), speculative=mode.k > 0))
     return measurements
+
+
+def specserve_modes(settings: BenchSettings, progress: Progress) -> list[Mode]:
+    """Off, ngram and suffix with the same K; suffix only where its native package is installed (said so)."""
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=settings.k,
+                              prompt_lookup_min=settings.prompt_lookup_min, prompt_lookup_max=settings.prompt_lookup_max)
+    modes = [Mode("off", "specserve off"), Mode("ngram", f"specserve ngram K={settings.k}", ngram)]
+    suffix = SpeculativeConfig(method="suffix", num_speculative_tokens=settings.k)
+    try:
+        build_proposer(suffix)
+    except MethodUnavailableError as error:
+        progress(f"no suffix rows: {error}")
+        return modes
+    return [*modes, Mode("suffix", f"specserve suffix K={settings.k}", suffix)]
 
 
 def max_model_len(workloads: Sequence[Workload], settings: BenchSettings) -> int:
@@ -148,18 +194,17 @@ async def measure_specserve(
     progress: Progress,
     http: http_runs.HttpClient | None = None,
 ) -> list[Measurement]:
-    """Speculation off and ngram, one request at a time and `concurrency` at once, all on one engine; with
-    `http`, the single-request runs also through the HTTP API (see `_sequential`)."""
-    ngram = NgramSettings(settings.prompt_lookup_min, settings.prompt_lookup_max)
-    engine = specserve_runs.build_engine(runner, eos_token_ids, ngram, compute)
+    """Speculation off, ngram and suffix, one request at a time and `concurrency` at once, all on one engine;
+    with `http`, the single-request runs of off and ngram also through the HTTP API (see `_sequential`)."""
+    engine = specserve_runs.build_engine(runner, eos_token_ids, compute)
     ids = specserve_runs.RequestIds()
-    modes = ((0, "specserve off"), (settings.k, f"specserve ngram K={settings.k}"))
+    modes = specserve_modes(settings, progress)
     measurements = []
     async with engine:
-        for k, label in modes:
-            measurements += await _sequential(engine, ids, workloads, settings, k, label, progress, http)
-        for k, label in modes:
-            measurements += await _concurrent(engine, ids, workloads, settings, k, label, progress)
+        for mode in modes:
+            measurements += await _sequential(engine, ids, workloads, settings, mode, progress, http)
+        for mode in modes:
+            measurements += await _concurrent(engine, ids, workloads, settings, mode, progress)
     return measurements
 
 
@@ -184,6 +229,8 @@ def equality_checks(measurements: Sequence[Measurement]) -> list[Check]:
     plan = (
         ("specserve ngram vs off, 1 request", "ngram-1", "off-1", True),
         ("specserve ngram vs off, concurrent", "ngram-N", "off-N", True),
+        ("specserve suffix vs off, 1 request", "suffix-1", "off-1", True),
+        ("specserve suffix vs off, concurrent", "suffix-N", "off-N", True),
         ("HTTP API ngram vs HTTP API off, 1 request (text)", "http-ngram-1", "http-off-1", True),
         ("HTTP API ngram vs in-process ngram, 1 request (text)", "http-ngram-1", "ngram-1", True),
         ("HTTP API off vs in-process off, 1 request (text)", "http-off-1", "off-1", True),

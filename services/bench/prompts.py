@@ -2,7 +2,9 @@
 
 Two workloads bracket what n-gram speculation can do: HumanEval completions (little to copy from the
 prompt, so prompt lookup mostly proposes nothing or gets rejected) and a whole-file code edit (the answer is
-mostly the prompt, the case prompt lookup exists for).
+mostly the prompt, the case prompt lookup exists for). A third, the edit sequence, sends several edits of the
+same file one after another: each answer also resembles the previous answers, which a drafter with a memory
+of earlier responses (suffix decoding) can draft from.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 CODE_EDIT_SOURCE = Path(__file__).parent / "data" / "code_edit_source.py"
 CODE_EDIT_RENAME = ("get_price", "lookup_price")
+# The edit sequence: one file, several edits in a row, each answered with the whole file (an agent's loop).
+EDIT_SEQUENCE_RENAMES = (("total_value", "inventory_value"), ("add_item", "insert_item"), ("restock", "refill"))
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,11 @@ def humaneval_messages(num_prompts: int) -> list[str]:
     ]
 
 
-def code_edit_message() -> str:
+def code_edit_message(rename: tuple[str, str] = CODE_EDIT_RENAME) -> str:
     """One rename in a ~60-line file, whole file back: the answer is nearly a copy of the prompt. The file
     comes first and the reply is asked to start with the code block: with the instruction first, SmolLM2-135M
     tends to describe the file in prose instead of returning it."""
-    old, new = CODE_EDIT_RENAME
+    old, new = rename
     source = CODE_EDIT_SOURCE.read_text()
     return (
         f"Here is a Python file:\n\n```python\n{source}```\n\n"
@@ -70,4 +74,10 @@ def build_workloads(
             humaneval_max_tokens,
         ),
         Workload("code-edit", (chat_token_ids(tokenizer, code_edit_message()),), code_edit_max_tokens),
+        # Requests in a row on the same file: what a drafter that remembers earlier answers (suffix) is for.
+        Workload(
+            "edit-sequence",
+            tuple(chat_token_ids(tokenizer, code_edit_message(rename)) for rename in EDIT_SEQUENCE_RENAMES),
+            code_edit_max_tokens,
+        ),
     ]

@@ -52,7 +52,7 @@ class Measurement:
     """All generations of one system on one workload. Single-request: one entry per prompt and repeat, timed
     each on its own. Concurrent: `batch_seconds[r]` is the wall time of repeat r's whole batch."""
 
-    key: str  # hf-plain | hf-pld | off-1 | ngram-1 | off-N | ngram-N | http-off-1 | http-ngram-1
+    key: str  # hf-plain | hf-pld | off-1 | ngram-1 | suffix-1 | off-N | ngram-N | suffix-N | http-off-1 | http-ngram-1
     workload: str
     system: str
     concurrency: int
@@ -108,10 +108,13 @@ class RatioSpec:
 
 _EDIT = ("code-edit",)
 _BOTH = ("humaneval", "code-edit")
+_SEQUENCE = ("edit-sequence",)
 RATIO_SPECS = (
     RatioSpec("specserve off (1 req) / transformers plain", "off-1", "hf-plain", _BOTH, 1.0),
     RatioSpec("specserve ngram / specserve off (1 req)", "ngram-1", "off-1", _EDIT, 1.5),
     RatioSpec("specserve ngram / transformers prompt lookup (1 req)", "ngram-1", "hf-pld", _EDIT, 1.0),
+    RatioSpec("specserve suffix / specserve off (1 req)", "suffix-1", "off-1", _SEQUENCE, 2.0),
+    RatioSpec("specserve suffix / specserve ngram (1 req)", "suffix-1", "ngram-1", _SEQUENCE, 1.0),
     RatioSpec("concurrent aggregate / 1 request (spec off)", "off-N", "off-1", _BOTH, 3.0),
     # End to end: the gateway (HTTP, JSON, detokenization) and the gRPC links must cost under 10% at 1 request.
     RatioSpec("HTTP API ngram / in-process ngram (1 req)", "http-ngram-1", "ngram-1", _BOTH, 0.9),

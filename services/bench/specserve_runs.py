@@ -13,25 +13,30 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from services.bench.report import Generation
-from services.drafter.methods.ngram import NgramProposer, NgramSettings
+from services.common.drafter_methods import build_proposer
+from services.common.speculative_config import SpeculativeConfig
 from services.modeling.runner import ModelRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 
 
-def build_engine(
-    runner: ModelRunner, eos_token_ids: Sequence[int], ngram: NgramSettings, compute: Executor
-) -> Engine:
-    """One engine per round on the bench's one runner (slots for the concurrent batch), the ngram proposer for
-    speculative runs, its forwards on `compute` (the thread the start-up measurement chose)."""
+def build_engine(runner: ModelRunner, eos_token_ids: Sequence[int], compute: Executor) -> Engine:
+    """One engine per round on the bench's one runner (slots for the concurrent batch), its forwards on `compute`
+    (the thread the start-up measurement chose); proposers are set per measurement (fresh_proposer)."""
     config = EngineConfig(max_num_batched_tokens=512, log_stats_interval_s=0)
-    return Engine(runner, config, {"ngram": NgramProposer(ngram)}, eos_token_ids, compute)
+    return Engine(runner, config, {}, eos_token_ids, compute)
 
 
-def speculation(k: int) -> SpeculationParams:
-    """K = 0 means speculation off."""
-    return SpeculationParams(method="ngram", num_speculative_tokens=k) if k > 0 else SpeculationParams()
+def speculation(method: str | None, k: int) -> SpeculationParams:
+    """No method (or K = 0) means speculation off."""
+    return SpeculationParams(method=method, num_speculative_tokens=k) if method and k > 0 else SpeculationParams()
+
+
+def fresh_proposer(engine: Engine, config: SpeculativeConfig) -> None:
+    """A new proposer for `config.method` before each measurement: a stateful one (suffix keeps every answer it
+    saw) would otherwise draft one row's requests from another row's identical answers."""
+    engine.proposers[config.method] = build_proposer(config)
 
 
 class RequestIds:
@@ -45,11 +50,11 @@ class RequestIds:
 
 
 async def generate_one(
-    engine: Engine, request_id: str, prompt: Sequence[int], max_tokens: int, k: int
+    engine: Engine, request_id: str, prompt: Sequence[int], max_tokens: int, method: str | None, k: int
 ) -> Generation:
     """Time one request from submission to its last token."""
     request = GenerationRequest(
-        request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), speculation(k)
+        request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), speculation(method, k)
     )
     tokens: list[int] = []
     steps = 0
@@ -71,6 +76,7 @@ async def run_concurrent(
     ids: RequestIds,
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
+    method: str | None,
     k: int,
     concurrency: int,
     progress: Callable[[str], None],
@@ -79,7 +85,7 @@ async def run_concurrent(
     batch = list(itertools.islice(itertools.cycle(prompts), concurrency))
     started = time.perf_counter()
     results = await asyncio.gather(
-        *(generate_one(engine, ids.next("batch"), prompt, max_tokens, k) for prompt in batch)
+        *(generate_one(engine, ids.next("batch"), prompt, max_tokens, method, k) for prompt in batch)
     )
     seconds = time.perf_counter() - started
     total = sum(len(r.tokens) for r in results)

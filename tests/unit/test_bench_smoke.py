@@ -15,7 +15,7 @@ from services.bench.prompts import Workload
 from services.bench.report import RATIO_SPECS, format_report
 from tests.tiny_models import VOCAB, tiny_llama
 
-ROW_KEYS = ("hf-plain", "hf-pld", "off-1", "ngram-1", "off-N", "ngram-N")
+ROW_KEYS = ("hf-plain", "hf-pld", "off-1", "ngram-1", "suffix-1", "off-N", "ngram-N", "suffix-N")
 
 
 def repetitive_prompt(rng: random.Random, length: int) -> tuple[int, ...]:
@@ -34,6 +34,7 @@ def test_bench_pipeline_on_tiny_model():
     workloads = [
         Workload("humaneval", tuple(repetitive_prompt(rng, n) for n in (12, 20)), max_tokens=10),
         Workload("code-edit", (repetitive_prompt(rng, 30),), max_tokens=16),
+        Workload("edit-sequence", (repetitive_prompt(rng, 24), repetitive_prompt(rng, 24)), max_tokens=12),
     ]
     settings = BenchSettings(k=3, prompt_lookup_min=1, prompt_lookup_max=3, concurrency=3, repeats=2)
     messages: list[str] = []
