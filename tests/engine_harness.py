@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.verifier.engine import Engine, RequestStream
+from services.verifier.engine import Engine
 from services.verifier.outputs import RequestOutput
+from services.verifier.request_stream import RequestStream
 from services.verifier.sampling_params import GenerationRequest
 
 

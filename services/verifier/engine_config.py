@@ -12,7 +12,7 @@ class EngineConfig:
     draft_timeout_s: float = 0.5  # per-step deadline for each proposer; a late proposal means K = 0 this step
     log_stats_interval_s: float = 10.0  # 0 disables the periodic speculation log line
     # In batches, draft only positions whose estimated acceptance probability is at least this (see
-    # engine.adaptive_draft_length); a request decoding alone always drafts its full K. Off by default: on the
+    # step_planning.adaptive_draft_length); a request decoding alone always drafts its full K. Off by default: on the
     # benchmark it helped low-acceptance batches (HumanEval x8) and cost high-acceptance ones (code edit x8).
     adaptive_speculation: bool = False
     adaptive_min_accept_probability: float = 0.3

@@ -205,8 +205,8 @@ async def test_adaptive_k_shrinks_for_rejected_drafts_and_keeps_output(model):
 
 
 def test_adaptive_draft_length():
-    from services.verifier.engine import adaptive_draft_length
     from services.verifier.request_state import AcceptanceEstimate
+    from services.verifier.step_planning import adaptive_draft_length
 
     assert adaptive_draft_length(1.0, 8, 0.3) == 8
     assert adaptive_draft_length(0.9, 8, 0.3) == 8  # 0.9**8 = 0.43

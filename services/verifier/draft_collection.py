@@ -1,0 +1,97 @@
+"""Asking the proposers for drafts, once per engine step, and keeping count of what they did.
+
+Every proposer that running requests use is asked concurrently, under one deadline, with all of its rows at
+once; a proposer that is late, fails or answers malformed costs its rows K = 0 for this step (counted as a
+fallback, logged once per outage by proposer_outages.py), never the step. Nothing a proposer returns is trusted:
+drafts are clipped to K and checked against the vocabulary before the engine verifies them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.proposer import Draft, DraftInput, Proposer
+from services.verifier.proposer_outages import ProposerOutageLog
+from services.verifier.request_state import RequestState
+from services.verifier.spec_stats import SpecDecodeStats
+
+
+@dataclass(frozen=True)
+class ProposedDraft:
+    tokens: list[int]
+    probs: torch.Tensor | None  # [len(tokens), V]
+
+
+NO_DRAFT = ProposedDraft([], None)
+
+
+class DraftCollector:
+    def __init__(self, proposers: Mapping[str, Proposer], vocab_size: int, draft_timeout_s: float) -> None:
+        self.proposers = dict(proposers)  # by method name; requests select one by name
+        self.vocab_size = vocab_size
+        self.draft_timeout_s = draft_timeout_s
+        self.stats_by_method: dict[str, SpecDecodeStats] = {}  # speculation counts per proposer
+        self._outages = ProposerOutageLog()
+
+    async def collect(self, decode: Sequence[RequestState], lengths: Sequence[int]) -> list[ProposedDraft]:
+        """One draft per decoding request (NO_DRAFT where its K, `lengths[i]`, is 0 or its proposer failed)."""
+        drafts = [NO_DRAFT] * len(decode)
+        groups: dict[str, list[tuple[int, int]]] = {}
+        for index, (state, k) in enumerate(zip(decode, lengths, strict=True)):
+            if k > 0:
+                groups.setdefault(state.request.speculation.method, []).append((index, k))
+
+        async def ask(method: str, members: list[tuple[int, int]]) -> None:
+            inputs = [DraftInput(decode[i].request_id, decode[i].token_ids, k) for i, k in members]
+            try:
+                proposed = await asyncio.wait_for(self.proposers[method].propose(inputs), timeout=self.draft_timeout_s)
+            except TimeoutError:
+                self._fall_back(method, f"missed the {self.draft_timeout_s:.3f} s draft deadline")
+                return
+            except Exception as error:  # noqa: BLE001 - any proposer failure means K = 0, never a failed step
+                self._fall_back(method, error)
+                return
+            if len(proposed) != len(inputs):
+                self._fall_back(method, f"returned {len(proposed)} drafts for {len(inputs)} sequences")
+                return
+            self._outages.succeeded(method)
+            for (index, k), draft in zip(members, proposed, strict=True):
+                drafts[index] = self._sanitize(draft, k)
+
+        await asyncio.gather(*(ask(method, members) for method, members in groups.items()))
+        return drafts
+
+    @property
+    def stats(self) -> SpecDecodeStats:
+        """Counts over every proposer, assembled when asked (steps record per proposer only)."""
+        return SpecDecodeStats.merged(list(self.stats_by_method.values()))
+
+    def num_fallbacks(self, method: str) -> int:
+        """Steps in which `method`'s proposal was late, failed or malformed (its rows ran with K = 0)."""
+        stats = self.stats_by_method.get(method)
+        return stats.num_fallbacks if stats is not None else 0
+
+    def method_stats(self, method: str) -> SpecDecodeStats:
+        stats = self.stats_by_method.get(method)
+        if stats is None:
+            stats = self.stats_by_method[method] = SpecDecodeStats()
+        return stats
+
+    def _fall_back(self, method: str, error: BaseException | str) -> None:
+        """`method`'s rows run with K = 0 this step: counted, and logged once per outage (proposer_outages)."""
+        self.method_stats(method).num_fallbacks += 1
+        self._outages.failed(method, error)
+
+    def _sanitize(self, draft: Draft, k: int) -> ProposedDraft:
+        """Trust nothing from a proposer: clip to K, drop out-of-vocabulary drafts and malformed q."""
+        tokens = [int(t) for t in list(draft.token_ids)[:k]]
+        vocab = self.vocab_size
+        if not tokens or min(tokens) < 0 or max(tokens) >= vocab:
+            return NO_DRAFT
+        probs = draft.probs
+        if probs is not None and (probs.dim() != 2 or probs.shape[0] < len(tokens) or probs.shape[1] != vocab):
+            probs = None
+        return ProposedDraft(tokens, None if probs is None else probs[: len(tokens)])
