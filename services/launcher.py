@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
 from services.common.speculative_config import SpeculativeConfig
 from services.supervision import (
     Child,
@@ -30,11 +31,15 @@ from services.supervision import (
     wait_for_port,
 )
 
-# `specserve serve` drafts with the speculative config's own defaults (ngram, K = 5) on a drafter it starts.
-_SPECULATION_DEFAULTS = SpeculativeConfig()
-DEFAULT_SERVE_SPECULATION = json.dumps(
-    {"method": _SPECULATION_DEFAULTS.method, "num_speculative_tokens": _SPECULATION_DEFAULTS.num_speculative_tokens}
-)
+
+def default_serve_speculation() -> str:
+    """Without --speculative-config, `specserve serve` drafts with the best method that runs on this machine
+    (drafter_methods.SERVE_PREFERENCE: suffix, else ngram) and the speculative config's default K, and says so."""
+    defaults = SpeculativeConfig()
+    method, skipped = first_runnable(SERVE_PREFERENCE, defaults)
+    for reason in skipped:
+        print(f"specserve serve: not drafting with {reason}", file=sys.stderr, flush=True)
+    return json.dumps({"method": method, "num_speculative_tokens": defaults.num_speculative_tokens})
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def _given_engine_flags(args: argparse.Namespace) -> list[str]:
 def plan(args: argparse.Namespace) -> list[Child]:
     """The three commands, in start order."""
     python = [sys.executable, "-m", "services.cli"]
-    spec = SpeculativeConfig.parse(args.speculative_config)
+    spec = SpeculativeConfig.parse(args.speculative_config or default_serve_speculation())
     tls = TlsFlags.from_args(args)
     children = []
     verifier = [
@@ -192,8 +197,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-thread", choices=["auto", "main", "worker"], default=None,
                         help="verifier thread for the model's forwards; auto (default) measures both at start-up")
     parser.add_argument(
-        "--speculative-config", default=DEFAULT_SERVE_SPECULATION,
-        help="JSON (default: ngram with K = 5, its own drafter); '{\"method\": \"none\"}' serves without speculation",
+        "--speculative-config", default=None,
+        help="JSON (default: suffix, or ngram where arctic-inference is not installed, K = 5, on a drafter of its "
+             "own); '{\"method\": \"none\"}' serves without speculation",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")

@@ -33,6 +33,12 @@ BUILTIN_METHODS = MappingProxyType({
 })
 
 
+# What `specserve serve` drafts with when no --speculative-config is given: the first method here that can run
+# on this machine. `make bench` ranks them: suffix drafts at least as well as ngram on every workload (HumanEval,
+# the code edit, the edit sequence; README "Benchmark"), and ngram needs nothing native.
+SERVE_PREFERENCE = ("suffix", "ngram")
+
+
 class MethodUnavailableError(RuntimeError):
     """The method exists but cannot run in this process (e.g. its native package is not installed)."""
 
@@ -80,3 +86,17 @@ def load_method(name: str) -> ModuleType:
 def build_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer `config.method` names, configured by `config`."""
     return load_method(config.method).build_proposer(config)
+
+
+def first_runnable(names: tuple[str, ...], config: SpeculativeConfig) -> tuple[str, list[str]]:
+    """The first of `names` whose proposer can be built here with `config`'s options, and why each one before it
+    could not (for the log). Building a proposer is cheap for every built-in method."""
+    skipped = []
+    for name in names:
+        try:
+            build_proposer(config.model_copy(update={"method": name}))
+        except MethodUnavailableError as error:
+            skipped.append(f"{name}: {error}")
+            continue
+        return name, skipped
+    raise MethodUnavailableError("none of the methods can run here: " + "; ".join(skipped))

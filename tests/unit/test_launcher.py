@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from services import launcher, supervision
+from services.common import drafter_methods
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,9 +32,26 @@ def test_default_plan_starts_drafter_verifier_gateway_with_their_ports():
     assert [c.name for c in (drafter, verifier, gateway)] == ["drafter", "verifier", "gateway"]
     assert (drafter.port, verifier.port, gateway.port) == (50061, 50051, 8000)
     assert flag(drafter.argv, "--metrics-port") == "8002" and flag(verifier.argv, "--metrics-port") == "8001"
-    assert flag(verifier.argv, "--drafter") == "ngram=127.0.0.1:50061"
+    assert flag(verifier.argv, "--drafter") == "suffix=127.0.0.1:50061"  # make install builds arctic-inference
+    assert json.loads(flag(drafter.argv, "--speculative-config")) == {"method": "suffix"}  # K: the default, 5
     assert flag(gateway.argv, "--verifier") == "127.0.0.1:50051"
     assert not any("tls" in arg or "cert" in arg for child in (drafter, verifier, gateway) for arg in child.argv)
+
+
+def test_without_arctic_inference_serve_drafts_with_ngram_and_says_why(monkeypatch, capsys):
+    real_build = drafter_methods.build_proposer
+
+    def build(config):
+        if config.method == "suffix":
+            raise drafter_methods.MethodUnavailableError("needs the arctic-inference package")
+        return real_build(config)
+
+    monkeypatch.setattr(drafter_methods, "build_proposer", build)
+    _, verifier, _ = launcher.plan(parse())
+    assert flag(verifier.argv, "--drafter") == "ngram=127.0.0.1:50061"
+    assert "not drafting with suffix: needs the arctic-inference package" in capsys.readouterr().err
+    _, verifier, _ = launcher.plan(parse("--speculative-config", '{"method": "ngram"}'))  # asked for: no probing
+    assert flag(verifier.argv, "--drafter") == "ngram=127.0.0.1:50061"
 
 
 def test_unset_engine_flags_are_left_to_the_verifiers_settings_and_given_ones_pass_through():
