@@ -13,18 +13,9 @@ import uuid
 
 from services import launcher
 from services.common.speculative_config import SpeculativeConfig
+from services.verifier.settings import add_engine_flags
 
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="registered name, local transformers folder, local .gguf file, or hub id")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--speculative-config", default=None,
-                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+LOCAL_ENGINE_FLAGS = ("model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
@@ -40,11 +31,8 @@ async def _generate(args: argparse.Namespace) -> int:
     from services.verifier.sampling_params import GenerationRequest, SamplingParams
 
     spec_config = SpeculativeConfig.parse(args.speculative_config)
-    options = LocalEngineOptions(
-        model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        speculative_config=spec_config,
-    )
+    given = {name: getattr(args, name) for name in LOCAL_ENGINE_FLAGS if getattr(args, name) is not None}
+    options = LocalEngineOptions(**given, speculative_config=spec_config)
     engine, loaded = build_local_engine(options)
     tokenizer = loaded.tokenizer
     messages = [{"role": "user", "content": args.prompt}]
@@ -107,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch", help="download a registered model into the cache (sha256-verified)")
     fetch.add_argument("name")
     generate = sub.add_parser("generate", help="generate one completion in-process (engine + local drafter)")
-    _add_engine_flags(generate)
+    add_engine_flags(generate, default=None, compute_thread=False)  # unset: LocalEngineOptions' defaults
+    generate.add_argument("--speculative-config", default=None,
+                          help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (default: none)')
     generate.add_argument("--prompt", default="Write a Python function that returns the n-th Fibonacci number.")
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)

@@ -14,6 +14,7 @@ from services.common.proposer import Proposer
 from services.common.speculative_config import SpeculativeConfig
 from services.modeling.context_length import resolve_max_model_len
 from services.modeling.loading import LoadedModel, load_model
+from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner_factory import create_runner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LocalEngineOptions:
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = 8

@@ -30,6 +30,7 @@ from services.supervision import (
     stop_processes,
     wait_for_port,
 )
+from services.verifier.settings import add_engine_flags
 
 
 def default_serve_speculation() -> str:
@@ -71,7 +72,7 @@ class TlsFlags:
         return ["--grpc-root-cert", self.root_cert] if self.cert_file else []
 
 
-ENGINE_FLAGS = ("model", "device", "dtype", "max_num_seqs", "max_model_len", "compute_thread")
+ENGINE_FLAGS = ("model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "compute_thread")
 
 
 def _given_engine_flags(args: argparse.Namespace) -> list[str]:
@@ -188,14 +189,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # Engine flags default to None: unset, the verifier's own settings (defaults or environment) decide.
-    parser.add_argument("--model", default=None, help="default: the verifier's (smollm2-135m-instruct)")
-    parser.add_argument("--device", default=None, help="auto | cpu | cuda | npu (default: the verifier's, auto)")
-    parser.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16 (default: auto)")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the verifier's (8)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--compute-thread", choices=["auto", "main", "worker"], default=None,
-                        help="verifier thread for the model's forwards; auto (default) measures both at start-up")
+    add_engine_flags(parser, default=None)  # unset: the verifier's own settings (defaults or environment) decide
     parser.add_argument(
         "--speculative-config", default=None,
         help="JSON (default: suffix, or ngram where arctic-inference is not installed, K = 5, on a drafter of its "

@@ -42,6 +42,7 @@ from services.common.drafter_methods import MethodUnavailableError, build_propos
 from services.common.main_thread_compute import run_beside_main_thread
 from services.common.speculative_config import SpeculativeConfig
 from services.modeling.compute_placement import choose_compute_thread
+from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
 
@@ -330,7 +331,7 @@ def available_cores() -> int:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prompts", type=int, default=None, help="HumanEval problems (default 4)")

