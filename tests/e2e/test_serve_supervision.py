@@ -75,12 +75,15 @@ class HealthWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _poll(self, timeout_s: float) -> None:
+        code, body = self.serve.health(timeout_s=timeout_s)
+        status = body.get("status", f"http {code}")
+        if not self.statuses or self.statuses[-1] != status:
+            self.statuses.append(status)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            code, body = self.serve.health(timeout_s=2)
-            status = body.get("status", f"http {code}")
-            if not self.statuses or self.statuses[-1] != status:
-                self.statuses.append(status)
+            self._poll(timeout_s=2)
             time.sleep(0.1)
 
     def __enter__(self) -> Self:
@@ -88,8 +91,11 @@ class HealthWatcher:
         return self
 
     def __exit__(self, *_: object) -> None:
+        """Ends with one more poll: the thread's last one may have started before the state the test waited for
+        (CI once saw ['ok', 'degraded'] right after the test's own wait had seen 'ok')."""
         self._stop.set()
         self._thread.join(timeout=10)
+        self._poll(timeout_s=5)
 
 
 def test_drafter_killed_mid_stream_costs_speed_not_correctness(healthy, client):
