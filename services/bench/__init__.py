@@ -10,7 +10,6 @@ in-process engine's, fails the run (exit code 1).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -18,8 +17,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +37,8 @@ from services.bench.report import (
     merge_rounds,
     summarize,
 )
-from services.common.drafter_methods import MethodUnavailableError, build_proposer
-from services.common.main_thread_compute import run_beside_main_thread
+from services.common.drafter_methods import why_not_runnable
+from services.common.main_thread_compute import run_with_compute, worker_thread
 from services.common.speculative_config import SpeculativeConfig
 from services.modeling.compute_placement import choose_compute_thread
 from services.modeling.registry import DEFAULT_MODEL
@@ -172,10 +171,9 @@ def specserve_modes(settings: BenchSettings, progress: Progress) -> list[Mode]:
                               prompt_lookup_min=settings.prompt_lookup_min, prompt_lookup_max=settings.prompt_lookup_max)
     modes = [Mode("off", "specserve off"), Mode("ngram", f"specserve ngram K={settings.k}", ngram)]
     suffix = SpeculativeConfig(method="suffix", num_speculative_tokens=settings.k)
-    try:
-        build_proposer(suffix)
-    except MethodUnavailableError as error:
-        progress(f"no suffix rows: {error}")
+    reason = why_not_runnable(suffix)
+    if reason is not None:
+        progress(f"no suffix rows: {reason}")
         return modes
     return [*modes, Mode("suffix", f"specserve suffix K={settings.k}", suffix)]
 
@@ -207,16 +205,6 @@ async def measure_specserve(
         for mode in modes:
             measurements += await _concurrent(engine, ids, workloads, settings, mode, progress)
     return measurements
-
-
-def run_specserve(
-    runner: ModelRunner, placement: str, worker: Executor, make_run: Callable[[Executor], Awaitable[list]]
-) -> list:
-    """`make_run(compute)` on an asyncio loop, the forwards on the thread `placement` names, as the verifier
-    service arranges them (services/verifier/server.py:run)."""
-    if placement == "main":
-        return run_beside_main_thread(make_run)
-    return asyncio.run(make_run(worker))
 
 
 def equality_checks(measurements: Sequence[Measurement]) -> list[Check]:
@@ -273,7 +261,7 @@ def run_benchmark(
     and every round measures it through the HTTP API too."""
     with contextlib.ExitStack() as stack:
         runner = create_runner(model, max_num_seqs=settings.concurrency, max_model_len=max_model_len(workloads, settings))
-        worker = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-engine"))
+        worker = stack.enter_context(worker_thread())
         placement, timing = choose_compute_thread(settings.compute_thread, runner, worker)
         verify_cost = describe_verify_cost(runner, placement, worker, settings.k + 1)
         client = None
@@ -285,7 +273,7 @@ def run_benchmark(
         for number in range(settings.repeats):
             progress(f"round {number + 1}/{settings.repeats}")
             measurements = measure_transformers(model, workloads, settings, eos_token_ids, progress)
-            specserve = run_specserve(runner, placement, worker, lambda compute: measure_specserve(
+            specserve = run_with_compute(placement, worker, lambda compute: measure_specserve(
                 runner, compute, workloads, settings, eos_token_ids, progress, client
             ))
             rounds.append(measurements + specserve)

@@ -88,15 +88,22 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
     return load_method(config.method).build_proposer(config)
 
 
+def why_not_runnable(config: SpeculativeConfig) -> str | None:
+    """None if `config.method`'s proposer can be built here, else its MethodUnavailableError message. Building
+    a proposer is cheap for every built-in method."""
+    try:
+        build_proposer(config)
+    except MethodUnavailableError as error:
+        return str(error)
+    return None
+
+
 def first_runnable(names: tuple[str, ...], config: SpeculativeConfig) -> tuple[str, list[str]]:
-    """The first of `names` whose proposer can be built here with `config`'s options, and why each one before it
-    could not (for the log). Building a proposer is cheap for every built-in method."""
+    """The first of `names` that can run here with `config`'s options, and why each one before it could not."""
     skipped = []
     for name in names:
-        try:
-            build_proposer(config.model_copy(update={"method": name}))
-        except MethodUnavailableError as error:
-            skipped.append(f"{name}: {error}")
-            continue
-        return name, skipped
+        reason = why_not_runnable(config.model_copy(update={"method": name}))
+        if reason is None:
+            return name, skipped
+        skipped.append(f"{name}: {reason}")
     raise MethodUnavailableError("none of the methods can run here: " + "; ".join(skipped))

@@ -20,7 +20,7 @@ import queue
 import signal
 import threading
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -139,3 +139,19 @@ def run_beside_main_thread(make_coroutine: Callable[[Executor], Coroutine[Any, A
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result")
+
+
+def worker_thread() -> ThreadPoolExecutor:
+    """The one worker thread that runs a process's forwards when they do not run on the main thread: one
+    thread, so every step reuses one torch intra-op pool instead of waking the pools of several threads."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-engine")
+
+
+def run_with_compute(
+    placement: str, worker: Executor, make_coroutine: Callable[[Executor], Coroutine[Any, Any, Any]]
+) -> Any:
+    """Run `make_coroutine(compute)` with the forwards on the thread `placement` names ("main" or "worker"):
+    the verifier service and the bench arrange their threads through this one function."""
+    if placement == "main":
+        return run_beside_main_thread(make_coroutine)
+    return asyncio.run(make_coroutine(worker))

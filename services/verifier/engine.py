@@ -20,11 +20,12 @@ import logging
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Self
 
 import torch
 
+from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Proposer
 from services.modeling.runner import ModelRunner
 from services.verifier.draft_collection import DraftCollector
@@ -55,10 +56,6 @@ class RequestIdInUseError(ValueError):
     """A running or waiting request already has this id (gRPC ALREADY_EXISTS)."""
 
 
-def _compute_thread() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-engine")
-
-
 class Engine:
     def __init__(
         self,
@@ -85,7 +82,7 @@ class Engine:
         # One thread for all tensor work: torch's OpenMP pool belongs to the calling thread, so every step reuses
         # one pool instead of waking the pools of several default-executor threads.
         self._owns_executor = compute is None
-        self._executor = compute if compute is not None else _compute_thread()
+        self._executor = compute if compute is not None else worker_thread()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -104,7 +101,7 @@ class Engine:
         self._reap()
         if self._owns_executor:
             self._executor.shutdown(wait=True)
-            self._executor = _compute_thread()  # threads start lazily, so the engine can be started again
+            self._executor = worker_thread()  # threads start lazily, so the engine can be started again
 
     async def __aenter__(self) -> Self:
         await self.start()

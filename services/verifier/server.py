@@ -8,16 +8,15 @@ Prometheus metrics on their own HTTP port.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
 
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
-from services.common.main_thread_compute import run_beside_main_thread
+from services.common.main_thread_compute import run_with_compute, worker_thread
 from services.common.metrics_http import MetricsEndpoint, serve_metrics
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import channel_credentials
@@ -201,12 +200,10 @@ def run(settings: VerifierSettings) -> int:
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len)
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-engine")
+    worker = worker_thread()
     try:
         placement, _ = choose_compute_thread(settings.compute_thread, runner, worker)
-        if placement == "main":
-            return run_beside_main_thread(lambda compute: serve(settings, loaded, runner, compute))
-        return asyncio.run(serve(settings, loaded, runner, worker))
+        return run_with_compute(placement, worker, lambda compute: serve(settings, loaded, runner, compute))
     finally:
         worker.shutdown(wait=True)
 
