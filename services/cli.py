@@ -15,7 +15,9 @@ from services import launcher
 from services.common.speculative_config import SpeculativeConfig
 from services.verifier.settings import add_engine_flags
 
-LOCAL_ENGINE_FLAGS = ("model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
+LOCAL_ENGINE_FLAGS = (
+    "model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "adaptive_speculation"
+)
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:

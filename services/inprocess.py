@@ -31,6 +31,7 @@ class LocalEngineOptions:
     max_num_seqs: int = 8
     max_model_len: int | None = None  # None: the model's context, capped (modeling/context_length.py)
     max_num_batched_tokens: int = 512
+    adaptive_speculation: bool = True
     speculative_config: SpeculativeConfig = field(
         default_factory=lambda: SpeculativeConfig(method="none", num_speculative_tokens=0)
     )
@@ -56,7 +57,9 @@ def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None =
     runner = create_runner(loaded.model, options.max_num_seqs, max_model_len)
     engine = Engine(
         runner,
-        EngineConfig(max_num_batched_tokens=options.max_num_batched_tokens),
+        EngineConfig(
+            max_num_batched_tokens=options.max_num_batched_tokens, adaptive_speculation=options.adaptive_speculation
+        ),
         local_proposers(options.speculative_config),
         loaded.eos_token_ids,
     )

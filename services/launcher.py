@@ -72,7 +72,10 @@ class TlsFlags:
         return ["--grpc-root-cert", self.root_cert] if self.cert_file else []
 
 
-ENGINE_FLAGS = ("model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "compute_thread")
+ENGINE_FLAGS = (
+    "model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "compute_thread",
+    "adaptive_speculation",
+)
 
 
 def _given_engine_flags(args: argparse.Namespace) -> list[str]:
@@ -81,8 +84,11 @@ def _given_engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ENGINE_FLAGS:
         value = getattr(args, name, None)
-        if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):  # an on/off flag: --name or --no-name
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            flags += [f"--{flag}", str(value)]
     return flags
 
 

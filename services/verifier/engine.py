@@ -3,14 +3,17 @@
 A step (all on the asyncio loop, the tensor work in a worker thread so the loop keeps serving):
   1. admit waiting requests into free KV slots;
   2. ask each proposer, concurrently and under a deadline, for drafts of the decoding requests that use it
-     (a missing or late draft means K = 0 for that row this step: slower, never wrong);
+     (a missing or late draft means K = 0 for that row this step: slower, never wrong), as many tokens as the
+     speculation planner expects to pay for their verification, and cut the drafts to the width it then picks;
   3. prefill prompt chunks (bounded by max_num_batched_tokens), then one target forward over every decoding row
      ([last committed token, x1..xK] each, at the row's own offset);
   4. verify all rows at once (rejection.py), roll every row back to its accepted length, emit the tokens.
 
 This module holds the loop, admission and the requests' bookkeeping; each other job has its own module:
-step_planning.py (K per row, prefill chunks), draft_collection.py (asking the proposers, fallbacks and
-counts), step_execution.py (the tensor work on the compute thread), request_stream.py (what callers iterate).
+step_planning.py (each row's bound on K, prefill chunks), speculation_planner.py (how many of those draft
+positions are worth verifying: adaptive speculation, over acceptance.py and step_cost.py), draft_collection.py
+(asking the proposers, fallbacks and counts), step_execution.py (the tensor work on the compute thread),
+request_stream.py (what callers iterate).
 """
 
 from __future__ import annotations
@@ -36,10 +39,15 @@ from services.verifier.request_state import RequestState
 from services.verifier.request_stream import RequestStream
 from services.verifier.sampling_params import GenerationRequest
 from services.verifier.spec_stats import PeriodicStatsLogger, SpecDecodeStats
+from services.verifier.speculation_planner import SpeculationPlanner
+from services.verifier.step_cost import StepCostModel, profile_step_cost
 from services.verifier.step_execution import SampledRow, execute_isolating_faults
-from services.verifier.step_planning import plan_prefill, speculative_length
+from services.verifier.step_planning import plan_prefill, speculation_cap
 
 logger = logging.getLogger(__name__)
+
+PROFILE_MAX_ROWS = 16  # the start-up cost profile's widest batch (larger ones are extrapolated, then observed)
+PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8
 
 
 class EngineOverloadedError(RuntimeError):
@@ -70,6 +78,7 @@ class Engine:
         self.runner = runner
         self.config = config or EngineConfig()
         self.drafts = DraftCollector(proposers or {}, runner.vocab_size, self.config.draft_timeout_s)
+        self.planner = SpeculationPlanner(StepCostModel(), self.config.adaptive_speculation)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._stats_logger = PeriodicStatsLogger(self.config.log_stats_interval_s)
         self._states: dict[str, RequestState] = {}
@@ -79,6 +88,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._seed_source = random.SystemRandom()
+        self._cost_profiled = False
         # One thread for all tensor work: torch's OpenMP pool belongs to the calling thread, so every step reuses
         # one pool instead of waking the pools of several default-executor threads.
         self._owns_executor = compute is None
@@ -87,7 +97,19 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is None:
+            await self._profile_step_cost()
             self._task = asyncio.create_task(self._run(), name="specserve-engine")
+
+    async def _profile_step_cost(self) -> None:
+        """Time a few verify shapes once, before the first step (at start, or at the first step of an engine
+        driven step by step), while the runner's slots are free."""
+        if self._cost_profiled or not (self.config.adaptive_speculation and self.config.profile_step_cost):
+            return
+        self._cost_profiled = True
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, profile_step_cost, self.runner, self.planner.cost,
+            min(self.runner.max_num_seqs, PROFILE_MAX_ROWS), PROFILE_MAX_WIDTH,
+        )
 
     async def shutdown(self) -> None:
         """Abort every request and stop after the step in flight (a forward is never cut in half)."""
@@ -219,26 +241,30 @@ class Engine:
 
     async def step(self) -> None:
         """One engine step over every running request."""
+        await self._profile_step_cost()
         self._reap()
         self._admit()
         decode = [s for s in self._running if not s.prefilling]
-        lengths = [speculative_length(s, len(decode), self.config, self.runner.max_model_len) for s in decode]
-        decode_tokens = sum(1 + k for k in lengths)
+        caps = [speculation_cap(s, self.runner.max_model_len) for s in decode]
+        asks = self.planner.draft_requests(decode, caps)
+        decode_tokens = sum(1 + k for k in asks)
         prefill = plan_prefill(self._running, decode_tokens, self.config.max_num_batched_tokens)
         if not decode and not prefill:
             return
-        drafts = await self.drafts.collect(decode, lengths)
+        drafts = self.planner.choose_drafts(decode, await self.drafts.collect(decode, asks))
         loop = asyncio.get_running_loop()
-        rows, failures = await loop.run_in_executor(
+        result = await loop.run_in_executor(
             self._executor, execute_isolating_faults, self.runner, prefill, decode, drafts
         )
-        failed = {state.request_id for state, _ in failures}
+        if result.verify_timing is not None:
+            self.planner.observe_forward(*result.verify_timing)
+        failed = {state.request_id for state, _ in result.failures}
         for chunk in prefill:
             if chunk.state.request_id not in failed:
                 chunk.state.num_computed += len(chunk.tokens)
-        for state, error in failures:
+        for state, error in result.failures:
             self._fail(state, error)
-        for row in rows:
+        for row in result.rows:
             try:
                 self._commit(row)
             except Exception as error:  # one row's bookkeeping fault fails that request only
@@ -253,6 +279,8 @@ class Engine:
             state = self._waiting.popleft()
             self.runner.add_sequence(state.request_id)
             state.has_slot = True
+            if state.request.speculation.enabled:
+                state.speculation = self.planner.start(state.request.speculation.method)
             if state.request.sampling.uses_penalties:
                 vocab, device = self.runner.vocab_size, self.runner.device
                 state.output_counts = torch.zeros(vocab, dtype=torch.float32, device=device)
@@ -281,9 +309,10 @@ class Engine:
             state.spec.num_draft_tokens += row.num_draft
             state.spec.num_accepted_tokens += row.num_accepted
             self.drafts.method_stats(state.request.speculation.method).record(row.num_draft, row.num_accepted)
-            state.acceptance.observe(row.num_draft, row.num_accepted)
         elif not state.prefilling:
             state.num_computed = len(state.token_ids)
+        if not state.prefilling:
+            self.planner.observe_row(state, row.num_draft, row.num_accepted)
         if state.finished:  # aborted while the step ran
             return
         sampling = state.request.sampling

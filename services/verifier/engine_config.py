@@ -11,11 +11,12 @@ class EngineConfig:
     max_waiting_requests: int = 256  # queue bound; beyond it add_request raises EngineOverloadedError
     draft_timeout_s: float = 0.5  # per-step deadline for each proposer; a late proposal means K = 0 this step
     log_stats_interval_s: float = 10.0  # 0 disables the periodic speculation log line
-    # In batches, draft only positions whose estimated acceptance probability is at least this (see
-    # step_planning.adaptive_draft_length); a request decoding alone always drafts its full K. Off by default: on the
-    # benchmark it helped low-acceptance batches (HumanEval x8) and cost high-acceptance ones (code edit x8).
-    adaptive_speculation: bool = False
-    adaptive_min_accept_probability: float = 0.3
+    # Verify only the draft positions expected to pay for their share of the step (speculation_planner.py);
+    # off: every row verifies its full K whenever its proposer has a draft.
+    adaptive_speculation: bool = True
+    # Time a few verify shapes at start-up so the first steps already know what width costs (step_cost.py);
+    # without it the planner learns costs from the steps it runs, starting at full K.
+    profile_step_cost: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -8,26 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts
+from services.verifier.row_speculation import RowSpeculation
 from services.verifier.sampling_params import GenerationRequest
-
-
-@dataclass
-class AcceptanceEstimate:
-    """Recent per-token acceptance rate of a request's drafts (geometric model: accepted tokens over accepted
-    tokens plus rejection events), with exponential forgetting and an optimistic prior so that a new request
-    starts with long drafts."""
-
-    accepted: float = 4.0
-    rejected: float = 1.0
-    decay: float = 0.9
-
-    def observe(self, num_draft: int, num_accepted: int) -> None:
-        self.accepted = self.decay * self.accepted + num_accepted
-        self.rejected = self.decay * self.rejected + (1.0 if num_accepted < num_draft else 0.0)
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
 
 
 @dataclass
@@ -42,7 +24,7 @@ class RequestState:
     prompt_mask: torch.Tensor | None = None  # [V] bool, penalties only
     spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     has_slot: bool = False
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    speculation: RowSpeculation | None = None  # set at admission when the request speculates
 
     @property
     def request_id(self) -> str:

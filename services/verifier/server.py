@@ -140,6 +140,7 @@ async def start_verifier(
             max_waiting_requests=settings.max_waiting_requests,
             draft_timeout_s=settings.draft_timeout_s,
             log_stats_interval_s=settings.log_stats_interval_s,
+            adaptive_speculation=settings.adaptive_speculation,
         ),
         {d.name: d for d in drafters},
         eos_token_ids,

@@ -37,6 +37,7 @@ class VerifierSettings(TlsServerSettings):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_waiting_requests: int = Field(256, ge=0)
     compute_thread: Literal["auto", "main", "worker"] = "auto"  # thread for the forwards; auto: measured
+    adaptive_speculation: bool = True  # verify only draft positions worth their cost (speculation_planner.py)
     draft_timeout_s: float = Field(0.5, gt=0)  # per step; a late drafter costs K = 0 for that step
     drafter_health_interval_s: float = Field(2.0, ge=0)  # Info probe of a drafter idle this long; 0: never
     host: str = "127.0.0.1"
@@ -93,6 +94,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
                         help=f"positions per KV slot (default {shown('max_model_len')})")
     parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=default,
                         help=f"prompt tokens prefilled per step (default {shown('max_num_batched_tokens')})")
+    parser.add_argument("--adaptive-speculation", dest="adaptive_speculation", action=argparse.BooleanOptionalAction,
+                        default=default, help="verify only the draft positions expected to pay for their cost, per "
+                        "step (default on); --no-adaptive-speculation verifies every row's full K")
     if compute_thread:
         parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"],
                             default=default, help="thread for the model's forwards; auto (default) measures both")

@@ -6,6 +6,7 @@ returned rows on its loop thread."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from services.verifier.outputs import TokenLogprob
 from services.verifier.rejection import verify
 from services.verifier.request_state import RequestState
 from services.verifier.sampling_batch import SamplingBatch
+from services.verifier.step_cost import StepShape
 from services.verifier.step_planning import PrefillChunk, group_by_length
 
 logger = logging.getLogger(__name__)
@@ -31,16 +33,27 @@ class SampledRow:
     logprobs: list[TokenLogprob] | None
 
 
+@dataclass(frozen=True)
+class StepResult:
+    rows: list[SampledRow]
+    failures: list[tuple[RequestState, Exception]]
+    # The decode rows' forward and verification: its shape and seconds, for the step-cost model (None when the
+    # step had no decode rows or ran row by row after a fault).
+    verify_timing: tuple[StepShape, float] | None = None
+
+
 def execute_isolating_faults(
     runner: ModelRunner, prefill: Sequence[PrefillChunk], decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]
-) -> tuple[list[SampledRow], list[tuple[RequestState, Exception]]]:
+) -> StepResult:
     """The step batched; if that raises, every row again on its own, so a fault that one request causes (a
     value admission missed) fails that request only. Rows re-run apart emit what they would have in the
-    batch: their noise is keyed by position, not by batch composition. Returns (rows, failed requests)."""
+    batch: their noise is keyed by position, not by batch composition."""
     states = [chunk.state for chunk in prefill] + list(decode)
     lengths = {state.request_id: runner.length(state.request_id) for state in states}
+    timing: list[tuple[StepShape, float]] = []
     try:
-        return execute(runner, prefill, decode, drafts), []
+        rows = execute(runner, prefill, decode, drafts, timing)
+        return StepResult(rows, [], timing[0] if timing else None)
     except Exception:  # located below
         logger.exception("an engine step over %d requests failed; running them one by one", len(states))
     parts = [([chunk], [], []) for chunk in prefill]
@@ -54,11 +67,17 @@ def execute_isolating_faults(
             logger.error("request %s fails the engine step: %r", state.request_id, error)
             runner.truncate(state.request_id, lengths[state.request_id])
             failures.append((state, error))
-    return rows, failures
+    return StepResult(rows, failures)
 
 def execute(
-    runner: ModelRunner, prefill: Sequence[PrefillChunk], decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]
+    runner: ModelRunner,
+    prefill: Sequence[PrefillChunk],
+    decode: Sequence[RequestState],
+    drafts: Sequence[ProposedDraft],
+    timing: list[tuple[StepShape, float]] | None = None,
 ) -> list[SampledRow]:
+    """The step's rows; with `timing`, appends the decode rows' (shape, seconds) from the start of their forward
+    to the results on the host (the transfer waits for an accelerator to finish)."""
     vocab = runner.vocab_size
     first_token_logits: list[tuple[RequestState, torch.Tensor]] = []
     for group in group_by_length([len(c.tokens) for c in prefill]):
@@ -71,6 +90,7 @@ def execute(
         return []
     max_k = max((len(d.tokens) for d in drafts), default=0)
     parts = []
+    started = time.perf_counter()
     if decode:
         rows = [
             RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens))
@@ -113,6 +133,10 @@ def execute(
     logprobs = result.logprobs.tolist() if wants_logprobs else None
     top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
     top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+    if timing is not None and decode:
+        width = max_k + 1
+        timing.append((StepShape(len(decode), width, max(len(s.token_ids) for s in decode) + width),
+                       time.perf_counter() - started))
 
     rows_out = []
     for b, (state, draft) in enumerate(zip(states, all_drafts, strict=True)):

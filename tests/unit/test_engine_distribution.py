@@ -17,6 +17,7 @@ from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
 from tests.proposers import ModelSamplingProposer, RandomProposer
+from tests.schedules import RandomSchedulePlanner
 from tests.stats import ALPHA, chi_square_p_value, reference_processed, total_variation
 from tests.tiny_models import tiny_llama
 
@@ -46,12 +47,15 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-async def sample_pairs(model, params, spec, proposers) -> np.ndarray:
+async def sample_pairs(model, params, spec, proposers, planner=None) -> np.ndarray:
+    """With `planner`, the engine verifies the draft positions it chooses (default: the adaptive planner)."""
     engine = Engine(
         LlamaFamilyRunner(model, max_num_seqs=500, max_model_len=16),
         EngineConfig(max_num_batched_tokens=4096, max_waiting_requests=SAMPLES, log_stats_interval_s=0),
         proposers,
     )
+    if planner is not None:
+        engine.planner = planner
     requests = [
         GenerationRequest(f"s{i}", PROMPT, SamplingParams(**{**params.__dict__, "seed": 1000 + i, "max_tokens": 4}), spec)
         for i in range(SAMPLES)
@@ -87,6 +91,17 @@ async def test_engine_samples_follow_the_target(target, case):
         assert stats.acceptance_rate > 0.6  # a high-acceptance drafter really was accepted
     if drafter == "random":
         assert stats.acceptance_rate < 0.3
+
+
+async def test_samples_follow_the_target_whatever_positions_each_step_verifies(target):
+    """K drawn at random per row and step (0 included): the schedule never shows in the distribution."""
+    params = SamplingParams(temperature=0.8)
+    proposer = ModelSamplingProposer(tiny_llama(seed=99, vocab_size=V), 0.8, True, seed=7, method="sampler")
+    planner = RandomSchedulePlanner(seed=11)
+    joint, stats = await sample_pairs(target, params, SpeculationParams("sampler", 2), {"sampler": proposer}, planner)
+    assert planner.lengths_used == {0, 1, 2} and stats.num_drafts > 0
+    expected = exact_joint(target, params)
+    assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
 
 
 async def test_engine_negative_control(target):

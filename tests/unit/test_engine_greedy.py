@@ -202,18 +202,3 @@ async def test_adaptive_k_shrinks_for_rejected_drafts_and_keeps_output(model):
     # random drafts are rejected, so the adaptive engine drafts far fewer tokens per draft
     assert adaptive.stats.num_draft_tokens / adaptive.stats.num_drafts < 3
     assert fixed.stats.num_draft_tokens / fixed.stats.num_drafts > 6
-
-
-def test_adaptive_draft_length():
-    from services.verifier.request_state import AcceptanceEstimate
-    from services.verifier.step_planning import adaptive_draft_length
-
-    assert adaptive_draft_length(1.0, 8, 0.3) == 8
-    assert adaptive_draft_length(0.9, 8, 0.3) == 8  # 0.9**8 = 0.43
-    assert adaptive_draft_length(0.7, 8, 0.3) == 3  # 0.7**3 = 0.34, 0.7**4 = 0.24
-    assert adaptive_draft_length(0.1, 8, 0.3) == 1
-    estimate = AcceptanceEstimate()
-    assert estimate.rate == 0.8  # optimistic start
-    for _ in range(20):
-        estimate.observe(num_draft=5, num_accepted=0)
-    assert estimate.rate < 0.2

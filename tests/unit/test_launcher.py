@@ -174,3 +174,18 @@ def test_the_engine_flags_are_declared_once_for_verifier_serve_and_generate():
     for name, value in zip(given[::2], given[1::2], strict=True):
         dest = name[2:].replace("-", "_")
         assert str(getattr(verifier, dest)) == value == str(getattr(generate, dest)) == flag(planned.argv, name)
+
+
+def test_serve_passes_adaptive_speculation_on_and_off_to_the_verifier_only_when_given():
+    from services.verifier.server import add_verifier_flags
+    from services.verifier.settings import VerifierSettings
+
+    for given, expected in ((["--no-adaptive-speculation"], False), (["--adaptive-speculation"], True)):
+        _, planned, _ = launcher.plan(parse(*given))
+        assert given[0] in planned.argv
+        verifier_parser = argparse.ArgumentParser()
+        add_verifier_flags(verifier_parser)
+        assert verifier_parser.parse_args(given).adaptive_speculation is expected
+    _, planned, _ = launcher.plan(parse())
+    assert not any("adaptive-speculation" in arg for arg in planned.argv)  # the verifier's default holds
+    assert VerifierSettings().adaptive_speculation is True

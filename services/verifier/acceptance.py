@@ -1,0 +1,105 @@
+"""How likely each draft position is to be accepted: per request and per position, learned online.
+
+Drafts are accepted as a run: position j counts only if positions 1..j-1 were accepted. So the quantity that is
+learned is the *conditional* acceptance of position j given the positions before it, and the probability that
+position j contributes a token is the product of the conditionals up to j (`survival`).
+
+Each observation of a verified draft of d tokens with a accepted says: positions 1..a were accepted given their
+predecessors, position a+1 was rejected (when a < d), positions after that tell nothing. A row whose proposer
+had no draft teaches nothing either: the planner sees which rows have drafts before it chooses what to verify,
+so the estimate it needs is acceptance given that a draft exists.
+
+Two levels, because a new request has no history: every method keeps slowly forgetting counts over all its
+requests (the prior), and each request keeps quickly forgetting counts of its own, pulled toward the method's
+figure by a few pseudo-observations. A request's acceptance changes within one answer (copying a quoted block,
+then writing new text), hence the fast forgetting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+INITIAL_ACCEPTANCE = 0.6  # what a method is assumed to achieve before its first verified draft
+INITIAL_WEIGHT = 2.0  # ... worth this many observations
+REQUEST_DECAY = 0.8  # a request's counts halve in about three verified drafts
+METHOD_DECAY = 0.995  # a method's counts halve in about 140 verified drafts (over all its requests)
+PRIOR_WEIGHT = 2.0  # pseudo-observations of the method's figure in each request's estimate
+
+
+@dataclass
+class PositionCounts:
+    """Exponentially forgotten accept/observe counts per draft position (index 0 is position 1)."""
+
+    decay: float
+    accepted: list[float] = field(default_factory=list)
+    observed: list[float] = field(default_factory=list)
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """A verified draft of `num_draft` tokens of which the first `num_accepted` were accepted."""
+        seen = min(num_accepted + 1, num_draft)  # the accepted run and the first rejection
+        if seen <= 0:
+            return
+        self._grow(seen)
+        for j in range(len(self.observed)):
+            self.accepted[j] *= self.decay
+            self.observed[j] *= self.decay
+        for j in range(seen):
+            self.observed[j] += 1.0
+            self.accepted[j] += 1.0 if j < num_accepted else 0.0
+
+    def rate(self, position: int, prior: float, prior_weight: float) -> float:
+        """Conditional acceptance of `position` (1-based), shrunk toward `prior` by `prior_weight` observations."""
+        j = position - 1
+        accepted = self.accepted[j] if j < len(self.accepted) else 0.0
+        observed = self.observed[j] if j < len(self.observed) else 0.0
+        return (accepted + prior * prior_weight) / (observed + prior_weight)
+
+    def _grow(self, size: int) -> None:
+        missing = size - len(self.observed)
+        if missing > 0:
+            self.accepted += [0.0] * missing
+            self.observed += [0.0] * missing
+
+
+@dataclass
+class MethodAcceptance:
+    """One drafter method's acceptance over all its requests: the prior of each new request's estimate."""
+
+    counts: PositionCounts = field(default_factory=lambda: PositionCounts(METHOD_DECAY))
+    _rates: list[float] = field(default_factory=list)  # cached until the next observation
+
+    def rates(self, num_positions: int) -> list[float]:
+        """Conditional acceptance of positions 1..num_positions. Position 1 starts from INITIAL_ACCEPTANCE and
+        every later position from the one before it, so a position never verified yet is expected to do as
+        its predecessor does (conditional acceptance is roughly flat along a draft), rather than a fixed
+        guess that would compound and keep it unverified."""
+        rate = self._rates[-1] if self._rates else INITIAL_ACCEPTANCE
+        for position in range(len(self._rates) + 1, num_positions + 1):
+            rate = self.counts.rate(position, rate, INITIAL_WEIGHT)
+            self._rates.append(rate)
+        return self._rates[:num_positions]
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.counts.observe(num_draft, num_accepted)
+        self._rates.clear()
+
+
+@dataclass
+class AcceptanceEstimate:
+    """One request's acceptance per draft position, starting from its method's and learning its own."""
+
+    method: MethodAcceptance
+    counts: PositionCounts = field(default_factory=lambda: PositionCounts(REQUEST_DECAY))
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """Record a verified draft here and in the method's prior."""
+        self.counts.observe(num_draft, num_accepted)
+        self.method.observe(num_draft, num_accepted)
+
+    def survival(self, num_positions: int) -> list[float]:
+        """P(position j's token is accepted) for j = 1..num_positions: the product of the conditionals."""
+        out, running = [], 1.0
+        for position, prior in enumerate(self.method.rates(num_positions), start=1):
+            running *= self.counts.rate(position, prior, PRIOR_WEIGHT)
+            out.append(running)
+        return out

@@ -1,0 +1,130 @@
+"""Adaptive speculation: how many draft positions each row of a step verifies, chosen to maximise the expected
+tokens committed per second of step time.
+
+Every decoding row commits one token whatever happens; draft position j of row r adds a token with probability
+P(r, j) (acceptance.py). The decode rows run as one padded forward, so a step's cost depends on its rows and its
+*width* (1 + the longest draft verified), not on how many rows fill that width (step_cost.py). Ranking draft
+positions across the batch therefore ranks columns: column j costs the same whether one row or all rows use it,
+and is worth the sum over rows of P(r, j). The planner picks the width w that maximises
+
+    (rows + sum over rows and positions j < w of P(r, j)) / predicted_seconds(rows, w, context)
+
+and every row verifies up to w - 1 of its drafted tokens (a row's own bound, `num_speculative_tokens`, stays an
+upper bound). w = 1, i.e. K = 0 for the whole batch, is a valid answer: a batch whose drafts are rarely accepted
+runs as if speculation were off. Alone on a CPU, a step reads the weights once whatever its width, so one
+request keeps long drafts; eight requests on the same CPU pay for each extra column.
+
+Planning happens twice per step. Before drafting, with the estimates alone, to bound what each proposer is asked
+for (a draft model's work grows with K). After drafting, with the drafts in hand: only rows that got a draft
+contribute gain, so the width is chosen again and drafts are cut to it.
+
+A request whose drafts are never verified teaches nothing, so it could stay at K = 0 after its estimate fell,
+even when its text turns repetitive later. Such a row is re-probed: after `interval` steps without a verified
+draft, it verifies one position (which costs a column only if no other row already pays for one); a rejected
+probe doubles the interval (row_speculation.py), an accepted one resets it.
+
+Lossless for any schedule: which positions are verified depends on past outcomes and on the drafts, never on the
+target's randomness for the positions being verified (see rejection.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance
+from services.verifier.draft_collection import ProposedDraft
+from services.verifier.request_state import RequestState
+from services.verifier.row_speculation import RowSpeculation
+from services.verifier.step_cost import StepCostModel, StepShape
+
+
+def best_width(survivals: Sequence[Sequence[float]], span: int, cost: StepCostModel) -> int:
+    """The width maximising expected tokens per predicted second. `survivals[r][j - 1]` is P(row r's position j
+    is accepted) for the positions row r can verify; `span` is the context the rows attend to. With no cost
+    observations yet (prediction 0) the widest is taken: the request's own K, as without adaptation."""
+    rows = len(survivals)
+    widest = 1 + max((len(s) for s in survivals), default=0)
+    best, best_rate = widest, -1.0
+    expected_tokens = float(rows)
+    for width in range(1, widest + 1):
+        if width > 1:
+            expected_tokens += sum(s[width - 2] for s in survivals if len(s) >= width - 1)
+        seconds = cost.predict(StepShape(rows, width, span + width))
+        if seconds <= 0:
+            return widest
+        rate = expected_tokens / seconds
+        if rate > best_rate:
+            best, best_rate = width, rate
+    return best
+
+
+class SpeculationPlanner:
+    """Draft lengths for each step's decoding rows; with `adaptive` off, every row drafts its full K."""
+
+    def __init__(self, cost: StepCostModel, adaptive: bool) -> None:
+        self.cost = cost
+        self.adaptive = adaptive
+        self.methods: dict[str, MethodAcceptance] = {}
+
+    def start(self, method: str) -> RowSpeculation:
+        """The speculation state of a newly admitted request using `method`."""
+        prior = self.methods.get(method)
+        if prior is None:
+            prior = self.methods[method] = MethodAcceptance()
+        return RowSpeculation(AcceptanceEstimate(prior))
+
+    def draft_requests(self, decode: Sequence[RequestState], caps: Sequence[int]) -> list[int]:
+        """How many tokens to ask each row's proposer for: `caps[i]` is row i's bound (its K, the room left)."""
+        if not self.adaptive or not decode:
+            return list(caps)
+        survivals = [self._survival(s, cap) for s, cap in zip(decode, caps, strict=True)]
+        width = best_width(survivals, _span(decode), self.cost)
+        asks = []
+        for state, cap in zip(decode, caps, strict=True):
+            row = state.speculation
+            ask = min(cap, width - 1)
+            if row is not None:
+                row.probing = cap > 0 and ask == 0 and row.probe.due
+                ask = 1 if row.probing else ask
+            asks.append(ask)
+        return asks
+
+    def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> list[ProposedDraft]:
+        """The drafts cut to the width chosen now that it is known which rows have one."""
+        if not self.adaptive or not decode:
+            return list(drafts)
+        survivals = [self._survival(s, len(d.tokens)) for s, d in zip(decode, drafts, strict=True)]
+        width = best_width(survivals, _span(decode), self.cost)
+        if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
+            width = 2  # a probe pays for one column, which every drafted row then uses
+        return [d if len(d.tokens) < width else _cut(d, width - 1) for d in drafts]
+
+    def observe_row(self, state: RequestState, num_draft: int, num_accepted: int) -> None:
+        """A row's step outcome: a verified draft updates its estimates; none counts toward a re-probe."""
+        row = state.speculation
+        if row is None:
+            return
+        if num_draft:
+            row.acceptance.observe(num_draft, num_accepted)
+            row.probe.verified(row.probing, num_accepted)
+        else:
+            row.probe.idle()
+        row.probing = False
+
+    def observe_forward(self, shape: StepShape, seconds: float) -> None:
+        self.cost.observe(shape, seconds)
+
+    @staticmethod
+    def _survival(state: RequestState, cap: int) -> list[float]:
+        row = state.speculation
+        return row.acceptance.survival(cap) if row is not None and cap > 0 else []
+
+
+def _span(decode: Sequence[RequestState]) -> int:
+    return max(len(s.token_ids) for s in decode)
+
+
+def _cut(draft: ProposedDraft, k: int) -> ProposedDraft:
+    if k <= 0:
+        return ProposedDraft([], None)
+    return ProposedDraft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])

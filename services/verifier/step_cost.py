@@ -1,0 +1,168 @@
+"""What a verify forward costs, as a function of its shape: profiled at start-up on the actual device, refined
+with every step the engine times.
+
+The decode rows of a step run as one padded forward: `rows` rows of `width` positions each (the last committed
+token plus up to width - 1 drafts), attending to at most `span` positions of context. Its time is modelled as
+
+    seconds = c0 + c1 * rows + c2 * tokens + c3 * tokens * span / 1024,    tokens = rows * width
+
+(weights read once per forward; per-row work; per-token matmuls; attention over the context). The model is
+fitted by non-negative least squares over the *median* time of each observed shape, so a noisy spell on a
+shared machine moves one sample of a shape, not the fit, and a cost never falls as a forward grows.
+
+Why not a constant per token: on a CPU the weights are read once per forward whatever its width (verifying 9
+positions costs ~1.2x one position for a single row), while a batch of 8 rows pays ~0.9 ms per extra token
+(SmolLM2-135M, 2 cores); on a GPU the per-token slope is flatter still. The planner needs the slope at the
+shape it is about to run, on this machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.modeling.runner import ModelRunner, RowInput
+
+logger = logging.getLogger(__name__)
+
+SAMPLES_PER_SHAPE = 9  # the median of the last this many timings of a shape stands for it
+SPAN_BUCKET = 64  # context spans within one bucket count as one shape
+REFIT_EVERY = 16  # observations between fits
+MIN_SHAPES = 4  # distinct shapes before the fit is trusted (four coefficients)
+PROFILE_REPEATS = 3
+PROFILE_CONTEXT = 128
+PROFILE_SEQUENCE_PREFIX = "specserve-cost-profile-"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    rows: int
+    width: int  # positions per row (1 + the longest draft)
+    span: int  # context positions the widest row attends to
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+    def features(self) -> list[float]:
+        return [1.0, float(self.rows), float(self.tokens), self.tokens * self.span / 1024.0]
+
+
+def non_negative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (an active set: drop the most negative feature and refit),
+    enough for four features; numpy has no NNLS and scipy is not a dependency."""
+    active = list(range(x.shape[1]))
+    coefficients = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return coefficients
+
+
+class StepCostModel:
+    def __init__(self) -> None:
+        self._samples: dict[tuple[int, int, int], deque[float]] = {}
+        self._shapes: dict[tuple[int, int, int], StepShape] = {}
+        self._coefficients: np.ndarray | None = None
+        self._pending = 0
+        self.num_observations = 0
+
+    @property
+    def fitted(self) -> bool:
+        return self._coefficients is not None
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        key = (shape.rows, shape.width, shape.span // SPAN_BUCKET)
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = deque(maxlen=SAMPLES_PER_SHAPE)
+            self._shapes[key] = shape
+        samples.append(seconds)
+        self.num_observations += 1
+        self._pending += 1
+        if self._pending >= REFIT_EVERY or (self._coefficients is None and len(self._samples) >= MIN_SHAPES):
+            self.fit()
+
+    def fit(self) -> None:
+        """Refit on the median of each shape. Until MIN_SHAPES shapes are known (from the start-up profile or from
+        steps), there is no fit and predictions are 0: the planner then keeps every row's full K."""
+        self._pending = 0
+        keys = list(self._samples)
+        if len(keys) < MIN_SHAPES:
+            return
+        x = np.array([self._shapes[k].features() for k in keys])
+        y = np.array([statistics.median(self._samples[k]) for k in keys])
+        self._coefficients = non_negative_least_squares(x, y)
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds for a forward of this shape (0 before any observation: the planner then keeps the full K)."""
+        if self._coefficients is None:
+            return 0.0
+        return float(np.dot(self._coefficients, shape.features()))
+
+    def describe(self) -> str:
+        if self._coefficients is None:
+            return "no step-cost observations yet"
+        c0, c1, c2, c3 = (1e3 * c for c in self._coefficients)
+        return (f"verify forward ~ {c0:.2f} ms + {c1:.3f} ms/row + {c2:.3f} ms/token + {c3:.4f} ms/token per 1024 "
+                f"context positions ({len(self._samples)} shapes)")
+
+
+def profile_shapes(max_rows: int, max_width: int) -> list[tuple[int, int]]:
+    """(rows, width) pairs that pin down all four coefficients: one, a few and many rows, each narrow and wide."""
+    rows = sorted({1, max(1, max_rows // 2), max_rows})
+    widths = sorted({1, min(2, max_width), max_width})
+    return [(r, w) for r in rows for w in widths]
+
+
+def profile_step_cost(
+    runner: ModelRunner,
+    model: StepCostModel,
+    max_rows: int,
+    max_width: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """Time padded decode forwards of a few shapes on the runner's own slots (taken and given back) at two
+    context lengths, into `model`. Runs on the compute thread before the engine serves; uses only free slots."""
+    rows = min(max_rows, runner.num_free_slots())
+    context = min(PROFILE_CONTEXT, runner.max_model_len - 1 - max_width)
+    if rows < 1 or context < 2:
+        logger.info("step-cost profile skipped (no free slot or no room); the engine learns costs while serving")
+        return
+    synchronize = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    ids = [f"{PROFILE_SEQUENCE_PREFIX}{i}" for i in range(rows)]
+    vocab = runner.vocab_size
+    for seq_id in ids:
+        runner.add_sequence(seq_id)
+    try:
+        for length in sorted({max(1, context // 4), context}):
+            for seq_id in ids:
+                runner.truncate(seq_id, 0)
+                runner.forward([RowInput(seq_id, [(7 * i + 1) % vocab for i in range(length)], 1)])
+            for num_rows, width in profile_shapes(rows, max_width):
+                batch = [RowInput(s, [(3 + i) % vocab for i in range(width)], width) for s in ids[:num_rows]]
+                for repeat in range(PROFILE_REPEATS + 1):
+                    started = clock()
+                    runner.forward(batch)
+                    synchronize()
+                    seconds = clock() - started
+                    for seq_id in ids[:num_rows]:
+                        runner.truncate(seq_id, length)
+                    if repeat:  # the first run of a shape warms its kernels
+                        model.observe(StepShape(num_rows, width, length + width), seconds)
+    finally:
+        for seq_id in ids:
+            runner.remove_sequence(seq_id)
+    model.fit()
+    logger.info("step-cost profile: %s", model.describe())
+

@@ -1,0 +1,117 @@
+"""Adaptive speculation's parts on their own: acceptance estimates, the step-cost fit, the width choice and
+re-probing (the engine-level tests are in test_engine_greedy.py and test_adaptive_speculation.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance, PositionCounts
+from services.verifier.draft_collection import ProposedDraft
+from services.verifier.row_speculation import PROBE_INTERVAL, PROBE_INTERVAL_MAX, ProbeSchedule
+from services.verifier.speculation_planner import best_width
+from services.verifier.step_cost import StepCostModel, StepShape, non_negative_least_squares
+
+
+def test_an_observation_teaches_the_accepted_run_and_the_first_rejection_only():
+    counts = PositionCounts(decay=1.0)
+    counts.observe(num_draft=5, num_accepted=2)
+    assert counts.observed == [1.0, 1.0, 1.0]  # positions 4 and 5 were never judged
+    assert counts.accepted == [1.0, 1.0, 0.0]
+    counts.observe(num_draft=2, num_accepted=2)  # all accepted: no rejection to record
+    assert counts.observed == [2.0, 2.0, 1.0]
+    assert counts.accepted == [2.0, 2.0, 0.0]
+
+
+def test_survival_is_the_product_of_conditionals_and_learns_per_request():
+    method = MethodAcceptance()
+    good, bad = AcceptanceEstimate(method), AcceptanceEstimate(method)
+    for _ in range(30):
+        good.observe(4, 4)
+        bad.observe(4, 0)
+    high, low = good.survival(4), bad.survival(4)
+    assert all(a >= b for a, b in zip(high, high[1:]))  # a run: later positions are never likelier
+    assert high[3] > 0.6 and low[0] < 0.2
+    fresh = AcceptanceEstimate(method)  # a new request starts from the method's record (half good, half bad)
+    assert low[0] < fresh.survival(1)[0] < high[0]
+
+
+def test_non_negative_least_squares_recovers_costs_and_never_goes_negative():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(40), rng.integers(1, 16, 40), rng.integers(1, 144, 40), rng.random(40)])
+    truth = np.array([0.02, 0.001, 0.0008, 0.0])
+    assert np.allclose(non_negative_least_squares(x, x @ truth), truth, atol=1e-9)
+    y = x @ np.array([0.02, 0.0, 0.001, 0.0]) - 0.0005 * x[:, 1]  # a cost that seems to fall with rows
+    assert (non_negative_least_squares(x, y) >= 0).all()
+
+
+def cpu_like_cost(base=0.016, per_row=0.001, per_token=0.0009) -> StepCostModel:
+    """The shape of SmolLM2-135M on 2 CPU cores: weights read once per forward, ~0.9 ms per extra token."""
+    model = StepCostModel()
+    for rows in (1, 4, 8, 16):
+        for width in (1, 2, 5, 9):
+            seconds = base + per_row * rows + per_token * rows * width
+            model.observe(StepShape(rows, width, 256), seconds)
+    model.fit()
+    return model
+
+
+def test_the_fit_predicts_unseen_shapes_and_ignores_an_outlier():
+    model = cpu_like_cost()
+    assert model.predict(StepShape(12, 3, 256)) == pytest.approx(0.016 + 0.012 + 0.0009 * 36, rel=1e-6)
+    usual = 0.016 + 0.008 + 0.0009 * 16
+    for seconds in [usual] * 4 + [5.0, 5.0]:  # a noisy spell: two of the shape's last seven samples
+        model.observe(StepShape(8, 2, 256), seconds)
+    model.fit()
+    assert model.predict(StepShape(8, 2, 256)) == pytest.approx(usual, rel=1e-6)
+
+
+def test_no_fit_until_enough_shapes_and_then_the_full_k():
+    model = StepCostModel()
+    model.observe(StepShape(4, 9, 100), 0.05)
+    assert not model.fitted and model.predict(StepShape(4, 1, 100)) == 0.0
+    assert best_width([[0.01] * 8] * 4, 100, model) == 9  # unknown costs: behave as without adaptation
+
+
+def test_one_request_keeps_long_drafts_and_a_batch_drops_poor_ones():
+    cost = cpu_like_cost()
+    decent = [0.6 ** j for j in range(1, 9)]
+    assert best_width([decent], 256, cost) >= 4  # alone, an extra column costs ~5%
+    assert best_width([decent] * 16, 256, cost) <= 3  # 16 rows pay ~1 ms each per column
+    poor = [0.1 ** j for j in range(1, 9)]
+    assert best_width([poor] * 8, 256, cost) == 1  # K = 0: the batch runs as without speculation
+    certain = [1.0] * 8
+    assert best_width([certain] * 16, 256, cost) == 9
+
+
+def test_a_column_is_worth_what_all_rows_gain_from_it():
+    cost = cpu_like_cost()
+    one_good = [[0.95 ** j for j in range(1, 9)]] + [[]] * 7  # seven rows without a draft
+    all_good = [[0.95 ** j for j in range(1, 9)]] * 8
+    assert best_width(one_good, 256, cost) < best_width(all_good, 256, cost)
+
+
+def test_a_rejected_probe_backs_off_and_an_accepted_one_resets():
+    probe = ProbeSchedule()
+    for _ in range(PROBE_INTERVAL):
+        assert not probe.due
+        probe.idle()
+    assert probe.due
+    probe.verified(probed=True, num_accepted=0)
+    assert probe.interval == 2 * PROBE_INTERVAL and not probe.due
+    for _ in range(20):
+        probe.verified(probed=True, num_accepted=0)
+    assert probe.interval == PROBE_INTERVAL_MAX
+    probe.verified(probed=True, num_accepted=1)
+    assert probe.interval == PROBE_INTERVAL
+
+
+def test_cut_drafts_keep_their_q_rows(monkeypatch):
+    import torch
+
+    from services.verifier.speculation_planner import _cut
+
+    draft = ProposedDraft([1, 2, 3], torch.eye(4)[:3])
+    cut = _cut(draft, 2)
+    assert cut.tokens == [1, 2] and cut.probs.shape == (2, 4)
+    assert _cut(draft, 0).tokens == []
