@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test bench soak fetch-model clean
+.PHONY: install proto run test bench bench-sweep soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -44,6 +44,11 @@ test: install
 
 bench: fetch-model
 	$(BIN)/specserve bench --model $(MODEL)
+
+# Concurrency 1, 4, 8, 16 on HumanEval and the code edit: no speculation vs each fixed K vs adaptive K; markdown
+# tables on stdout, the figure in docs/concurrency_sweep.png; exit 1 if a speculative output differs (SWEEP_ARGS).
+bench-sweep: fetch-model
+	$(BIN)/python -m services.bench.sweep --model $(MODEL) $(SWEEP_ARGS)
 
 # `specserve serve` on free ports under saturating mixed traffic (SOAK_ARGS, e.g. --duration-s 60); exit 1 when a
 # target is missed (failures other than clean 503s, requests left running, memory growth >= 5% after warm-up).
