@@ -27,7 +27,7 @@ from services.bench import http_runs, specserve_runs, transformers_baseline
 from services.bench.forward_cost import describe_verify_cost
 from services.bench.hardware import describe_hardware
 from services.bench.http_runs import HttpTarget
-from services.bench.prompts import Workload
+from services.bench.prompts import MULTI_TURN_MAX_TURNS, Workload
 from services.bench.report import (
     BenchResult,
     Check,
@@ -324,7 +324,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prompts", type=int, default=None, help="HumanEval problems (default 4)")
     parser.add_argument("--max-tokens", type=int, default=None, help="HumanEval max new tokens (default 128)")
-    parser.add_argument("--edit-max-tokens", type=int, default=None, help="code-edit max new tokens (256)")
+    parser.add_argument("--edit-max-tokens", type=int, default=None,
+                        help="code-edit, edit-sequence and multi-turn max new tokens (256)")
+    parser.add_argument("--turns", type=int, default=None, help=f"multi-turn conversation turns, 1 to {MULTI_TURN_MAX_TURNS} (default 4)")
     parser.add_argument("--k", type=int, default=BenchSettings.k, help="speculative tokens per step")
     parser.add_argument("--prompt-lookup-min", type=int, default=BenchSettings.prompt_lookup_min)
     parser.add_argument("--prompt-lookup-max", type=int, default=BenchSettings.prompt_lookup_max)
@@ -345,12 +347,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "num_prompts": (2, 4),
         "max_tokens": (16, 128),
         "edit_max_tokens": (32, 256),
+        "turns": (2, 4),
         "concurrency": (4, 8),
         "repeats": (1, BenchSettings.repeats),
     }
     for name, (quick_value, full_value) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick_value if quick else full_value)
+    if not 1 <= args.turns <= MULTI_TURN_MAX_TURNS:
+        parser.error(f"--turns must be 1 to {MULTI_TURN_MAX_TURNS}")
     return args
 
 
@@ -374,10 +379,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = stderr_progress()
     progress(f"loading {args.model}")
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    workloads = build_workloads(loaded.tokenizer, args.num_prompts, args.max_tokens, args.edit_max_tokens)
     # The verifier's own EOS set (generation config, model config and tokenizer), so in-process and HTTP runs
     # stop on the same tokens.
     eos_token_ids = sorted(loaded.eos_token_ids)
+
+    def greedy(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+        return transformers_baseline.generate_one(loaded.model, prompt, max_tokens, eos_token_ids).tokens
+
+    if args.turns > 1:
+        progress(f"multi-turn: generating the answers to the first {args.turns - 1} of {args.turns} turns")
+    workloads = build_workloads(
+        loaded.tokenizer, args.num_prompts, args.max_tokens, args.edit_max_tokens, greedy, args.turns
+    )
     settings = BenchSettings(
         args.k, args.prompt_lookup_min, args.prompt_lookup_max, args.concurrency, args.repeats,
         args.compute_thread,
@@ -392,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"tokens, max {w.max_tokens} new"
             for w in workloads
         ),
+        "multi-turn": f"{args.turns} turns; each prompt holds the conversation so far, the earlier answers "
+        "generated once, greedy, by transformers generate before the first round",
         "speculation": f"ngram K={args.k}, prompt_lookup_min={args.prompt_lookup_min}, "
         f"prompt_lookup_max={args.prompt_lookup_max}; concurrency {args.concurrency}; repeats {args.repeats}",
         "tok/s": "single-request rows: median over prompts of per-prompt tok/s; concurrent rows: aggregate",

@@ -96,15 +96,17 @@ def test_http_rows_on_smollm2(smollm2):
     """`specserve bench --quick`'s setup, shrunk: every in-process row plus the HTTP rows through the real
     stack, which must generate exactly what the in-process engine generates."""
     from services.bench.prompts import build_workloads
+    from services.bench.transformers_baseline import generate_one
     from services.gateway.tokenizer import make_decode
 
-    workloads = build_workloads(smollm2.tokenizer, 1, 16, 24)
+    eos = sorted(smollm2.eos_token_ids)
+    workloads = build_workloads(smollm2.tokenizer, 1, 16, 24,
+                                lambda prompt, n: generate_one(smollm2.model, prompt, n, eos).tokens, num_turns=2)
     settings = BenchSettings(k=8, prompt_lookup_min=2, prompt_lookup_max=4, concurrency=2, repeats=1)
     http = HttpTarget(MODEL, "cpu", "float32", 2, make_decode(smollm2.tokenizer))
     messages: list[str] = []
 
-    result = run_benchmark(smollm2.model, workloads, settings, sorted(smollm2.eos_token_ids), {}, messages.append,
-                           http)
+    result = run_benchmark(smollm2.model, workloads, settings, eos, {}, messages.append, http)
 
     by_key = {(r.workload, r.key): r for r in result.rows}
     for w in workloads:

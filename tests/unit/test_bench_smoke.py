@@ -3,16 +3,20 @@ speculative output equals speculation off. Token ids go in directly, so no token
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import re
 
+import pytest
 import torch
 
-from services.bench import BenchSettings, run_benchmark
+from services.bench import BenchSettings, parse_args, run_benchmark
 from services.bench.hardware import cpu_info, describe_hardware
-from services.bench.prompts import Workload
+from services.bench.prompts import EDIT_SEQUENCE_RENAMES, Workload, build_workloads, multi_turn_messages
 from services.bench.report import RATIO_SPECS, format_report
+from services.bench.transformers_baseline import generate_one
+from tests.gateway.fakes import EOS, byte_tokenizer
 from tests.tiny_models import VOCAB, tiny_llama
 
 ROW_KEYS = ("hf-plain", "hf-pld", "off-1", "ngram-1", "suffix-1", "off-N", "ngram-N", "suffix-N")
@@ -64,6 +68,54 @@ def test_bench_pipeline_on_tiny_model():
         assert heading in report
     assert report.count("MET") >= len(result.ratios)
     assert result.to_json()["rows"]
+
+
+def test_multi_turn_prompts_hold_the_models_earlier_answers_and_run_through_every_row():
+    """The multi-turn workload on a tiny random llama with a real (byte-level) tokenizer: prompt i + 1 is prompt
+    i, then the model's greedy answer to it, then the next user turn; the other workloads are as before; and the
+    conversation goes through the whole pipeline with every row and no greedy mismatch."""
+    tokenizer = byte_tokenizer()
+    model = tiny_llama(seed=3, vocab_size=EOS + 1)
+    model.generation_config.eos_token_id = None
+    generated: list[tuple[int, ...]] = []
+
+    def greedy(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+        answer = generate_one(model, prompt, max_tokens, [EOS]).tokens
+        generated.append(answer)
+        return answer
+
+    workloads = build_workloads(tokenizer, 1, 8, 12, greedy, num_turns=3)
+
+    assert [(w.name, len(w.prompts), w.max_tokens) for w in workloads] == [
+        ("humaneval", 1, 8), ("code-edit", 1, 12), ("edit-sequence", len(EDIT_SEQUENCE_RENAMES), 12),
+        ("multi-turn", 3, 12),
+    ]
+    prompts = workloads[-1].prompts
+    assert len(generated) == 2 and all(generated), "the last turn's answer is what the bench measures"
+    questions = multi_turn_messages(3)
+    for i, (prompt, following) in enumerate(itertools.pairwise(prompts)):
+        assert following[: len(prompt)] == prompt, "each prompt extends the conversation before it"
+        assert generated[i] == generate_one(model, prompt, 12, [EOS]).tokens, "answers are greedy, so repeatable"
+        added = tokenizer.decode(list(following[len(prompt):]))
+        answer = tokenizer.decode(list(generated[i]), skip_special_tokens=True)
+        assert added == f"{answer}\n<|user|>{questions[i + 1]}\n<|assistant|>"  # fakes.CHAT_TEMPLATE's turns
+    assert tokenizer.decode(list(prompts[0])).startswith("<|user|>Here is a Python class:")
+
+    settings = BenchSettings(k=3, prompt_lookup_min=1, prompt_lookup_max=3, concurrency=2, repeats=1)
+    result = run_benchmark(model, workloads[-1:], settings, [], {}, lambda _: None)
+    assert {(r.workload, r.key) for r in result.rows} == {("multi-turn", k) for k in ROW_KEYS}
+    assert all(r.output_tokens > 0 and r.tokens_per_s > 0 for r in result.rows)
+    assert all(r.mean_acceptance_length is not None for r in result.rows if r.key.startswith(("ngram", "suffix")))
+    assert result.failed_checks == 0, [c for c in result.checks if c.mismatches]
+    assert "| multi-turn | specserve suffix K=3 | 2 |" in format_report(result)
+
+
+def test_quick_runs_a_two_turn_conversation_and_turns_are_bounded(capsys):
+    assert parse_args(["--quick"]).turns == 2 and parse_args([]).turns == 4
+    assert parse_args(["--turns", "3"]).turns == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--turns", "5"])
+    assert "--turns" in capsys.readouterr().err
 
 
 def test_hardware_lines_name_the_cpu_its_relevant_flags_and_torch_threads():
