@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from concurrent.futures import Executor
@@ -242,6 +243,7 @@ class Engine:
     async def step(self) -> None:
         """One engine step over every running request."""
         await self._profile_step_cost()
+        started = time.perf_counter()
         self._reap()
         self._admit()
         decode = [s for s in self._running if not s.prefilling]
@@ -271,6 +273,8 @@ class Engine:
                 logger.exception("committing the output of request %s failed", row.state.request_id)
                 self._fail(row.state, error)
         self._reap()
+        if result.verify_timing is not None and not prefill:
+            self.planner.observe_overhead(time.perf_counter() - started - result.verify_timing[1])
         if self._stats_logger.due():
             self._stats_logger.maybe_log(self.stats)
 

@@ -37,10 +37,15 @@ from services.verifier.request_state import RequestState
 from services.verifier.row_speculation import RowSpeculation
 from services.verifier.step_cost import StepCostModel, StepShape
 
+OVERHEAD_SMOOTHING = 0.05  # weight of the newest step in the moving average of step overhead
 
-def best_width(survivals: Sequence[Sequence[float]], span: int, cost: StepCostModel) -> int:
+
+def best_width(
+    survivals: Sequence[Sequence[float]], span: int, cost: StepCostModel, overhead_s: float = 0.0
+) -> int:
     """The width maximising expected tokens per predicted second. `survivals[r][j - 1]` is P(row r's position j
-    is accepted) for the positions row r can verify; `span` is the context the rows attend to. With no cost
+    is accepted) for the positions row r can verify; `span` is the context the rows attend to; `overhead_s` is
+    the step's time outside the verify forward (drafting, bookkeeping), paid whatever the width. With no cost
     observations yet (prediction 0) the widest is taken: the request's own K, as without adaptation."""
     rows = len(survivals)
     widest = 1 + max((len(s) for s in survivals), default=0)
@@ -52,6 +57,7 @@ def best_width(survivals: Sequence[Sequence[float]], span: int, cost: StepCostMo
         seconds = cost.predict(StepShape(rows, width, span + width))
         if seconds <= 0:
             return widest
+        seconds += overhead_s
         rate = expected_tokens / seconds
         if rate > best_rate:
             best, best_rate = width, rate
@@ -65,6 +71,7 @@ class SpeculationPlanner:
         self.cost = cost
         self.adaptive = adaptive
         self.methods: dict[str, MethodAcceptance] = {}
+        self.overhead_s = 0.0  # recent time of a decode-only step outside its verify forward (moving average)
 
     def start(self, method: str) -> RowSpeculation:
         """The speculation state of a newly admitted request using `method`."""
@@ -78,7 +85,7 @@ class SpeculationPlanner:
         if not self.adaptive or not decode:
             return list(caps)
         survivals = [self._survival(s, cap) for s, cap in zip(decode, caps, strict=True)]
-        width = best_width(survivals, _span(decode), self.cost)
+        width = best_width(survivals, _span(decode), self.cost, self.overhead_s)
         asks = []
         for state, cap in zip(decode, caps, strict=True):
             row = state.speculation
@@ -94,7 +101,7 @@ class SpeculationPlanner:
         if not self.adaptive or not decode:
             return list(drafts)
         survivals = [self._survival(s, len(d.tokens)) for s, d in zip(decode, drafts, strict=True)]
-        width = best_width(survivals, _span(decode), self.cost)
+        width = best_width(survivals, _span(decode), self.cost, self.overhead_s)
         if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
             width = 2  # a probe pays for one column, which every drafted row then uses
         return [d if len(d.tokens) < width else _cut(d, width - 1) for d in drafts]
@@ -113,6 +120,10 @@ class SpeculationPlanner:
 
     def observe_forward(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape, seconds)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """A decode-only step's wall time minus its verify forward."""
+        self.overhead_s += OVERHEAD_SMOOTHING * (max(0.0, seconds) - self.overhead_s)
 
     @staticmethod
     def _survival(state: RequestState, cap: int) -> list[float]:
