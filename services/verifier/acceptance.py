@@ -24,6 +24,7 @@ INITIAL_WEIGHT = 2.0  # ... worth this many observations
 REQUEST_DECAY = 0.8  # a request's counts halve in about three verified drafts
 METHOD_DECAY = 0.995  # a method's counts halve in about 140 verified drafts (over all its requests)
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the method's figure in each request's estimate
+DRAFT_RATE_SMOOTHING = 0.2  # weight of the newest ask in a request's rate of asks answered with a draft
 
 
 @dataclass
@@ -82,6 +83,18 @@ class MethodAcceptance:
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.counts.observe(num_draft, num_accepted)
         self._rates.clear()
+
+
+@dataclass
+class DraftRate:
+    """How often a request's proposer answers an ask with a draft at all: an n-gram or suffix drafter proposes
+    only where its history matches, so on new text most asks come back empty. The planner weighs a row's
+    expected gain by it before asking, so it does not ask every row for a full draft only to verify none."""
+
+    rate: float = 1.0  # optimistic: a new request is asked
+
+    def observe(self, answered: bool) -> None:
+        self.rate += DRAFT_RATE_SMOOTHING * (float(answered) - self.rate)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.verifier.acceptance import AcceptanceEstimate
+from services.verifier.acceptance import AcceptanceEstimate, DraftRate
 
 PROBE_INTERVAL = 8  # steps without a verified draft before a row is re-probed
 PROBE_INTERVAL_MAX = 128
@@ -37,4 +37,6 @@ class RowSpeculation:
 
     acceptance: AcceptanceEstimate
     probe: ProbeSchedule = field(default_factory=ProbeSchedule)
-    probing: bool = False  # this step's draft is a probe
+    drafts: DraftRate = field(default_factory=DraftRate)
+    asked: bool = False  # this step asked the proposer for a draft
+    probing: bool = False  # ... as a probe

@@ -14,7 +14,8 @@ upper bound). w = 1, i.e. K = 0 for the whole batch, is a valid answer: a batch 
 runs as if speculation were off. Alone on a CPU, a step reads the weights once whatever its width, so one
 request keeps long drafts; eight requests on the same CPU pay for each extra column.
 
-Planning happens twice per step. Before drafting, with the estimates alone, to bound what each proposer is asked
+Planning happens twice per step. Before drafting, with the estimates alone (weighted by how often each row's
+proposer has a draft at all: an n-gram drafter on new text mostly has none), to bound what each proposer is asked
 for (a draft model's work grows with K). After drafting, with the drafts in hand: only rows that got a draft
 contribute gain, so the width is chosen again and drafts are cut to it.
 
@@ -84,7 +85,7 @@ class SpeculationPlanner:
         """How many tokens to ask each row's proposer for: `caps[i]` is row i's bound (its K, the room left)."""
         if not self.adaptive or not decode:
             return list(caps)
-        survivals = [self._survival(s, cap) for s, cap in zip(decode, caps, strict=True)]
+        survivals = [self._survival(s, cap, expected_draft=True) for s, cap in zip(decode, caps, strict=True)]
         width = best_width(survivals, _span(decode), self.cost, self.overhead_s)
         asks = []
         for state, cap in zip(decode, caps, strict=True):
@@ -93,12 +94,19 @@ class SpeculationPlanner:
             if row is not None:
                 row.probing = cap > 0 and ask == 0 and row.probe.due
                 ask = 1 if row.probing else ask
+                row.asked = ask > 0
             asks.append(ask)
         return asks
 
     def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> list[ProposedDraft]:
         """The drafts cut to the width chosen now that it is known which rows have one."""
         if not self.adaptive or not decode:
+            return list(drafts)
+        for state, draft in zip(decode, drafts, strict=True):
+            row = state.speculation
+            if row is not None and row.asked:
+                row.drafts.observe(bool(draft.tokens))
+        if not any(d.tokens for d in drafts):
             return list(drafts)
         survivals = [self._survival(s, len(d.tokens)) for s, d in zip(decode, drafts, strict=True)]
         width = best_width(survivals, _span(decode), self.cost, self.overhead_s)
@@ -126,9 +134,14 @@ class SpeculationPlanner:
         self.overhead_s += OVERHEAD_SMOOTHING * (max(0.0, seconds) - self.overhead_s)
 
     @staticmethod
-    def _survival(state: RequestState, cap: int) -> list[float]:
+    def _survival(state: RequestState, cap: int, expected_draft: bool = False) -> list[float]:
+        """P(each position is accepted) for up to `cap` positions; with `expected_draft`, before asking, also
+        weighted by how often this row's proposer has a draft at all."""
         row = state.speculation
-        return row.acceptance.survival(cap) if row is not None and cap > 0 else []
+        if row is None or cap <= 0:
+            return []
+        survival = row.acceptance.survival(cap)
+        return [p * row.drafts.rate for p in survival] if expected_draft else survival
 
 
 def _span(decode: Sequence[RequestState]) -> int:
