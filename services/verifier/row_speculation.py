@@ -9,6 +9,7 @@ from services.verifier.acceptance import AcceptanceEstimate, DraftRate
 
 PROBE_INTERVAL = 8  # steps without a verified draft before a row is re-probed
 PROBE_INTERVAL_MAX = 128
+PROBE_TIME_SHARE = 0.01  # at most this share of step time pays for probe columns
 
 
 @dataclass
@@ -29,6 +30,24 @@ class ProbeSchedule:
 
     def idle(self) -> None:
         self.idle_steps += 1
+
+
+@dataclass
+class ProbeBudget:
+    """The batch's allowance for probe columns. A probe that widens a step from 1 to 2 positions makes every row
+    of the batch pay for that column (a quarter of the step for 16 rows on a CPU), so probes are rationed by time:
+    each step earns PROBE_TIME_SHARE of its predicted time, a probe column spends its predicted cost, and rows
+    that are due wait until the batch can afford one (then every due row probes in that same column)."""
+
+    credit_s: float = 0.0
+
+    def earn(self, step_s: float, column_s: float) -> bool:
+        """Credit for one step; True if a probe column is affordable now."""
+        self.credit_s = min(self.credit_s + PROBE_TIME_SHARE * step_s, 2 * column_s)
+        return self.credit_s >= column_s
+
+    def spend(self, column_s: float) -> None:
+        self.credit_s -= column_s
 
 
 @dataclass

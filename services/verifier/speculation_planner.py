@@ -21,8 +21,9 @@ contribute gain, so the width is chosen again and drafts are cut to it.
 
 A request whose drafts are never verified teaches nothing, so it could stay at K = 0 after its estimate fell,
 even when its text turns repetitive later. Such a row is re-probed: after `interval` steps without a verified
-draft, it verifies one position (which costs a column only if no other row already pays for one); a rejected
-probe doubles the interval (row_speculation.py), an accepted one resets it.
+draft, it verifies one position; a rejected probe doubles the interval, an accepted one resets it. A probe that
+widens the step costs a column for the whole batch, so probe columns are rationed to 1% of step time, and rows
+that are due probe together (row_speculation.py).
 
 Lossless for any schedule: which positions are verified depends on past outcomes and on the drafts, never on the
 target's randomness for the positions being verified (see rejection.py).
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.request_state import RequestState
-from services.verifier.row_speculation import RowSpeculation
+from services.verifier.row_speculation import ProbeBudget, RowSpeculation
 from services.verifier.step_cost import StepCostModel, StepShape
 
 OVERHEAD_SMOOTHING = 0.05  # weight of the newest step in the moving average of step overhead
@@ -73,6 +74,8 @@ class SpeculationPlanner:
         self.adaptive = adaptive
         self.methods: dict[str, MethodAcceptance] = {}
         self.overhead_s = 0.0  # recent time of a decode-only step outside its verify forward (moving average)
+        self.probes = ProbeBudget()
+        self._probe_column_s = 0.0  # this step's predicted cost of a probe column
 
     def start(self, method: str) -> RowSpeculation:
         """The speculation state of a newly admitted request using `method`."""
@@ -86,13 +89,17 @@ class SpeculationPlanner:
         if not self.adaptive or not decode:
             return list(caps)
         survivals = [self._survival(s, cap, expected_draft=True) for s, cap in zip(decode, caps, strict=True)]
-        width = best_width(survivals, _span(decode), self.cost, self.overhead_s)
+        span = _span(decode)
+        width = best_width(survivals, span, self.cost, self.overhead_s)
+        narrow = self.cost.predict(StepShape(len(decode), 1, span + 1))
+        self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
+        can_probe = self.probes.earn(narrow + self.overhead_s, self._probe_column_s)
         asks = []
         for state, cap in zip(decode, caps, strict=True):
             row = state.speculation
             ask = min(cap, width - 1)
             if row is not None:
-                row.probing = cap > 0 and ask == 0 and row.probe.due
+                row.probing = can_probe and cap > 0 and ask == 0 and row.probe.due
                 ask = 1 if row.probing else ask
                 row.asked = ask > 0
             asks.append(ask)
@@ -112,6 +119,7 @@ class SpeculationPlanner:
         width = best_width(survivals, _span(decode), self.cost, self.overhead_s)
         if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
             width = 2  # a probe pays for one column, which every drafted row then uses
+            self.probes.spend(self._probe_column_s)
         return [d if len(d.tokens) < width else _cut(d, width - 1) for d in drafts]
 
     def observe_row(self, state: RequestState, num_draft: int, num_accepted: int) -> None:

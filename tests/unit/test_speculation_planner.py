@@ -115,3 +115,17 @@ def test_cut_drafts_keep_their_q_rows(monkeypatch):
     cut = _cut(draft, 2)
     assert cut.tokens == [1, 2] and cut.probs.shape == (2, 4)
     assert _cut(draft, 0).tokens == []
+
+
+def test_probe_columns_are_rationed_to_a_share_of_step_time():
+    from services.verifier.row_speculation import PROBE_TIME_SHARE, ProbeBudget
+
+    budget = ProbeBudget()
+    step_s, column_s = 0.060, 0.015  # 16 rows on a CPU: a column costs a quarter of the step
+    probes = 0
+    for _ in range(10_000):
+        if budget.earn(step_s, column_s):
+            budget.spend(column_s)
+            probes += 1
+    assert probes * column_s <= PROBE_TIME_SHARE * 10_000 * step_s + column_s
+    assert probes >= 0.9 * PROBE_TIME_SHARE * 10_000 * step_s / column_s  # and the share is really used
