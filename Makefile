@@ -42,8 +42,10 @@ run: fetch-model
 test: install
 	$(BIN)/python -m pytest
 
+# The table (specserve vs transformers, drafter methods, HTTP API), then the concurrency sweep below.
 bench: fetch-model
 	$(BIN)/specserve bench --model $(MODEL)
+	$(MAKE) bench-sweep
 
 # Concurrency 1, 4, 8, 16 on HumanEval and the code edit: no speculation vs each fixed K vs adaptive K; markdown
 # tables on stdout, the figure in docs/concurrency_sweep.png; exit 1 if a speculative output differs (SWEEP_ARGS).

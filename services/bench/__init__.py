@@ -169,13 +169,13 @@ def specserve_modes(settings: BenchSettings, progress: Progress) -> list[Mode]:
     """Off, ngram and suffix with the same K; suffix only where its native package is installed (said so)."""
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=settings.k,
                               prompt_lookup_min=settings.prompt_lookup_min, prompt_lookup_max=settings.prompt_lookup_max)
-    modes = [Mode("off", "specserve off"), Mode("ngram", f"specserve ngram K={settings.k}", ngram)]
+    modes = [Mode("off", "specserve off"), Mode("ngram", f"specserve ngram K<={settings.k}", ngram)]
     suffix = SpeculativeConfig(method="suffix", num_speculative_tokens=settings.k)
     reason = why_not_runnable(suffix)
     if reason is not None:
         progress(f"no suffix rows: {reason}")
         return modes
-    return [*modes, Mode("suffix", f"specserve suffix K={settings.k}", suffix)]
+    return [*modes, Mode("suffix", f"specserve suffix K<={settings.k}", suffix)]
 
 
 def max_model_len(workloads: Sequence[Workload], settings: BenchSettings) -> int:
@@ -407,7 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "multi-turn": f"{args.turns} turns; each prompt holds the conversation so far, the earlier answers "
         "generated once, greedy, by transformers generate before the first round",
-        "speculation": f"ngram K={args.k}, prompt_lookup_min={args.prompt_lookup_min}, "
+        "speculation": f"ngram and suffix K<={args.k} (adaptive speculation, the engine's default, picks K per step; "
+        f"python -m services.bench.sweep compares fixed K), prompt_lookup_min={args.prompt_lookup_min}, "
         f"prompt_lookup_max={args.prompt_lookup_max}; concurrency {args.concurrency}; repeats {args.repeats}",
         "tok/s": "single-request rows: median over prompts of per-prompt tok/s; concurrent rows: aggregate",
     }

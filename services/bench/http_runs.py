@@ -58,7 +58,7 @@ class HttpTarget:
 
 def system_label(k: int) -> str:
     """The row's system name; K = 0 is speculation off (the gateway and the Generate link, no drafter)."""
-    return f"specserve HTTP API ngram K={k} (gateway + gRPC drafter)" if k > 0 else "specserve HTTP API off"
+    return f"specserve HTTP API ngram K<={k} (gateway + gRPC drafter)" if k > 0 else "specserve HTTP API off"
 
 
 def free_ports(count: int) -> list[int]:

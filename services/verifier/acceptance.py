@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 INITIAL_ACCEPTANCE = 0.6  # what a method is assumed to achieve before its first verified draft
 INITIAL_WEIGHT = 2.0  # ... worth this many observations
 REQUEST_DECAY = 0.8  # a request's counts halve in about three verified drafts
-METHOD_DECAY = 0.995  # a method's counts halve in about 140 verified drafts (over all its requests)
+METHOD_DECAY = 0.98  # a method's counts halve in about 35 verified drafts (over all its requests: a few steps of a batch)
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the method's figure in each request's estimate
 DRAFT_RATE_SMOOTHING = 0.2  # weight of the newest ask in a request's rate of asks answered with a draft
 
@@ -110,9 +110,17 @@ class AcceptanceEstimate:
         self.method.observe(num_draft, num_accepted)
 
     def survival(self, num_positions: int) -> list[float]:
-        """P(position j's token is accepted) for j = 1..num_positions: the product of the conditionals."""
+        """P(position j's token is accepted) for j = 1..num_positions: the product of the conditionals.
+
+        Position 1 is pulled toward the method's figure; every later position toward this request's own
+        estimate of the position before it. Requests differ far more from each other than positions of one
+        draft do: a request that copies (code edit) is accepted deep into its drafts while another of the same
+        method (new code) is not, and the method's figure for a deep position would hold the first back until
+        it had been verified that deep, which a narrow schedule never does."""
         out, running = [], 1.0
-        for position, prior in enumerate(self.method.rates(num_positions), start=1):
-            running *= self.counts.rate(position, prior, PRIOR_WEIGHT)
+        prior = self.method.rates(1)[0] if num_positions else 0.0
+        for position in range(1, num_positions + 1):
+            prior = self.counts.rate(position, prior, PRIOR_WEIGHT)
+            running *= prior
             out.append(running)
         return out
