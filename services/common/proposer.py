@@ -39,3 +39,14 @@ class Proposer(Protocol):
 
     def release(self, seq_id: Hashable) -> None:
         """The sequence finished or was aborted; forget it."""
+
+
+def declared_vocabulary(proposer: object) -> tuple[int, str]:
+    """(vocab_size, tokenizer_fingerprint) a proposer proposes from, as the drafter declares them in Info.
+
+    A proposer that drafts with a model of its own (draft_model, EAGLE) has `vocab_size` and
+    `tokenizer_fingerprint` attributes, so that a verifier with another vocabulary refuses it before any
+    token id is exchanged. One that only copies token ids the verifier committed (ngram, suffix) has neither
+    and declares (0, ""): it works on any vocabulary. Optional attributes rather than protocol members, so that
+    every existing proposer, plug-ins included, stays a Proposer."""
+    return int(getattr(proposer, "vocab_size", 0) or 0), str(getattr(proposer, "tokenizer_fingerprint", "") or "")

@@ -17,8 +17,14 @@ class SpeculativeConfig(BaseModel):
     # ngram (prompt lookup)
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
-    # draft_model / eagle
+    # draft_model / eagle: vLLM's `model` (the draft model) and `max_model_len` (its positions per sequence;
+    # None: the model's context, capped as for the target); the rest are specserve's, named like vLLM's
+    # draft_tensor_parallel_size: where the draft model runs and how many sequences keep a KV slot in it
     model: str | None = None
+    max_model_len: int | None = Field(None, ge=2)
+    draft_device: str = "auto"
+    draft_dtype: str = "auto"
+    draft_max_num_seqs: int = Field(16, ge=1)  # room for two verifiers at their default of 8
     # suffix decoding (Arctic Inference)
     suffix_decoding_max_tree_depth: int = Field(24, ge=1)
     suffix_decoding_max_cached_requests: int = Field(10_000, ge=0)

@@ -17,7 +17,7 @@ from services.common.drafter_methods import build_proposer, method_names
 from services.common.drafter_wire import DrafterDescription, drafter_pb2, drafter_pb2_grpc
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
 from services.common.metrics_http import serve_metrics
-from services.common.proposer import Proposer
+from services.common.proposer import Proposer, declared_vocabulary
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.servicer import DrafterServicer
 from services.drafter.settings import DrafterSettings
@@ -31,17 +31,20 @@ async def serve(
     port: int = 0,
     *,
     num_speculative_tokens: int = 5,
-    vocab_size: int = 0,
-    tokenizer_fingerprint: str = "",
+    vocab_size: int | None = None,
+    tokenizer_fingerprint: str | None = None,
     needs_hidden_states: bool = False,
     credentials: grpc.ServerCredentials | None = None,
     metrics: DrafterMetrics | None = None,
 ) -> tuple[GrpcServer, int]:
-    """Start serving `proposer`; returns the running server and its bound port (a free one for port 0)."""
+    """Start serving `proposer`; returns the running server and its bound port (a free one for port 0).
+    `vocab_size` and `tokenizer_fingerprint` (Info) default to what the proposer declares (a draft model its own;
+    ngram and suffix nothing, i.e. any vocabulary); tests pass others to play a mismatched drafter."""
+    declared_vocab_size, declared_fingerprint = declared_vocabulary(proposer)
     description = DrafterDescription(
         method=proposer.method,
-        vocab_size=vocab_size,
-        tokenizer_fingerprint=tokenizer_fingerprint,
+        vocab_size=declared_vocab_size if vocab_size is None else vocab_size,
+        tokenizer_fingerprint=declared_fingerprint if tokenizer_fingerprint is None else tokenizer_fingerprint,
         needs_hidden_states=needs_hidden_states,
         max_speculative_tokens=num_speculative_tokens,
     )
@@ -66,6 +69,16 @@ def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest K served per step (default 5)")
     parser.add_argument("--prompt-lookup-min", dest="prompt_lookup_min", type=int, default=s)
     parser.add_argument("--prompt-lookup-max", dest="prompt_lookup_max", type=int, default=s)
+    parser.add_argument("--model", default=s, help="draft_model: the draft model, sharing the target's vocabulary "
+                        "(registered name, transformers folder, .gguf file or hub id)")
+    parser.add_argument("--device", default=s, help="draft_model: auto | cpu | cuda | cuda:N | npu | npu:N (default auto)")
+    parser.add_argument("--dtype", default=s, help="draft_model: auto | float32 | bfloat16 | float16 (default auto)")
+    parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=s,
+                        help="draft_model: sequences that keep a KV slot; beyond, the least recently used one is "
+                        "evicted and re-prefilled when it returns (default 16)")
+    parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=s,
+                        help="draft_model: positions per KV slot; longer sequences get no draft (default: the "
+                        "model's context, capped at 2048)")
     parser.add_argument("--host", default=s, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=s, help="gRPC port (default 50061; 0 picks a free one)")
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, default=s,

@@ -4,18 +4,35 @@ configure the same process the same way."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import TlsServerSettings
 
+# Setting -> the SpeculativeConfig field it overrides. The model flags keep the names every specserve command
+# uses for a model (--model, --device, --dtype, --max-num-seqs, --max-model-len); in a drafter process there is
+# only one model, the draft model, so they mean its settings.
+CONFIG_OVERRIDES = MappingProxyType({
+    "method": "method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "model": "model",
+    "device": "draft_device",
+    "dtype": "draft_dtype",
+    "max_num_seqs": "draft_max_num_seqs",
+    "max_model_len": "max_model_len",
+})
+
 
 class DrafterSettings(TlsServerSettings):
     """The method and its options come from `speculative_config` (the same vLLM-shaped JSON the verifier and
     `specserve serve` take, so every method's options reach the drafter without a flag of their own); the
-    method, K and n-gram flags override single fields of it. Unset fields keep SpeculativeConfig's defaults:
-    one source of defaults for every process."""
+    method, K, n-gram and draft-model flags override single fields of it (CONFIG_OVERRIDES). Unset fields keep
+    SpeculativeConfig's defaults: one source of defaults for every process."""
 
     model_config = SettingsConfigDict(env_prefix="SPECSERVE_DRAFTER_", extra="forbid", frozen=True)
 
@@ -24,6 +41,11 @@ class DrafterSettings(TlsServerSettings):
     num_speculative_tokens: int | None = Field(None, ge=1)  # the largest K served per step
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
+    model: str | None = None  # draft_model: the draft model (registered name, folder, .gguf file or hub id)
+    device: str | None = None  # draft_model: where it runs (auto | cpu | cuda | cuda:N | npu | npu:N)
+    dtype: str | None = None  # draft_model: auto | float32 | bfloat16 | float16
+    max_num_seqs: int | None = Field(None, ge=1)  # draft_model: sequences with a KV slot (the rest are evicted)
+    max_model_len: int | None = Field(None, ge=2)  # draft_model: positions per KV slot
     host: str = "127.0.0.1"
     port: int = Field(50061, ge=0, le=65535)  # 0: a free port
     metrics_port: int | None = Field(8002, ge=0, le=65535)  # 0 or None: no metrics endpoint
@@ -40,8 +62,9 @@ class DrafterSettings(TlsServerSettings):
     @property
     def speculation(self) -> SpeculativeConfig:
         base = SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else SpeculativeConfig()
-        fields = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-        overrides = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        overrides = {
+            field: getattr(self, name) for name, field in CONFIG_OVERRIDES.items() if getattr(self, name) is not None
+        }
         try:
             return SpeculativeConfig.model_validate({**base.model_dump(), **overrides})
         except ValidationError as error:
