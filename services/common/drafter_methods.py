@@ -28,6 +28,7 @@ ENTRY_POINT_GROUP = "specserve.drafter_methods"
 NO_SPECULATION = "none"  # not a method: turns speculation off (server default or per request)
 
 BUILTIN_METHODS = MappingProxyType({
+    "draft_model": "services.drafter.methods.draft_model",
     "ngram": "services.drafter.methods.ngram",
     "suffix": "services.drafter.methods.suffix",
 })
@@ -90,7 +91,7 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
 
 def why_not_runnable(config: SpeculativeConfig) -> str | None:
     """None if `config.method`'s proposer can be built here, else its MethodUnavailableError message. Building
-    a proposer is cheap for every built-in method."""
+    a proposer is cheap for ngram and suffix; draft_model loads its model."""
     try:
         build_proposer(config)
     except MethodUnavailableError as error:
