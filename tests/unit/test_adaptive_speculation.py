@@ -42,7 +42,8 @@ def engine_with(model, proposers, cost=None, max_num_seqs=8, adaptive=True) -> E
     return engine
 
 
-def greedy(rid, prompt, spec=SpeculationParams(), max_tokens=30):
+def greedy(rid, prompt, spec=None, max_tokens=30):
+    spec = spec or SpeculationParams()
     return GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), spec)
 
 

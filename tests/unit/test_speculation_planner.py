@@ -3,6 +3,8 @@ re-probing (the engine-level tests are in test_engine_greedy.py and test_adaptiv
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def test_survival_is_the_product_of_conditionals_and_learns_per_request():
         good.observe(4, 4)
         bad.observe(4, 0)
     high, low = good.survival(4), bad.survival(4)
-    assert all(a >= b for a, b in zip(high, high[1:]))  # a run: later positions are never likelier
+    assert all(a >= b for a, b in itertools.pairwise(high))  # a run: later positions are never likelier
     assert high[3] > 0.6 and low[0] < 0.2
     fresh = AcceptanceEstimate(method)  # a new request starts from the method's record (half good, half bad)
     assert low[0] < fresh.survival(1)[0] < high[0]
