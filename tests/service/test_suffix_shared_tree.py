@@ -43,7 +43,7 @@ async def suffix_drafter():
 async def verifier(model, drafter_port: int):
     settings = VerifierSettings(port=0, metrics_port=0, max_num_seqs=2, max_model_len=200, draft_timeout_s=2.0,
                                 log_stats_interval_s=0, drafters=[f"suffix=127.0.0.1:{drafter_port}"],
-                                speculative_config=SUFFIX)
+                                speculative_config=SUFFIX, adaptive_speculation=False)  # counts compare drafters
     running = await start_verifier(model, "tiny-llama", settings)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:

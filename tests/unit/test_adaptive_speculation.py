@@ -10,27 +10,12 @@ from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
-from services.verifier.step_cost import StepCostModel, StepShape
 from tests.engine_harness import run_schedule
 from tests.prompts import repetitive_prompt
 from tests.proposers import OracleProposer, RandomProposer
 from tests.schedules import RandomSchedulePlanner
+from tests.step_costs import FixedCost
 from tests.tiny_models import VOCAB, tiny_llama
-
-
-class FixedCost(StepCostModel):
-    """SmolLM2-135M's cost shape on 2 CPU cores, not refined by the tiny model's timings (so tests do not
-    depend on this machine's speed)."""
-
-    def __init__(self, base=0.016, per_row=0.001, per_token=0.0009) -> None:
-        super().__init__()
-        for rows in (1, 4, 8, 16):
-            for width in (1, 2, 5, 9):
-                super().observe(StepShape(rows, width, 256), base + per_row * rows + per_token * rows * width)
-        self.fit()
-
-    def observe(self, shape, seconds) -> None:
-        pass
 
 
 def engine_with(model, proposers, cost=None, max_num_seqs=8, adaptive=True) -> Engine:

@@ -17,6 +17,7 @@ from services.verifier.sampling_params import GenerationRequest, SamplingParams,
 from tests.engine_harness import run_schedule
 from tests.prompts import repetitive_prompt
 from tests.proposers import OracleProposer, RandomProposer
+from tests.step_costs import FixedCost
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
 
 
@@ -195,6 +196,7 @@ async def test_adaptive_k_shrinks_for_rejected_drafts_and_keeps_output(model):
     baseline = await run_schedule(make_engine(model, {}), {0: requests(SpeculationParams())})
     fixed = make_engine(model, {"random": RandomProposer(VOCAB, seed=2)})
     adaptive = make_engine(model, {"random": RandomProposer(VOCAB, seed=2)}, adaptive=True)
+    adaptive.planner.cost = FixedCost()  # a CPU's cost shape, not a tiny model's near-flat one
     fixed_out = await run_schedule(fixed, {0: requests(SpeculationParams("random", 8))})
     adaptive_out = await run_schedule(adaptive, {0: requests(SpeculationParams("random", 8))})
     for i in range(3):
