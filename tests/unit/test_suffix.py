@@ -29,6 +29,8 @@ from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from services.verifier.speculation_planner import SpeculationPlanner
+from services.verifier.step_cost import StepCostModel
 from tests.engine_harness import run_schedule
 from tests.prompts import repetitive_prompt
 from tests.stats import ALPHA, chi_square_p_value, total_variation
@@ -292,7 +294,8 @@ async def test_sampled_output_follows_the_target_with_suffix_drafts():
     target = tiny_llama(seed=21, vocab_size=V)
     params = SamplingParams(temperature=1.0)
     suffix = proposer()
-    joint, stats = await sample_pairs(target, params, SpeculationParams("suffix", 2), {"suffix": suffix})
+    every_draft = SpeculationPlanner(StepCostModel(), adaptive=False)  # the count below must not hang on timing
+    joint, stats = await sample_pairs(target, params, SpeculationParams("suffix", 2), {"suffix": suffix}, every_draft)
     assert stats.num_fallbacks == 0
     assert stats.num_drafts > 1000 and stats.num_accepted_tokens > 0
     expected = exact_joint(target, params)
