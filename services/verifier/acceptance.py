@@ -67,22 +67,14 @@ class MethodAcceptance:
     """One drafter method's acceptance over all its requests: the prior of each new request's estimate."""
 
     counts: PositionCounts = field(default_factory=lambda: PositionCounts(METHOD_DECAY))
-    _rates: list[float] = field(default_factory=list)  # cached until the next observation
 
-    def rates(self, num_positions: int) -> list[float]:
-        """Conditional acceptance of positions 1..num_positions. Position 1 starts from INITIAL_ACCEPTANCE and
-        every later position from the one before it, so a position never verified yet is expected to do as
-        its predecessor does (conditional acceptance is roughly flat along a draft), rather than a fixed
-        guess that would compound and keep it unverified."""
-        rate = self._rates[-1] if self._rates else INITIAL_ACCEPTANCE
-        for position in range(len(self._rates) + 1, num_positions + 1):
-            rate = self.counts.rate(position, rate, INITIAL_WEIGHT)
-            self._rates.append(rate)
-        return self._rates[:num_positions]
+    def first_position_rate(self) -> float:
+        """Acceptance of position 1 over the method's requests, from INITIAL_ACCEPTANCE before any draft (the
+        prior of a request's position 1; deeper positions follow the request's own estimates, see survival)."""
+        return self.counts.rate(1, INITIAL_ACCEPTANCE, INITIAL_WEIGHT)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.counts.observe(num_draft, num_accepted)
-        self._rates.clear()
 
 
 @dataclass
@@ -118,7 +110,7 @@ class AcceptanceEstimate:
         method (new code) is not, and the method's figure for a deep position would hold the first back until
         it had been verified that deep, which a narrow schedule never does."""
         out, running = [], 1.0
-        prior = self.method.rates(1)[0] if num_positions else 0.0
+        prior = self.method.first_position_rate()
         for position in range(1, num_positions + 1):
             prior = self.counts.rate(position, prior, PRIOR_WEIGHT)
             running *= prior
