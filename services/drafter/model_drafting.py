@@ -7,7 +7,9 @@ proposer (methods/draft_model.py) owns that thread. One call drafts every sequen
 2. its slot is truncated to the longest common prefix of the tokens it holds and the committed tokens ("set
    the length"), keeping at least one committed token to feed, since the last one's logits give the first draft;
 3. one catch-up forward feeds every sequence's remaining committed tokens (usually the bonus token, or the last
-   accepted draft and the bonus token; the whole prompt for a new or evicted sequence), batched;
+   accepted draft and the bonus token; the whole prompt for a new or evicted sequence), batched. A long prefill
+   is fed in chunks over several calls (CatchUpBudget), drafting nothing until it is through, so one call never
+   holds the verifier's step past its draft deadline;
 4. then one batched forward per draft position, one argmax token per row still drafting (rows asking fewer
    tokens drop out), so K tokens cost K forwards whatever the number of sequences.
 
@@ -21,8 +23,9 @@ or no free slot because every slot belongs to a sequence of the same call.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +39,39 @@ from services.modeling.runner import ModelRunner, RowInput
 FREE_PADDING_TOKENS = 64
 
 
+# A call feeds at most about this many seconds of catch-up tokens (at the rate measured on the long feeds so far),
+# well inside the verifier's default draft deadline of 0.5 s, which a draft model's whole-prompt prefill on a CPU
+# can exceed. Feeds of a few tokens (the steady state) are never cut.
+CATCH_UP_SECONDS = 0.25
+MIN_CATCH_UP_TOKENS = 32  # a chunk never shrinks below this; forwards this long also measure the rate
+
+
+@dataclass
+class CatchUpBudget:
+    """Token positions one call may feed into the draft model, from the measured prefill rate: unbounded until a
+    feed of at least MIN_CATCH_UP_TOKENS has been timed (a GPU's budget stays far above any prompt), then
+    `seconds` at the slowest recent rate. Rates are measured, not configured, so every device sizes its own."""
+
+    seconds: float = CATCH_UP_SECONDS
+    tokens_per_s: float | None = None  # None: not measured yet
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+
+    def limit(self) -> int | None:
+        """Tokens a call may feed; None: no limit."""
+        if self.tokens_per_s is None:
+            return None
+        return max(MIN_CATCH_UP_TOKENS, int(self.seconds * self.tokens_per_s))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A catch-up forward of `tokens` positions took `seconds`; short ones are dominated by reading weights."""
+        if tokens < MIN_CATCH_UP_TOKENS or seconds <= 0:
+            return
+        rate = tokens / seconds
+        # Leaning toward the slower figure: a chunk that runs long costs a missed deadline, one that runs short
+        # only an extra call.
+        self.tokens_per_s = rate if self.tokens_per_s is None else min(rate, 0.5 * (rate + self.tokens_per_s))
+
+
 @dataclass(frozen=True)
 class DraftRequest:
     """One sequence of a call: its committed tokens (a snapshot the caller no longer changes) and K."""
@@ -46,12 +82,30 @@ class DraftRequest:
 
 
 class ModelDrafter:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, catch_up: CatchUpBudget | None = None) -> None:
         """`runner` must hold no sequences: its slots are this drafter's to give out."""
         if runner.num_free_slots() != runner.max_num_seqs:
             raise ValueError("the draft model's runner must start empty")
         self.runner = runner
         self.slots = SequenceSlots(runner.max_num_seqs)
+        self.catch_up = catch_up if catch_up is not None else CatchUpBudget()
+
+    def measure_catch_up(self, num_tokens: int = 4 * MIN_CATCH_UP_TOKENS, repeats: int = 2) -> None:
+        """Time a prefill of `num_tokens` (the first one warms up) so that the first prompt is already fed in
+        chunks; call before serving, with a slot free."""
+        num_tokens = max(MIN_CATCH_UP_TOKENS, min(num_tokens, self.runner.max_model_len))
+        probe = ("specserve-catch-up-probe",)
+        tokens = [(7 * i + 1) % self.runner.vocab_size for i in range(num_tokens)]
+        for attempt in range(repeats):
+            self.runner.add_sequence(probe)
+            try:
+                started = self.catch_up.clock()
+                self.runner.forward([RowInput(probe, tokens, 1)]).logits.argmax(dim=-1).tolist()
+                seconds = self.catch_up.clock() - started
+            finally:
+                self.runner.remove_sequence(probe)
+            if attempt > 0 or repeats == 1:
+                self.catch_up.observe(num_tokens, seconds)
 
     def forget(self, seq_id: Hashable) -> None:
         """Free the sequence's slot, if it holds one."""
@@ -72,15 +126,21 @@ class ModelDrafter:
         if not rows:
             return drafts
         try:
-            feeds = [self._feed(requests[i]) for i in rows]
-            ks = [self._room(requests[i]) for i in rows]
+            wanted = [self._feed(requests[i]) for i in rows]
+            feeds = chunk_feeds(wanted, self.catch_up.limit())
+            complete = [len(feed) == len(whole) for feed, whole in zip(feeds, wanted, strict=True)]
+            ks = [self._room(requests[i]) if done else 0 for i, done in zip(rows, complete, strict=True)]
             proposed = self._draft_rows([requests[i].seq_id for i in rows], feeds, ks)
         except BaseException:
             for i in rows:  # what the slots hold is unknown now: start these sequences afresh next time
                 self.forget(requests[i].seq_id)
             raise
-        for i, tokens in zip(rows, proposed, strict=True):
+        for i, feed, whole, tokens in zip(rows, feeds, wanted, proposed, strict=True):
             request = requests[i]
+            if len(feed) < len(whole):  # a chunk of its prefill: the slot holds what was fed, no draft yet
+                fed_until = len(request.token_ids) - len(whole) + len(feed)
+                self.slots.set_tokens(request.seq_id, request.token_ids[:fed_until])
+                continue
             fed = np.asarray(tokens[:-1], dtype=np.int64)  # the last draft is never fed
             self.slots.set_tokens(request.seq_id, np.concatenate([request.token_ids, fed]))
             drafts[i] = tuple(tokens)
@@ -115,10 +175,16 @@ class ModelDrafter:
         return committed[keep:].tolist()
 
     def _draft_rows(self, seq_ids: list[Hashable], feeds: list[list[int]], ks: list[int]) -> list[list[int]]:
+        """Feed each row's tokens, then draft ks[b] tokens for row b (0: feed only)."""
         drafts: list[list[int]] = [[] for _ in seq_ids]
-        for batch in catch_up_batches([len(feed) for feed in feeds]):
+        fed = [b for b, feed in enumerate(feeds) if feed]  # a prefill that got no chunk this call waits
+        for chunk in catch_up_batches([len(feeds[b]) for b in fed]):
+            batch = [fed[j] for j in chunk]
+            started = self.catch_up.clock()
             logits = self.runner.forward([RowInput(seq_ids[b], feeds[b], 1) for b in batch]).logits
-            for b, token in zip(batch, logits[:, 0].argmax(dim=-1).tolist(), strict=True):
+            tokens = logits[:, 0].argmax(dim=-1).tolist()  # reading them waits for the forward (CUDA included)
+            self.catch_up.observe(sum(len(feeds[b]) for b in batch), self.catch_up.clock() - started)
+            for b, token in zip(batch, tokens, strict=True):
                 drafts[b].append(int(token))
         for position in range(1, max(ks)):
             active = [b for b, k in enumerate(ks) if k > position]
@@ -126,6 +192,28 @@ class ModelDrafter:
             for b, token in zip(active, logits[:, 0].argmax(dim=-1).tolist(), strict=True):
                 drafts[b].append(int(token))
         return drafts
+
+
+def chunk_feeds(feeds: Sequence[list[int]], limit: int | None) -> list[list[int]]:
+    """The feeds cut to `limit` token positions in all (None: uncut). Short feeds (a decoding sequence's one or
+    two tokens) always go whole and first; the long ones (prefills) share what is left in order, and one that is
+    cut drafts nothing this call. At least one prefill always gets a chunk, so every sequence gets through."""
+    if limit is None:
+        return [list(feed) for feed in feeds]
+    out: list[list[int]] = [[] for _ in feeds]
+    left = limit
+    long_rows = []
+    for b, feed in enumerate(feeds):
+        if len(feed) < MIN_CATCH_UP_TOKENS:
+            out[b] = list(feed)
+            left -= len(feed)
+        else:
+            long_rows.append(b)
+    for n, b in enumerate(long_rows):
+        take = max(left, MIN_CATCH_UP_TOKENS if n == 0 else 0)
+        out[b] = list(feeds[b][:take])
+        left -= len(out[b])
+    return out
 
 
 def catch_up_batches(lengths: Sequence[int]) -> list[list[int]]:

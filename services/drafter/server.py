@@ -10,12 +10,14 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import grpc
 
 from services.common.drafter_methods import build_proposer, method_names
 from services.common.drafter_wire import DrafterDescription, drafter_pb2, drafter_pb2_grpc
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
+from services.common.main_thread_compute import run_with_compute, worker_thread
 from services.common.metrics_http import serve_metrics
 from services.common.proposer import Proposer, declared_vocabulary
 from services.drafter.metrics import DrafterMetrics
@@ -79,6 +81,9 @@ def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=s,
                         help="draft_model: positions per KV slot; longer sequences get no draft (default: the "
                         "model's context, capped at 2048)")
+    parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"], default=s,
+                        help="draft_model: thread for the draft model's forwards; auto (default) measures both, "
+                        "as the verifier does")
     parser.add_argument("--host", default=s, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=s, help="gRPC port (default 50061; 0 picks a free one)")
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, default=s,
@@ -95,9 +100,9 @@ def settings_from_args(args: argparse.Namespace) -> DrafterSettings:
     return DrafterSettings(**{k: v for k, v in vars(args).items() if k in DrafterSettings.model_fields})
 
 
-async def run(settings: DrafterSettings) -> int:
+async def run(settings: DrafterSettings, proposer: Proposer) -> int:
+    """Serve `proposer` (built from `settings`) until SIGTERM."""
     speculation = settings.speculation
-    proposer = build_proposer(speculation)
     metrics = DrafterMetrics(proposer.method)
     server, port = await serve(
         proposer,
@@ -121,11 +126,35 @@ async def run(settings: DrafterSettings) -> int:
     return 0
 
 
+def run_process(settings: DrafterSettings) -> int:
+    """Build the proposer on the main thread, then serve it. A proposer with a model of its own (it has a `runner`
+    and `use_compute`, e.g. draft_model) gets its forwards placed as the verifier engine's are
+    (services/modeling/compute_placement.py): on the main thread where that thread's torch pool is measurably
+    faster, the asyncio loop then moving beside it; on a worker thread otherwise. Other proposers run on the loop."""
+    from services.modeling.compute_placement import choose_compute_thread
+
+    proposer = build_proposer(settings.speculation)
+    runner = getattr(proposer, "runner", None)
+    if runner is None or not hasattr(proposer, "use_compute"):
+        return asyncio.run(run(settings, proposer))
+    worker = worker_thread()
+    try:
+        placement, _ = choose_compute_thread(settings.compute_thread, runner, worker)
+
+        async def serve_on(compute: Executor) -> int:
+            proposer.use_compute(compute)
+            return await run(settings, proposer)
+
+        return run_with_compute(placement, worker, serve_on)
+    finally:
+        worker.shutdown(wait=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="specserve drafter", description="Serve one proposer over gRPC.")
     add_drafter_flags(parser)
-    return asyncio.run(run(settings_from_args(parser.parse_args(argv))))
+    return run_process(settings_from_args(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ configure the same process the same way."""
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -46,6 +47,7 @@ class DrafterSettings(TlsServerSettings):
     dtype: str | None = None  # draft_model: auto | float32 | bfloat16 | float16
     max_num_seqs: int | None = Field(None, ge=1)  # draft_model: sequences with a KV slot (the rest are evicted)
     max_model_len: int | None = Field(None, ge=2)  # draft_model: positions per KV slot
+    compute_thread: Literal["auto", "main", "worker"] = "auto"  # draft_model: thread for the forwards; auto: measured
     host: str = "127.0.0.1"
     port: int = Field(50061, ge=0, le=65535)  # 0: a free port
     metrics_port: int | None = Field(8002, ge=0, le=65535)  # 0 or None: no metrics endpoint

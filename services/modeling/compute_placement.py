@@ -92,12 +92,12 @@ def choose_compute_thread(
     """`requested` unless "auto"; for "auto", the faster thread by `time_on_both_threads` (logged either way).
     Call from the main thread before serving; `worker` must be the executor the engine will use."""
     if requested != "auto":
-        logger.info("engine forwards run on the %s thread (--compute-thread %s)", requested, requested)
+        logger.info("model forwards run on the %s thread (--compute-thread %s)", requested, requested)
         return requested, None
     forward, release = decode_probe(runner)
     try:
         timing = time_on_both_threads(forward, worker)
     finally:
         release()
-    logger.info("engine forwards run on the %s thread: %s", timing.best, timing.describe())
+    logger.info("model forwards run on the %s thread: %s", timing.best, timing.describe())
     return timing.best, timing

@@ -12,9 +12,10 @@ The drafter declares its vocabulary size and tokenizer fingerprint in Info (attr
 `tokenizer_fingerprint`, see services/common/proposer.declared_vocabulary), so a verifier whose target has
 another vocabulary refuses it instead of verifying token ids that mean something else.
 
-Threads: every tensor operation runs on one compute thread (services/common/main_thread_compute.worker_thread,
-as in the verifier engine), off the event loop, so the drafter keeps answering Info, health checks and other
-links while it drafts. A call the engine gave up on (its deadline passed) still runs to the end on that
+Threads: every tensor operation runs on one compute thread, off the event loop, so the drafter keeps answering
+Info, health checks and other links while it drafts. Which thread is measured at start-up exactly as for the
+verifier engine (services/modeling/compute_placement.py: the main thread where its torch pool is faster, the
+asyncio loop then beside it; a worker thread otherwise); the drafter service hands it over with `use_compute`. A call the engine gave up on (its deadline passed) still runs to the end on that
 thread, and the next call queues behind it, so the KV bookkeeping only ever changes on that thread. `release`
 is called on the event loop: it only queues the id, and the next call frees the slot on the compute thread.
 """
@@ -87,7 +88,22 @@ class DraftModelProposer:
 
     @property
     def runner(self) -> ModelRunner:
+        """The draft model's runner: the drafter service times its forwards to place them on a thread."""
         return self._drafter.runner
+
+    def measure_catch_up(self) -> None:
+        """Time a prefill, so that long prompts are fed in chunks that fit the verifier's draft deadline
+        (model_drafting.CatchUpBudget); on the calling thread, before serving."""
+        self._drafter.measure_catch_up()
+
+    def catch_up_limit(self) -> int | None:
+        return self._drafter.catch_up.limit()
+
+    def use_compute(self, compute: Executor) -> None:
+        """Run the tensor work on `compute` from now on (one thread); call before the first `propose`."""
+        if self._owns_compute:
+            self._compute.shutdown(wait=True)
+        self._compute, self._owns_compute = compute, False
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
         # Snapshots taken on the loop: the caller appends to token_ids once this step is over, possibly while a
@@ -127,8 +143,11 @@ def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len)
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
+    proposer = DraftModelProposer(runner, fingerprint)
+    proposer.measure_catch_up()
     logger.info(
-        "draft model %s: vocabulary %d (tokenizer %s), %d KV slots of %d positions",
-        loaded.model_id, runner.vocab_size, fingerprint[:12] or "unknown", settings.max_num_seqs, max_model_len,
+        "draft model %s: vocabulary %d (tokenizer %s), %d KV slots of %d positions; prefills fed in chunks of "
+        "up to %d tokens per call", loaded.model_id, runner.vocab_size, fingerprint[:12] or "unknown",
+        settings.max_num_seqs, max_model_len, proposer.catch_up_limit(),
     )
-    return DraftModelProposer(runner, fingerprint)
+    return proposer
