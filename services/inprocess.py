@@ -10,12 +10,13 @@ import logging
 from dataclasses import dataclass, field
 
 from services.common.drafter_methods import build_proposer
-from services.common.proposer import Proposer
+from services.common.proposer import Proposer, declared_vocabulary, vocabulary_mismatch
 from services.common.speculative_config import SpeculativeConfig
 from services.modeling.context_length import resolve_max_model_len
 from services.modeling.loading import LoadedModel, load_model
 from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner_factory import create_runner
+from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import SpeculationParams
@@ -37,12 +38,25 @@ class LocalEngineOptions:
     )
 
 
-def local_proposers(config: SpeculativeConfig) -> dict[str, Proposer]:
+class IncompatibleProposerError(ValueError):
+    """The proposer drafts from another vocabulary or tokenizer than the target model's."""
+
+
+def local_proposers(config: SpeculativeConfig, target: tuple[int, str] = (0, "")) -> dict[str, Proposer]:
     """The proposer `config` names, built in this process from the drafter method registry (the same module the
-    drafter service runs); none when speculation is off."""
+    drafter service runs); none when speculation is off. A proposer with a vocabulary of its own (a draft model)
+    must match `target` = (vocab_size, tokenizer fingerprint), as a drafter service must match the verifier's."""
     if not config.enabled:
         return {}
-    return {config.method: build_proposer(config)}
+    proposer = build_proposer(config)
+    why = vocabulary_mismatch(declared_vocabulary(proposer), target)
+    if why is not None:
+        close = getattr(proposer, "close", None)
+        if close is not None:
+            close()
+        raise IncompatibleProposerError(f"speculative method {config.method!r} {why}; choose a draft model that "
+                                        "shares the target's tokenizer")
+    return {config.method: proposer}
 
 
 def default_speculation(config: SpeculativeConfig) -> SpeculationParams:
@@ -60,7 +74,7 @@ def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None =
         EngineConfig(
             max_num_batched_tokens=options.max_num_batched_tokens, adaptive_speculation=options.adaptive_speculation
         ),
-        local_proposers(options.speculative_config),
+        local_proposers(options.speculative_config, (runner.vocab_size, tokenizer_fingerprint(loaded.tokenizer))),
         loaded.eos_token_ids,
     )
     logger.info(

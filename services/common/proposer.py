@@ -50,3 +50,23 @@ def declared_vocabulary(proposer: object) -> tuple[int, str]:
     and declares (0, ""): it works on any vocabulary. Optional attributes rather than protocol members, so that
     every existing proposer, plug-ins included, stays a Proposer."""
     return int(getattr(proposer, "vocab_size", 0) or 0), str(getattr(proposer, "tokenizer_fingerprint", "") or "")
+
+
+def vocabulary_mismatch(drafts_from: tuple[int, str], target: tuple[int, str]) -> str | None:
+    """Why a proposer declaring `drafts_from` = (vocab_size, tokenizer_fingerprint) cannot draft for a target with
+    `target` = (vocab_size, fingerprint), or None if it can. 0 and "" mean undeclared (any vocabulary, unknown
+    tokenizer). One rule for a drafter reached over gRPC and one built in-process.
+
+    When both sides have a fingerprint, it decides alone: the same token -> id map means every id either side can
+    produce means the same text, whatever size the embedding tables were padded to (Qwen2.5-0.5B has 151936 rows,
+    the 7B 152064, one tokenizer); an id past the other side's table never reaches it (the verifier drops such
+    drafts, the drafter does not draft a sequence holding one). Without fingerprints, sizes must be equal."""
+    (vocab, fingerprint), (target_vocab, target_fingerprint) = drafts_from, target
+    if fingerprint and target_fingerprint:
+        if fingerprint != target_fingerprint:
+            return (f"uses a different tokenizer (fingerprint {fingerprint[:12]} vs the target's "
+                    f"{target_fingerprint[:12]})")
+        return None
+    if vocab and vocab != target_vocab:
+        return f"proposes from a vocabulary of {vocab} tokens but the target model has {target_vocab}"
+    return None

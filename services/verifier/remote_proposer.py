@@ -36,7 +36,7 @@ from services.common.drafter_wire import (
     reply_from_proto,
     step_to_proto,
 )
-from services.common.proposer import Draft, DraftInput
+from services.common.proposer import Draft, DraftInput, vocabulary_mismatch
 from services.common.tls import open_channel
 
 logger = logging.getLogger(__name__)
@@ -70,20 +70,11 @@ class RemoteProposerConfig:
 
 
 def check_compatible(info: DrafterDescription, config: RemoteProposerConfig) -> None:
-    if info.vocab_size and info.vocab_size != config.vocab_size:
+    why = vocabulary_mismatch((info.vocab_size, info.tokenizer_fingerprint),
+                              (config.vocab_size, config.tokenizer_fingerprint))
+    if why is not None:
         raise IncompatibleDrafterError(
-            f"drafter at {config.target} ({info.method}) proposes from a vocabulary of "
-            f"{info.vocab_size} tokens but the target model has {config.vocab_size}; "
-            "refusing it (use a drafter built for this model)"
-        )
-    if (
-        info.tokenizer_fingerprint
-        and config.tokenizer_fingerprint
-        and (info.tokenizer_fingerprint != config.tokenizer_fingerprint)
-    ):
-        raise IncompatibleDrafterError(
-            f"drafter at {config.target} ({info.method}) uses a different tokenizer (fingerprint "
-            f"{info.tokenizer_fingerprint[:12]} vs the target's {config.tokenizer_fingerprint[:12]}); refused"
+            f"drafter at {config.target} ({info.method}) {why}; refusing it (use a drafter built for this model)"
         )
 
 

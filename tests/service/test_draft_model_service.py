@@ -58,7 +58,9 @@ async def test_info_declares_the_draft_vocabulary_and_a_mismatched_verifier_refu
     finally:
         await remote.close()
     with pytest.raises(IncompatibleDrafterError, match=rf"\(draft_model\).*vocabulary of {VOCAB} tokens.*has {VOCAB + 1}"):
-        await RemoteProposer.connect(remote_config(drafter_port, vocab_size=VOCAB + 1))
+        await RemoteProposer.connect(remote_config(drafter_port, vocab_size=VOCAB + 1, fingerprint=""))
+    # the same tokenizer with an embedding table padded to another size (Qwen2.5-0.5B drafting for the 7B)
+    await (await RemoteProposer.connect(remote_config(drafter_port, vocab_size=VOCAB + 64))).close()
     with pytest.raises(IncompatibleDrafterError, match=r"\(draft_model\) uses a different tokenizer"):
         await RemoteProposer.connect(remote_config(drafter_port, fingerprint="e" * 64))
 

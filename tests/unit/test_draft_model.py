@@ -20,9 +20,18 @@ from services.common.drafter_methods import build_proposer
 from services.common.proposer import DraftInput, declared_vocabulary
 from services.common.speculative_config import SpeculativeConfig
 from services.drafter.methods.draft_model import DraftModelProposer, DraftModelSettings
-from services.drafter.model_drafting import FREE_PADDING_TOKENS, catch_up_batches
+from services.drafter.model_drafting import (
+    FREE_PADDING_TOKENS,
+    MIN_CATCH_UP_TOKENS,
+    CatchUpBudget,
+    DraftRequest,
+    ModelDrafter,
+    catch_up_batches,
+    chunk_feeds,
+)
 from services.drafter.sequence_slots import SequenceSlots, common_prefix_length
 from services.drafter.server import add_drafter_flags, settings_from_args
+from services.inprocess import IncompatibleProposerError, local_proposers
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.engine import Engine
@@ -167,6 +176,52 @@ async def test_eviction_resyncs_from_the_token_ids_and_never_raises(draft_model)
         proposer.close()
 
 
+def test_chunk_feeds_keeps_decoding_rows_whole_and_shares_the_rest_among_prefills():
+    feeds = [[1], list(range(100)), [2, 3], list(range(50))]
+    assert chunk_feeds(feeds, None) == feeds
+    out = chunk_feeds(feeds, 64)
+    assert out[0] == [1] and out[2] == [2, 3]  # decoding rows are never cut
+    assert out[1] == list(range(61)) and out[3] == []  # the rest goes to the prefills in order
+    # short rows that use up the budget still leave the first prefill a chunk, so it always progresses
+    out = chunk_feeds([[7] * 20, [8] * 20, list(range(100))], 10)
+    assert out[:2] == [[7] * 20, [8] * 20] and out[2] == list(range(MIN_CATCH_UP_TOKENS))
+
+
+def test_the_budget_is_unbounded_until_a_long_feed_is_timed_and_leans_to_the_slower_rate():
+    budget = CatchUpBudget(seconds=0.5)
+    assert budget.limit() is None
+    budget.observe(4, 1.0)  # a decode-sized forward says little about prefill speed
+    assert budget.limit() is None
+    budget.observe(200, 1.0)
+    assert budget.limit() == 100
+    budget.observe(400, 1.0)  # faster: halfway there
+    assert budget.limit() == 150
+    budget.observe(40, 1.0)  # slower: at once
+    assert budget.limit() == MIN_CATCH_UP_TOKENS
+
+
+def test_a_long_prompt_is_fed_in_chunks_and_then_drafts_as_a_fresh_drafter(draft_model):
+    """With a budget of 40 tokens a call, a 130-token prompt takes four calls (three without a draft) while a
+    decoding sequence beside it drafts every call; then its draft is what a drafter fed the prompt at once drafts."""
+    ticks = iter(range(10**6))
+    budget = CatchUpBudget(seconds=1.0, tokens_per_s=40.0, clock=lambda: float(next(ticks)))  # every forward: 1 s
+    drafter = ModelDrafter(LlamaFamilyRunner(draft_model, 2, MAX_MODEL_LEN, pack_weights=False), budget)
+    unchunked = ModelDrafter(LlamaFamilyRunner(draft_model, 1, MAX_MODEL_LEN, pack_weights=False))
+    rng = random.Random(5)
+    prompt = np.array(repetitive_prompt(rng, 130), dtype=np.int64)
+    other = np.array(repetitive_prompt(rng, 10), dtype=np.int64)
+    drafter.draft([DraftRequest("other", other, 3)])
+    lengths = []
+    for _ in range(4):
+        drafts = drafter.draft([DraftRequest("long", prompt, 3), DraftRequest("other", other, 3)])
+        lengths.append(len(drafts[0]))
+        assert len(drafts[1]) == 3
+        other = np.concatenate([other, np.array(drafts[1][:1], dtype=np.int64)])
+    assert lengths == [0, 0, 0, 3]
+    assert budget.limit() == 40  # each chunk of 40 tokens took "1 s"
+    assert drafts[0] == tuple(unchunked.draft([DraftRequest("fresh", prompt, 3)])[0])
+
+
 async def test_sequences_that_do_not_fit_get_no_draft(draft_model):
     proposer = proposer_for(draft_model, max_num_seqs=2, max_model_len=32)
     rng = random.Random(2)
@@ -284,3 +339,11 @@ def test_the_registry_builds_it_from_a_model_folder_and_it_declares_its_vocabula
         assert (proposer.runner.max_num_seqs, proposer.runner.max_model_len) == (3, 64)
     finally:
         proposer.close()
+    # built in-process (specserve generate), it is held to the target's vocabulary as a drafter service is
+    fingerprint = tokenizer_fingerprint(loaded_tokenizer)
+    local_proposers(config, (VOCAB, fingerprint))["draft_model"].close()
+    with pytest.raises(IncompatibleProposerError, match=rf"vocabulary of {VOCAB} tokens.*has {VOCAB + 1}"):
+        local_proposers(config, (VOCAB + 1, ""))
+    local_proposers(config, (VOCAB + 64, fingerprint))["draft_model"].close()  # same tokenizer, padded table
+    with pytest.raises(IncompatibleProposerError, match="different tokenizer"):
+        local_proposers(config, (VOCAB, "another tokenizer"))
