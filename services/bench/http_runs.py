@@ -218,12 +218,13 @@ class HttpClient:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def complete(self, prompt: Sequence[int], max_tokens: int, k: int) -> Generation:
-        """One timed, non-streaming, greedy completion of a token-id prompt; K = 0 turns speculation off.
+    def complete(self, prompt: Sequence[int], max_tokens: int, k: int, method: str = "ngram") -> Generation:
+        """One timed, non-streaming, greedy completion of a token-id prompt with `method` at K (the stack's
+        drafter must serve it); K = 0 turns speculation off.
 
         Engine steps are not in the response; they follow from it exactly: every step emits one token plus the
         draft tokens it accepted, so steps = completion tokens - accepted tokens."""
-        speculation = {"method": "ngram", "num_speculative_tokens": k} if k > 0 else {"method": "none"}
+        speculation = {"method": method, "num_speculative_tokens": k} if k > 0 else {"method": "none"}
         body = {
             "model": self.model,
             "prompt": list(prompt),
