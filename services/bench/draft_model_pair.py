@@ -14,6 +14,9 @@ noisy spell on a shared machine hits a whole round rather than one system):
   through the HTTP API, 1 request at a time, off and adaptive, and the resident memory of its verifier and
   drafter processes.
 
+Every module is imported at start-up: the run takes most of an hour, and a module imported halfway through would
+be whatever the checkout holds by then.
+
 Every specserve output with speculation must equal specserve's output without it (exit code 1 otherwise).
 Targets (the issue): specserve draft_model, best setting, >= 1.25x transformers assisted generation at its best K
 and >= 1.3x specserve without speculation at 1 request; at `concurrency` requests, adaptive never below none.
@@ -40,6 +43,7 @@ import torch
 from services.bench import available_cores, stderr_progress
 from services.bench.hardware import describe_hardware
 from services.bench.http_runs import HttpClient, free_ports
+from services.bench.prompts import chat_token_ids, humaneval_messages
 from services.bench.report import (
     Check,
     Generation,
@@ -56,9 +60,15 @@ from services.bench.specserve_runs import RequestIds, generate_one, run_concurre
 from services.bench.transformers_baseline import count_forwards
 from services.common.main_thread_compute import run_with_compute, worker_thread
 from services.modeling.compute_placement import choose_compute_thread
+from services.modeling.loading import load_model
 from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
+from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
+from services.soak.serve_process import ServeProcess, rss_bytes
 from services.supervision import stop_processes, wait_for_port
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
 
 Progress = Callable[[str], None]
 WARMUP_TOKENS = 8
@@ -192,10 +202,6 @@ async def measure_specserve(
     runner: ModelRunner, compute: Executor, prompts, settings: PairSettings, eos, drafter_address: str,
     fingerprint: str, progress: Progress,
 ) -> list[Measurement]:
-    from services.verifier.engine import Engine
-    from services.verifier.engine_config import EngineConfig
-    from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
-
     ids = RequestIds()
     out = []
     n = settings.concurrency
@@ -232,9 +238,6 @@ def run_in_process(target, draft, prompts, settings: PairSettings, max_model_len
                    progress: Progress) -> tuple[list[Measurement], int]:
     """Every round of transformers and the in-process engine; returns the merged measurements and the drafter
     process's resident memory at the end."""
-    from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
-    from services.soak.serve_process import rss_bytes
-
     eos = sorted(target.eos_token_ids)
     fingerprint = tokenizer_fingerprint(target.tokenizer)
     runner = create_runner(target.model, settings.concurrency, max_model_len)
@@ -261,8 +264,6 @@ def run_in_process(target, draft, prompts, settings: PairSettings, max_model_len
 def measure_http(settings: PairSettings, prompts, max_model_len: int, progress: Progress):
     """`specserve serve` with the draft_model method; 1 request at a time, off and adaptive. Returns the
     measurements and the resident memory (bytes) of its verifier and drafter after the requests."""
-    from services.soak.serve_process import ServeProcess, rss_bytes
-
     spec = {"method": "draft_model", "model": settings.draft, "num_speculative_tokens": settings.max_k,
             "draft_max_num_seqs": settings.concurrency, "max_model_len": max_model_len,
             "draft_device": settings.device, "draft_dtype": settings.dtype}
@@ -375,9 +376,6 @@ def parse_args(argv: Sequence[str]) -> tuple[PairSettings, str | None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from services.bench.prompts import chat_token_ids, humaneval_messages
-    from services.modeling.loading import load_model
-
     settings, json_path = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(available_cores())
     progress = stderr_progress()
