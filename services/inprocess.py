@@ -42,14 +42,15 @@ class IncompatibleProposerError(ValueError):
     """The proposer drafts from another vocabulary or tokenizer than the target model's."""
 
 
-def local_proposers(config: SpeculativeConfig, target: tuple[int, str] = (0, "")) -> dict[str, Proposer]:
+def local_proposers(config: SpeculativeConfig, target: tuple[int, str] | None = None) -> dict[str, Proposer]:
     """The proposer `config` names, built in this process from the drafter method registry (the same module the
-    drafter service runs); none when speculation is off. A proposer with a vocabulary of its own (a draft model)
-    must match `target` = (vocab_size, tokenizer fingerprint), as a drafter service must match the verifier's."""
+    drafter service runs); none when speculation is off. With `target` = (vocab_size, tokenizer fingerprint) of
+    the target model, a proposer with a vocabulary of its own (a draft model) must match it, as a drafter service
+    must match the verifier's."""
     if not config.enabled:
         return {}
     proposer = build_proposer(config)
-    why = vocabulary_mismatch(declared_vocabulary(proposer), target)
+    why = None if target is None else vocabulary_mismatch(declared_vocabulary(proposer), target)
     if why is not None:
         close = getattr(proposer, "close", None)
         if close is not None:

@@ -15,8 +15,9 @@ another vocabulary refuses it instead of verifying token ids that mean something
 Threads: every tensor operation runs on one compute thread, off the event loop, so the drafter keeps answering
 Info, health checks and other links while it drafts. Which thread is measured at start-up exactly as for the
 verifier engine (services/modeling/compute_placement.py: the main thread where its torch pool is faster, the
-asyncio loop then beside it; a worker thread otherwise); the drafter service hands it over with `use_compute`. A call the engine gave up on (its deadline passed) still runs to the end on that
-thread, and the next call queues behind it, so the KV bookkeeping only ever changes on that thread. `release`
+asyncio loop then beside it; a worker thread otherwise); the drafter service hands it over with `use_compute`.
+A call the engine gave up on (its deadline passed) still runs to the end on that thread, and the next call
+queues behind it, so the KV bookkeeping only ever changes on that thread. `release`
 is called on the event loop: it only queues the id, and the next call frees the slot on the compute thread.
 """
 
