@@ -207,8 +207,8 @@ async def measure_specserve(
     n = settings.concurrency
     for adaptive in (False, True):
         config = EngineConfig(log_stats_interval_s=0, adaptive_speculation=adaptive, profile_step_cost=adaptive)
-        proposer = RemoteProposer(RemoteProposerConfig(drafter_address, runner.vocab_size, fingerprint),
-                                  method="draft_model")
+        link = RemoteProposerConfig(drafter_address, runner.vocab_size, fingerprint, step_timeout_s=None)  # as served
+        proposer = RemoteProposer(link, method="draft_model")
         engine = Engine(runner, config, {"draft_model": proposer}, eos, compute)
         modes = [("dm-adaptive", f"specserve draft_model adaptive K<={settings.max_k}", settings.max_k)] if adaptive \
             else [("off", "specserve off", 0), *((f"dm{k}", f"specserve draft_model K={k}", k) for k in settings.ks)]

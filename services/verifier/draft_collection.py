@@ -1,19 +1,21 @@
 """Asking the proposers for drafts, once per engine step, and keeping count of what they did.
 
-Every proposer that running requests use is asked concurrently, under one deadline, with all of its rows at
-once; a proposer that is late, fails or answers malformed costs its rows K = 0 for this step (counted as a
+Every proposer that running requests use is asked concurrently, each under its own deadline (draft_deadline.py:
+it follows what the proposer's calls take), with all of its rows at once; a proposer that is late, fails or answers malformed costs its rows K = 0 for this step (counted as a
 fallback, logged once per outage by proposer_outages.py), never the step. Nothing a proposer returns is trusted:
 drafts are clipped to K and checked against the vocabulary before the engine verifies them."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.common.proposer import Draft, DraftInput, Proposer
+from services.verifier.draft_deadline import DraftDeadline
 from services.verifier.proposer_outages import ProposerOutageLog
 from services.verifier.request_state import RequestState
 from services.verifier.spec_stats import SpecDecodeStats
@@ -29,10 +31,17 @@ NO_DRAFT = ProposedDraft([], None)
 
 
 class DraftCollector:
-    def __init__(self, proposers: Mapping[str, Proposer], vocab_size: int, draft_timeout_s: float) -> None:
+    def __init__(
+        self, proposers: Mapping[str, Proposer], vocab_size: int, draft_timeout_s: float,
+        max_draft_timeout_s: float | None = None,
+    ) -> None:
+        """`draft_timeout_s`: the shortest deadline; `max_draft_timeout_s` the longest (default: the shortest,
+        i.e. a fixed deadline)."""
         self.proposers = dict(proposers)  # by method name; requests select one by name
         self.vocab_size = vocab_size
         self.draft_timeout_s = draft_timeout_s
+        self.max_draft_timeout_s = max(draft_timeout_s, max_draft_timeout_s or draft_timeout_s)
+        self.deadlines: dict[str, DraftDeadline] = {}
         self.stats_by_method: dict[str, SpecDecodeStats] = {}  # speculation counts per proposer
         self._outages = ProposerOutageLog()
 
@@ -46,10 +55,14 @@ class DraftCollector:
 
         async def ask(method: str, members: list[tuple[int, int]]) -> None:
             inputs = [DraftInput(decode[i].request_id, decode[i].token_ids, k) for i, k in members]
+            deadline = self.deadline(method)
+            longest = max(k for _, k in members)
+            timeout = deadline.for_call(longest)
+            started = time.perf_counter()
             try:
-                proposed = await asyncio.wait_for(self.proposers[method].propose(inputs), timeout=self.draft_timeout_s)
+                proposed = await asyncio.wait_for(self.proposers[method].propose(inputs), timeout=timeout)
             except TimeoutError:
-                self._fall_back(method, f"missed the {self.draft_timeout_s:.3f} s draft deadline")
+                self._fall_back(method, f"missed the {timeout:.3f} s draft deadline")
                 return
             except Exception as error:  # noqa: BLE001 - any proposer failure means K = 0, never a failed step
                 self._fall_back(method, error)
@@ -57,12 +70,19 @@ class DraftCollector:
             if len(proposed) != len(inputs):
                 self._fall_back(method, f"returned {len(proposed)} drafts for {len(inputs)} sequences")
                 return
+            deadline.answered(longest, time.perf_counter() - started)
             self._outages.succeeded(method)
             for (index, k), draft in zip(members, proposed, strict=True):
                 drafts[index] = self._sanitize(draft, k)
 
         await asyncio.gather(*(ask(method, members) for method, members in groups.items()))
         return drafts
+
+    def deadline(self, method: str) -> DraftDeadline:
+        found = self.deadlines.get(method)
+        if found is None:
+            found = self.deadlines[method] = DraftDeadline(self.draft_timeout_s, self.max_draft_timeout_s)
+        return found
 
     @property
     def stats(self) -> SpecDecodeStats:

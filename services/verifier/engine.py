@@ -78,7 +78,9 @@ class Engine:
         shuts it down. Without one the engine keeps a worker thread of its own."""
         self.runner = runner
         self.config = config or EngineConfig()
-        self.drafts = DraftCollector(proposers or {}, runner.vocab_size, self.config.draft_timeout_s)
+        self.drafts = DraftCollector(
+            proposers or {}, runner.vocab_size, self.config.draft_timeout_s, self.config.max_draft_timeout_s
+        )
         self.planner = SpeculationPlanner(StepCostModel(), self.config.adaptive_speculation)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._stats_logger = PeriodicStatsLogger(self.config.log_stats_interval_s)
@@ -253,7 +255,12 @@ class Engine:
         prefill = plan_prefill(self._running, decode_tokens, self.config.max_num_batched_tokens)
         if not decode and not prefill:
             return
-        drafts = self.planner.choose_drafts(decode, await self.drafts.collect(decode, asks))
+        drafting_started = time.perf_counter()
+        proposed = await self.drafts.collect(decode, asks)
+        drafting_s = time.perf_counter() - drafting_started
+        if any(asks):
+            self.planner.observe_drafting(max(asks), drafting_s)
+        drafts = self.planner.choose_drafts(decode, proposed)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(
             self._executor, execute_isolating_faults, self.runner, prefill, decode, drafts
@@ -274,7 +281,7 @@ class Engine:
                 self._fail(row.state, error)
         self._reap()
         if result.verify_timing is not None and not prefill:
-            self.planner.observe_overhead(time.perf_counter() - started - result.verify_timing[1])
+            self.planner.observe_overhead(time.perf_counter() - started - result.verify_timing[1] - drafting_s)
         if self._stats_logger.due():
             self._stats_logger.maybe_log(self.stats)
 

@@ -10,6 +10,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # prompt tokens prefilled per step (beyond the decode rows' tokens)
     max_waiting_requests: int = 256  # queue bound; beyond it add_request raises EngineOverloadedError
     draft_timeout_s: float = 0.5  # per-step deadline for each proposer; a late proposal means K = 0 this step
+    # The deadline grows with what a proposer's calls take (draft_deadline.py), up to this: a draft model's K
+    # forwards may take longer than draft_timeout_s, and a missed deadline costs more than waiting. Below
+    # draft_timeout_s it means draft_timeout_s (a fixed deadline).
+    max_draft_timeout_s: float = 2.0
     log_stats_interval_s: float = 10.0  # 0 disables the periodic speculation log line
     # Verify only the draft positions expected to pay for their share of the step (speculation_planner.py);
     # off: every row verifies its full K whenever its proposer has a draft.

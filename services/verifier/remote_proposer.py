@@ -60,7 +60,9 @@ class RemoteProposerConfig:
     vocab_size: int  # the verifier's (target model's) vocabulary size
     tokenizer_fingerprint: str = ""  # the verifier's; compared when both sides have one
     info_timeout_s: float = 2.0
-    step_timeout_s: float = 0.45  # keep below EngineConfig.draft_timeout_s
+    # Its own wait for a step's answer; None: none, the caller's deadline cancels the call (the verifier engine's,
+    # which follows what the drafter's calls take: draft_deadline.py).
+    step_timeout_s: float | None = 0.45
     stream_lifetime_s: float = 600.0  # the Draft stream's deadline; the link is renewed before it expires
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 2.0
@@ -246,14 +248,24 @@ class RemoteProposer:
                         return item
                     # an answer to a step the engine already gave up on: drop it
         except TimeoutError:
-            link.missed_steps += 1
-            if link.missed_steps >= self.config.max_missed_steps:
-                raise DrafterUnavailableError(
-                    f"drafter at {self.config.target} missed {link.missed_steps} steps in a row"
-                ) from None
+            self._missed(link)
             raise DrafterLateError(
                 f"drafter at {self.config.target} did not answer within {self.config.step_timeout_s}s"
             ) from None
+        except asyncio.CancelledError:  # the caller's deadline
+            self._missed(link)
+            raise
+
+    def _missed(self, link: _Link) -> None:
+        """A step went unanswered; `max_missed_steps` in a row mean the link is dead: the next call opens
+        another (raising here when the wait was the caller's would turn its cancellation into an error)."""
+        link.missed_steps += 1
+        if link.missed_steps >= self.config.max_missed_steps:
+            if self.config.step_timeout_s is not None:
+                raise DrafterUnavailableError(
+                    f"drafter at {self.config.target} missed {link.missed_steps} steps in a row"
+                ) from None
+            self._fail()
 
     def _drafts_from(self, link: _Link, inputs: Sequence[DraftInput], reply: DraftReply) -> list[Draft]:
         if len(reply.drafts) != len(inputs):

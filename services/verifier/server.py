@@ -95,12 +95,12 @@ async def _attach_drafters(
 ) -> list[TrackedProposer]:
     """One RemoteProposer per --drafter. An unreachable drafter is only a warning (it may start later; its
     requests run with K = 0 until then); one that refuses this model's vocabulary stops startup."""
-    step_timeout_s = 0.9 * settings.draft_timeout_s  # answer (or give up) before the engine's deadline
     credentials = channel_credentials(settings.drafter_tls_root_cert)
     drafters = []
     for name, address in settings.drafter_targets.items():
         config = RemoteProposerConfig(
-            address, vocab_size, fingerprint, step_timeout_s=step_timeout_s, channel_credentials=credentials
+            # no deadline of its own: the engine's (draft_deadline.py) cancels a late call
+            address, vocab_size, fingerprint, step_timeout_s=None, channel_credentials=credentials
         )
         tracked = TrackedProposer(name, RemoteProposer(config), metrics.observe_round_trip(model_id, name))
         await tracked.probe()
@@ -139,6 +139,7 @@ async def start_verifier(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_waiting_requests=settings.max_waiting_requests,
             draft_timeout_s=settings.draft_timeout_s,
+            max_draft_timeout_s=settings.max_draft_timeout_s,
             log_stats_interval_s=settings.log_stats_interval_s,
             adaptive_speculation=settings.adaptive_speculation,
         ),
@@ -214,7 +215,10 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     s = argparse.SUPPRESS
     add_engine_flags(parser)
     parser.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int, default=s)
-    parser.add_argument("--draft-timeout-s", dest="draft_timeout_s", type=float, default=s)
+    parser.add_argument("--draft-timeout-s", dest="draft_timeout_s", type=float, default=s,
+                        help="shortest wait for a drafter's drafts per step (default 0.5)")
+    parser.add_argument("--max-draft-timeout-s", dest="max_draft_timeout_s", type=float, default=s,
+                        help="longest: the wait grows to twice what the drafter's calls take, up to this (default 2)")
     parser.add_argument("--drafter-health-interval-s", dest="drafter_health_interval_s", type=float, default=s,
                         help="probe a drafter's Info after this long without a successful step (0: never)")
     parser.add_argument("--speculative-config", dest="speculative_config", default=s,

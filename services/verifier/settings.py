@@ -39,6 +39,7 @@ class VerifierSettings(TlsServerSettings):
     compute_thread: Literal["auto", "main", "worker"] = "auto"  # thread for the forwards; auto: measured
     adaptive_speculation: bool = True  # verify only draft positions worth their cost (speculation_planner.py)
     draft_timeout_s: float = Field(0.5, gt=0)  # per step; a late drafter costs K = 0 for that step
+    max_draft_timeout_s: float = Field(2.0, gt=0)  # the deadline grows with a drafter's measured calls up to this
     drafter_health_interval_s: float = Field(2.0, ge=0)  # Info probe of a drafter idle this long; 0: never
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)  # 0: a free port

@@ -16,7 +16,8 @@ request keeps long drafts; eight requests on the same CPU pay for each extra col
 
 Planning happens twice per step. Before drafting, with the estimates alone (weighted by how often each row's
 proposer has a draft at all: an n-gram drafter on new text mostly has none), to bound what each proposer is asked
-for (a draft model's work grows with K). After drafting, with the drafts in hand: only rows that got a draft
+for; this plan also pays for the drafting itself (draft_cost.py: a draft model's K sequential forwards can cost
+more than the verify step, and a step that asks for nothing does not call the drafter). After drafting, with the drafts in hand: only rows that got a draft
 contribute gain, so the width is chosen again and drafts are cut to it.
 
 A request whose drafts are never verified teaches nothing, so it could stay at K = 0 after its estimate fell,
@@ -31,10 +32,11 @@ target's randomness for the positions being verified (see rejection.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance
 from services.verifier.draft_collection import ProposedDraft
+from services.verifier.draft_cost import DraftCostModel
 from services.verifier.request_state import RequestState
 from services.verifier.row_speculation import ProbeBudget, RowSpeculation
 from services.verifier.step_cost import StepCostModel, StepShape
@@ -43,12 +45,17 @@ OVERHEAD_SMOOTHING = 0.05  # weight of the newest step in the moving average of 
 
 
 def best_width(
-    survivals: Sequence[Sequence[float]], span: int, cost: StepCostModel, overhead_s: float = 0.0
+    survivals: Sequence[Sequence[float]],
+    span: int,
+    cost: StepCostModel,
+    overhead_s: float = 0.0,
+    draft_s: Callable[[int], float] | None = None,
 ) -> int:
     """The width maximising expected tokens per predicted second. `survivals[r][j - 1]` is P(row r's position j
     is accepted) for the positions row r can verify; `span` is the context the rows attend to; `overhead_s` is
-    the step's time outside the verify forward (drafting, bookkeeping), paid whatever the width. With no cost
-    observations yet (prediction 0) the widest is taken: the request's own K, as without adaptation."""
+    the step's time outside the verify forward and the drafting (bookkeeping), paid whatever the width;
+    `draft_s(k)` what drafting k tokens costs (None: already paid). With no cost observations yet (prediction 0)
+    the widest is taken: the request's own K, as without adaptation."""
     rows = len(survivals)
     widest = 1 + max((len(s) for s in survivals), default=0)
     best, best_rate = widest, -1.0
@@ -59,7 +66,7 @@ def best_width(
         seconds = cost.predict(StepShape(rows, width, span + width))
         if seconds <= 0:
             return widest
-        seconds += overhead_s
+        seconds += overhead_s + (draft_s(width - 1) if draft_s is not None else 0.0)
         rate = expected_tokens / seconds
         if rate > best_rate:
             best, best_rate = width, rate
@@ -73,7 +80,8 @@ class SpeculationPlanner:
         self.cost = cost
         self.adaptive = adaptive
         self.methods: dict[str, MethodAcceptance] = {}
-        self.overhead_s = 0.0  # recent time of a decode-only step outside its verify forward (moving average)
+        self.overhead_s = 0.0  # recent time of a decode-only step outside its verify forward and drafting
+        self.draft_cost = DraftCostModel()
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
 
@@ -90,7 +98,7 @@ class SpeculationPlanner:
             return list(caps)
         survivals = [self._survival(s, cap, expected_draft=True) for s, cap in zip(decode, caps, strict=True)]
         span = _span(decode)
-        width = best_width(survivals, span, self.cost, self.overhead_s)
+        width = best_width(survivals, span, self.cost, self.overhead_s, self.draft_cost.predict)
         narrow = self.cost.predict(StepShape(len(decode), 1, span + 1))
         self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
         can_probe = self.probes.earn(narrow + self.overhead_s, self._probe_column_s)
@@ -137,8 +145,12 @@ class SpeculationPlanner:
     def observe_forward(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape, seconds)
 
+    def observe_drafting(self, k: int, seconds: float) -> None:
+        """Collecting the step's drafts, at most `k` tokens each, took `seconds`."""
+        self.draft_cost.observe(k, seconds)
+
     def observe_overhead(self, seconds: float) -> None:
-        """A decode-only step's wall time minus its verify forward."""
+        """A decode-only step's wall time minus its verify forward and its drafting."""
         self.overhead_s += OVERHEAD_SMOOTHING * (max(0.0, seconds) - self.overhead_s)
 
     @staticmethod
