@@ -48,8 +48,9 @@ class DraftCollector:
             inputs = [DraftInput(decode[i].request_id, decode[i].token_ids, k) for i, k in members]
             try:
                 proposed = await asyncio.wait_for(self.proposers[method].propose(inputs), timeout=self.draft_timeout_s)
-            except TimeoutError:
-                self._fall_back(method, f"missed the {self.draft_timeout_s:.3f} s draft deadline")
+            except TimeoutError as error:  # the engine's deadline, or a proposer's own just inside it
+                self._fall_back(method, str(error) or f"missed the {self.draft_timeout_s:.3f} s draft deadline",
+                                late=True)
                 return
             except Exception as error:  # noqa: BLE001 - any proposer failure means K = 0, never a failed step
                 self._fall_back(method, error)
@@ -80,9 +81,12 @@ class DraftCollector:
             stats = self.stats_by_method[method] = SpecDecodeStats()
         return stats
 
-    def _fall_back(self, method: str, error: BaseException | str) -> None:
-        """`method`'s rows run with K = 0 this step: counted, and logged once per outage (proposer_outages)."""
-        self.method_stats(method).num_fallbacks += 1
+    def _fall_back(self, method: str, error: BaseException | str, late: bool = False) -> None:
+        """`method`'s rows run with K = 0 this step: counted (`late`: also as a late proposal, the sign of a
+        drafter too slow for the target's step rather than a broken one), and logged once per outage."""
+        stats = self.method_stats(method)
+        stats.num_fallbacks += 1
+        stats.num_late_proposals += int(late)
         self._outages.failed(method, error)
 
     def _sanitize(self, draft: Draft, k: int) -> ProposedDraft:
