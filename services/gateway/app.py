@@ -30,7 +30,7 @@ from services.gateway import schemas as s
 from services.gateway.disconnect import unless_disconnected
 from services.gateway.errors import ApiError, from_grpc, install_error_handlers, internal_error
 from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_choice
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import NO_METHOD, GatewayMetrics
 from services.gateway.openapi import error_responses, generation_docs, install_openapi
 from services.gateway.request_body import parse_body, read_json
 from services.gateway.responses import Accounting, LogprobFormatter, sse
@@ -242,11 +242,12 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
     events = merge(streams)
 
     def finish_metrics() -> None:
-        state.metrics.e2e_latency.labels(served).observe(time.perf_counter() - start)
+        spec = accounting.speculation()
+        state.metrics.e2e_latency.labels(served, spec.method or NO_METHOD).observe(time.perf_counter() - start)
         state.metrics.prompt_tokens.labels(served).inc(accounting.prompt_tokens)
         usage = accounting.usage()
         state.metrics.generation_tokens.labels(served).inc(usage.completion_tokens)
-        spec = accounting.speculation()
+        state.metrics.observe_finished(served, (e.finish_reason for e in accounting.finished.values()))
         state.metrics.observe_speculation(served, spec.method, spec.num_drafts, spec.num_draft_tokens,
                                           spec.num_accepted_tokens)
 

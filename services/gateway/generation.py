@@ -18,7 +18,7 @@ from typing import Any
 
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.gateway.errors import ApiError
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import NO_METHOD, GatewayMetrics
 from services.gateway.verifier_client import VerifierClient, pb
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
@@ -36,19 +36,21 @@ class ChoiceEvent:
 
 @dataclass
 class ChoiceTimer:
-    """Feeds the latency histograms from one choice's message arrivals."""
+    """Feeds the latency histograms from one choice's message arrivals (`method`: the speculation method the
+    verifier reports for the request, every message carries it)."""
 
     metrics: GatewayMetrics
     model_name: str
     start: float
     last: float | None = None
 
-    def on_message(self) -> None:
+    def on_message(self, method: str) -> None:
         now = time.perf_counter()
+        method = method or NO_METHOD
         if self.last is None:
-            self.metrics.time_to_first_token.labels(self.model_name).observe(now - self.start)
+            self.metrics.time_to_first_token.labels(self.model_name, method).observe(now - self.start)
         else:
-            self.metrics.inter_token_latency.labels(self.model_name).observe(now - self.last)
+            self.metrics.inter_token_latency.labels(self.model_name, method).observe(now - self.last)
         self.last = now
 
 
@@ -59,7 +61,7 @@ async def run_choice(client: VerifierClient, request: Any, index: int, decode: C
     generated = 0
     async with aclosing(client.generate(request)) as stream:
         async for response in stream:
-            timer.on_message()
+            timer.on_message(response.speculation.method)
             generated += len(response.token_ids)
             text, stopped = matcher.push(detok.push(response.token_ids))
             finish = "stop" if stopped else None

@@ -2,45 +2,59 @@
 collide in the process-global registry.
 
 Latencies are what users feel: time to first token and the gap between streamed steps (a step can commit
-several tokens when drafts are accepted, so the gap is observed once per step, as vLLM V1 does). The
-`specserve_spec_decode_*_total` counters aggregate the verifier's per-request speculation stats, named and
-labelled like vLLM's spec-decode metrics so existing dashboards carry over.
+several tokens when drafts are accepted, so the gap is observed once per step, as vLLM V1 does), labelled with
+the speculation method that served the request ("none" when off) so methods can be compared. The
+`specserve_gateway_spec_decode_*_total` counters sum the speculation stats of the requests the gateway
+answered; the verifier's `specserve_spec_decode_*_total` count every verified step (aborted requests included)
+and are what dashboards read. The names differ so that one query over every job never counts a draft twice.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
+NO_METHOD = "none"  # the method label of requests served without speculation
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        by_method = ["model_name", "method"]
         self.requests = Counter("specserve_gateway_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
+        self.request_success = Counter("specserve_gateway_request_success",
+                                       "Choices finished, by finish reason (stop, length, abort)",
+                                       ["model_name", "finished_reason"], registry=r)
         self.time_to_first_token = Histogram("specserve_gateway_time_to_first_token_seconds",
                                              "Request start to first token of a choice",
-                                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
+                                             by_method, buckets=_LATENCY_BUCKETS, registry=r)
         self.inter_token_latency = Histogram("specserve_gateway_inter_token_latency_seconds",
                                              "Gap between consecutive token messages of a choice",
-                                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
+                                             by_method, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e_latency = Histogram("specserve_gateway_e2e_request_latency_seconds",
-                                     "Request start to last token", ["model_name"],
+                                     "Request start to last token", by_method,
                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specserve_gateway_prompt_tokens", "Prompt tokens", ["model_name"],
                                      registry=r)
         self.generation_tokens = Counter("specserve_gateway_generation_tokens", "Generated tokens",
                                          ["model_name"], registry=r)
-        labels = ["model_name", "method"]
-        self.spec_num_drafts = Counter("specserve_spec_decode_num_drafts", "Drafting steps verified", labels,
-                                       registry=r)
-        self.spec_num_draft_tokens = Counter("specserve_spec_decode_num_draft_tokens", "Draft tokens verified",
-                                             labels, registry=r)
-        self.spec_num_accepted_tokens = Counter("specserve_spec_decode_num_accepted_tokens",
-                                                "Draft tokens accepted", labels, registry=r)
+        self.spec_num_drafts = Counter("specserve_gateway_spec_decode_num_drafts",
+                                       "Drafting steps verified, over answered requests", by_method, registry=r)
+        self.spec_num_draft_tokens = Counter("specserve_gateway_spec_decode_num_draft_tokens",
+                                             "Draft tokens verified, over answered requests", by_method,
+                                             registry=r)
+        self.spec_num_accepted_tokens = Counter("specserve_gateway_spec_decode_num_accepted_tokens",
+                                                "Draft tokens accepted, over answered requests", by_method,
+                                                registry=r)
+
+    def observe_finished(self, model_name: str, finish_reasons: Iterable[str]) -> None:
+        for reason in finish_reasons:
+            self.request_success.labels(model_name, reason).inc()
 
     def observe_speculation(self, model_name: str, method: str, drafts: int, draft_tokens: int,
                             accepted: int) -> None:

@@ -61,8 +61,8 @@ class DraftCollector:
             started = time.perf_counter()
             try:
                 proposed = await asyncio.wait_for(self.proposers[method].propose(inputs), timeout=timeout)
-            except TimeoutError:
-                self._fall_back(method, f"missed the {timeout:.3f} s draft deadline")
+            except TimeoutError as error:  # the engine's deadline, or a proposer's own just inside it
+                self._fall_back(method, str(error) or f"missed the {timeout:.3f} s draft deadline", late=True)
                 return
             except Exception as error:  # noqa: BLE001 - any proposer failure means K = 0, never a failed step
                 self._fall_back(method, error)
@@ -100,9 +100,12 @@ class DraftCollector:
             stats = self.stats_by_method[method] = SpecDecodeStats()
         return stats
 
-    def _fall_back(self, method: str, error: BaseException | str) -> None:
-        """`method`'s rows run with K = 0 this step: counted, and logged once per outage (proposer_outages)."""
-        self.method_stats(method).num_fallbacks += 1
+    def _fall_back(self, method: str, error: BaseException | str, late: bool = False) -> None:
+        """`method`'s rows run with K = 0 this step: counted (`late`: also as a late proposal, the sign of a
+        drafter too slow for the target's step rather than a broken one), and logged once per outage."""
+        stats = self.method_stats(method)
+        stats.num_fallbacks += 1
+        stats.num_late_proposals += int(late)
         self._outages.failed(method, error)
 
     def _sanitize(self, draft: Draft, k: int) -> ProposedDraft:

@@ -84,6 +84,9 @@ class Engine:
         self.planner = SpeculationPlanner(StepCostModel(), self.config.adaptive_speculation)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._stats_logger = PeriodicStatsLogger(self.config.log_stats_interval_s)
+        # Output tokens committed, by the method that drafted them ("none": speculation off); with the accepted
+        # draft tokens this gives the share of the output that drafts produced.
+        self.generated_tokens: dict[str, int] = {}
         self._states: dict[str, RequestState] = {}
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []
@@ -337,6 +340,8 @@ class Engine:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 break
+        method = state.request.speculation.method if state.request.speculation.enabled else "none"
+        self.generated_tokens[method] = self.generated_tokens.get(method, 0) + len(emitted)
         if state.output_counts is not None:
             state.output_counts.index_add_(
                 0,

@@ -44,23 +44,50 @@ class EngineCollector(Collector):
             ("num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
             ("num_fallbacks", "num_fallbacks",
              "Proposer calls that were late or failed; their requests ran with K = 0 for that step."),
+            ("num_late_proposals", "num_late_proposals",
+             ("Proposer calls that missed the step's draft deadline (a subset of the fallbacks): the drafter is "
+              "too slow for the target's step, the signal to add drafter replicas.")),
         ):
             family = CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", doc, labels=labels)
             for method, stats in by_method.items():
                 family.add_metric([self.model_name, method], getattr(stats, attribute))
             yield family
-        per_pos = CounterMetricFamily(
-            f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
-            "Drafts whose token at this position was accepted.",
-            labels=[*labels, "position"],
+        for name, attribute, doc in (
+            ("num_accepted_tokens_per_pos", "accepted_per_position",
+             "Drafts whose token at this position was accepted."),
+            ("num_drafts_per_pos", "drafts_per_position",
+             ("Drafts that proposed a token at this position (drafts differ in length, so this, not num_drafts, "
+              "is the denominator of a position's acceptance).")),
+        ):
+            per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", doc, labels=[*labels, "position"])
+            for method, stats in by_method.items():
+                for position, value in enumerate(list(getattr(stats, attribute))):
+                    per_pos.add_metric([self.model_name, method, str(position)], value)
+            yield per_pos
+        generated = dict(self.engine.generated_tokens)
+        for name in by_method:
+            generated.setdefault(name, 0)
+        tokens = CounterMetricFamily(
+            f"{PREFIX}_generation_tokens", "Output tokens committed, by the method that drafted for the request "
+            "('none': speculation off).", labels=labels,
         )
-        for method, stats in by_method.items():
-            for position, value in enumerate(list(stats.accepted_per_position)):
-                per_pos.add_metric([self.model_name, method, str(position)], value)
-        yield per_pos
+        for method, value in generated.items():
+            tokens.add_metric([self.model_name, method], value)
+        yield tokens
+        yield from self._slot_gauges()
+
+    def _slot_gauges(self) -> Iterable[Metric]:
+        runner = self.engine.runner
+        total = runner.max_num_seqs
+        used = total - runner.num_free_slots()
         for name, value, doc in (
             ("num_requests_running", self.engine.num_running, "Requests holding a KV slot."),
             ("num_requests_waiting", self.engine.num_waiting, "Requests queued for a KV slot."),
+            ("kv_slots_used", used,
+             "KV slots held by requests (one per running request, max_model_len positions each)."),
+            ("kv_slots_total", total, "KV slots (--max-num-seqs)."),
+            ("kv_cache_usage_perc", used / total if total else 0.0,
+             "Fraction of the KV cache held by requests, 0 to 1 (slots used / slots; vLLM's name)."),
         ):
             gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)

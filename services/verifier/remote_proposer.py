@@ -46,8 +46,9 @@ class DrafterUnavailableError(ConnectionError):
     """The drafter cannot answer now (down, slow, stream broken); speculation resumes when it is back."""
 
 
-class DrafterLateError(DrafterUnavailableError):
-    """The drafter missed one step's deadline; the link stays up and its late answer is dropped."""
+class DrafterLateError(DrafterUnavailableError, TimeoutError):
+    """The drafter missed one step's deadline; the link stays up and its late answer is dropped. A TimeoutError
+    too, so the engine counts it as a late proposal like its own deadline."""
 
 
 class IncompatibleDrafterError(RuntimeError):

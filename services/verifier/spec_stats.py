@@ -20,6 +20,7 @@ class SpecDecodeStats(SpecDecodeCounts):
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
     drafts_per_position: list[int] = field(default_factory=list)  # [i]: drafts that proposed a token i
     num_fallbacks: int = 0  # proposer calls that missed the deadline or failed (their rows ran with K = 0)
+    num_late_proposals: int = 0  # of those, the ones that missed the deadline: the drafter is too slow
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
@@ -45,6 +46,7 @@ class SpecDecodeStats(SpecDecodeCounts):
             total.num_draft_tokens += part.num_draft_tokens
             total.num_accepted_tokens += part.num_accepted_tokens
             total.num_fallbacks += part.num_fallbacks
+            total.num_late_proposals += part.num_late_proposals
             for mine, theirs in (
                 (total.drafts_per_position, part.drafts_per_position),
                 (total.accepted_per_position, part.accepted_per_position),
@@ -89,13 +91,14 @@ class PeriodicStatsLogger:
             ]
             logger.info(
                 "spec decode: mean acceptance length %.2f, acceptance rate %.1f%%, per-position acceptance %s, "
-                "drafted %.1f tok/s, accepted %.1f tok/s, fallbacks %d",
+                "drafted %.1f tok/s, accepted %.1f tok/s, fallbacks %d (late %d)",
                 1 + accepted / drafts,
                 100.0 * accepted / max(1, drafted),
                 "[" + ", ".join(f"{x:.2f}" for x in per_position) + "]",
                 drafted / elapsed,
                 accepted / elapsed,
                 stats.num_fallbacks - self._last.num_fallbacks,
+                stats.num_late_proposals - self._last.num_late_proposals,
             )
         self._last_time = now
         self._last = SpecDecodeStats.merged([stats])

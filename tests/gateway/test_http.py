@@ -123,7 +123,7 @@ async def test_models_health_metrics(client, verifier):
     assert r.json()["drafters"][0]["state"] == "disconnected"
     await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
     text = (await client.get("/metrics")).text
-    assert 'specserve_spec_decode_num_drafts_total{method="ngram",model_name="tiny-test"}' in text
+    assert 'specserve_gateway_spec_decode_num_drafts_total{method="ngram",model_name="tiny-test"}' in text
     assert "specserve_gateway_time_to_first_token_seconds_count" in text
     assert 'specserve_gateway_requests_total{endpoint="/v1/completions",status="200"}' in text
 

@@ -1,0 +1,112 @@
+"""The verifier's engine metrics, read through a real registry after real engine steps: KV slot use while
+requests run, output tokens and per-position drafts per method, and late proposals told apart from failures (a
+drafter too slow is a scaling signal; one that is down is not)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.proposer import Draft, DraftInput
+from services.drafter.methods.ngram import NgramProposer
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.metrics import EngineCollector
+from services.verifier.remote_proposer import DrafterLateError
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.engine_harness import run_schedule
+from tests.proposers import FailingProposer
+from tests.tiny_models import tiny_llama
+
+MODEL = "tiny"
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+PROMPT = (3, 4, 5, 3, 4, 5, 6, 7, 3, 4)
+
+
+class LateRemoteProposer:
+    """Answers like a remote drafter whose own step deadline passed (RemoteProposer raises DrafterLateError)."""
+
+    method = "late-remote"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        self.calls += 1
+        raise DrafterLateError("drafter at x:1 did not answer within 0.045s")
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=2)
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, {"model_name": MODEL, **labels})
+
+
+def request(request_id: str, method: str | None) -> GenerationRequest:
+    return GenerationRequest(request_id, PROMPT, GREEDY, SpeculationParams(method, 4 if method else 0))
+
+
+def engine_with(model, proposers) -> tuple[Engine, CollectorRegistry]:
+    engine = Engine(
+        LlamaFamilyRunner(model, max_num_seqs=8, max_model_len=64),
+        EngineConfig(draft_timeout_s=0.05, log_stats_interval_s=0, adaptive_speculation=False),
+        proposers,
+    )
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, MODEL, lambda: [*proposers, "idle"]))
+    return engine, registry
+
+
+async def test_kv_slot_use_follows_running_requests(model):
+    engine, registry = engine_with(model, {"ngram": NgramProposer()})
+    assert (sample(registry, "specserve_kv_slots_total"), sample(registry, "specserve_kv_slots_used")) == (8, 0)
+    engine.add_request(request("a", "ngram"))
+    engine.add_request(request("b", None))
+    engine.add_request(request("c", None))
+    await engine.step()  # admitted and prefilled: they hold their slots until they finish
+    assert sample(registry, "specserve_kv_slots_used") == sample(registry, "specserve_num_requests_running") == 3
+    assert sample(registry, "specserve_kv_cache_usage_perc") == 3 / 8
+    while engine.num_running:
+        await engine.step()
+    assert sample(registry, "specserve_kv_slots_used") == sample(registry, "specserve_kv_cache_usage_perc") == 0
+
+
+async def test_tokens_positions_and_late_proposals_per_method(model):
+    hanging, broken, late_remote = FailingProposer("slow", "hang"), FailingProposer("down", "raise"), LateRemoteProposer()
+    engine, registry = engine_with(
+        model, {"ngram": NgramProposer(), "slow": hanging, "down": broken, "late-remote": late_remote}
+    )
+    requests = [request("a", "ngram"), request("b", "slow"), request("c", "down"), request("d", None),
+                request("e", "late-remote")]
+    results = await run_schedule(engine, {0: requests})
+    for method, request_id in (("ngram", "a"), ("slow", "b"), ("down", "c"), ("none", "d"), ("late-remote", "e")):
+        generated = sample(registry, "specserve_generation_tokens_total", method=method)
+        assert generated == len(results[request_id].tokens) == GREEDY.max_tokens, method
+    assert sample(registry, "specserve_generation_tokens_total", method="idle") == 0
+
+    late = "specserve_spec_decode_num_late_proposals_total"
+    fallbacks = "specserve_spec_decode_num_fallbacks_total"
+    assert sample(registry, late, method="slow") == sample(registry, fallbacks, method="slow") == hanging.calls > 0
+    assert sample(registry, late, method="late-remote") == late_remote.calls > 0
+    assert sample(registry, late, method="down") == 0 < broken.calls == sample(registry, fallbacks, method="down")
+    assert sample(registry, late, method="ngram") == 0 and sample(registry, late, method="idle") == 0
+
+    stats = engine.stats_by_method["ngram"]
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert sample(registry, "specserve_generation_tokens_total", method="ngram") > stats.num_accepted_tokens
+    for position, (drafted, accepted) in enumerate(zip(stats.drafts_per_position, stats.accepted_per_position,
+                                                       strict=True)):
+        labels = {"method": "ngram", "position": str(position)}
+        assert sample(registry, "specserve_spec_decode_num_drafts_per_pos_total", **labels) == drafted
+        assert sample(registry, "specserve_spec_decode_num_accepted_tokens_per_pos_total", **labels) == accepted
+    assert sample(registry, "specserve_spec_decode_num_drafts_per_pos_total", method="ngram",
+                  position="0") == stats.num_drafts
