@@ -39,7 +39,9 @@ fetch-model: install
 run: fetch-model
 	$(BIN)/specserve serve --model $(MODEL)
 
+# The tests need a real Prometheus (the dashboard's queries run against it): Debian's package, unpacked into .venv/bin.
 test: install
+	sh deploy/scripts/install-test-tools.sh $(BIN)
 	$(BIN)/python -m pytest
 
 # The table (specserve vs transformers, drafter methods, HTTP API), then the concurrency sweep and the draft-model
