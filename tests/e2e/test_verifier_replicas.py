@@ -36,15 +36,22 @@ class Verifier:
     process: subprocess.Popen | None = None
 
     def start(self) -> Verifier:
+        self.spawn()
+        self.wait_listening()
+        return self
+
+    def spawn(self) -> None:
         log = open(self.logs / f"verifier-{self.port}.log", "a")  # noqa: SIM115 - lives with the process
         self.process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "verifier", "--model", MODEL, "--device", "cpu",
-             "--max-model-len", "512", "--max-num-seqs", "2", "--host", "127.0.0.1", "--port", str(self.port),
-             "--metrics-port", str(self.metrics_port), "--drain-seconds", "60"],
+             "--max-model-len", "512", "--max-num-seqs", "2", "--compute-thread", "main",  # main: no measuring
+             "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+             "--drain-seconds", "60"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         )
-        wait_for_port("127.0.0.1", self.port, self.process, 180.0)
-        return self
+
+    def wait_listening(self) -> None:
+        wait_for_port("127.0.0.1", self.port, self.process, 240.0)
 
     def steps(self) -> float:
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
@@ -55,7 +62,11 @@ class Verifier:
 @pytest.fixture(scope="module")
 def verifiers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("verifier-replicas")
-    started = [Verifier(logs).start(), Verifier(logs).start()]
+    started = [Verifier(logs), Verifier(logs)]
+    for verifier in started:  # both load the model at once
+        verifier.spawn()
+    for verifier in started:
+        verifier.wait_listening()
     yield started
     for verifier in started:  # killed, not stopped: a graceful stop would wait out the long drain
         verifier.process.kill()
