@@ -12,7 +12,9 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     parser = argparse.ArgumentParser(prog="specserve gateway", description=__doc__)
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    parser.add_argument("--verifier", help="verifier gRPC address host:port (default 127.0.0.1:50051)")
+    parser.add_argument("--verifier", help="verifier gRPC address host:port (default 127.0.0.1:50051); several: "
+                        "host:port,host:port or dns:///name:port (every address of a name, e.g. a headless "
+                        "Service), balanced round robin over the healthy ones")
     parser.add_argument("--model", help="model spec for the tokenizer (default: the verifier's model id)")
     parser.add_argument("--served-model-name", help="name clients send as 'model' (default: verifier's)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 (or SPECSERVE_API_KEY)")

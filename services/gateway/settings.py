@@ -17,6 +17,7 @@ class GatewaySettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # host:port, a comma-separated list of them, or a gRPC target such as dns:///name:port (verifier_target.py)
     verifier: str = "127.0.0.1:50051"
     # The --model spec the verifier was started with; loads the tokenizer. None: use the verifier's model_id.
     model: str | None = None

@@ -8,6 +8,8 @@ verifier to abort the request and free its KV slot.
 A Generate that fails as "unavailable" before its first message (the connection was closed under it: a
 verifier restart, a GOAWAY) is re-issued once on a fresh channel: nothing was generated yet, so the client
 gets its answer instead of a 503. Once a message has arrived it is never retried (the tokens were sent on).
+
+The address may name several verifiers; the channel balances over them (verifier_target.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import grpc
 
 from services.common import protos
 from services.common.tls import channel_credentials, open_channel
+from services.gateway.verifier_target import parse_verifier_target
 
 pb, pb_grpc = protos.load("verifier")
 
@@ -51,7 +54,8 @@ def _retry_of(request: Any) -> Any:
 class VerifierClient:
     def __init__(self, address: str, *, info_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
                  root_cert: Path | None = None) -> None:
-        self.address = address
+        self.address = address  # as given (shown by /health); the channel's target is derived from it
+        self._target = parse_verifier_target(address)
         self._info_timeout_s = info_timeout_s
         self._request_timeout_s = request_timeout_s
         self._credentials = channel_credentials(root_cert)
@@ -61,7 +65,8 @@ class VerifierClient:
 
     def _ensure(self) -> Any:
         if self._stub is None:
-            self._channel = open_channel(self.address, self._credentials, _CHANNEL_OPTIONS)
+            options = [*_CHANNEL_OPTIONS, *self._target.channel_options()]
+            self._channel = open_channel(self._target.target, self._credentials, options)
             self._stub = pb_grpc.VerifierStub(self._channel)
         return self._stub
 
