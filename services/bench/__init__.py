@@ -59,6 +59,9 @@ class BenchSettings:
     concurrency: int = 8
     repeats: int = 3  # rounds over every system; rows report medians across rounds
     compute_thread: str = "auto"  # thread for the engine's forwards, as the verifier's --compute-thread
+    # The engine's default. Off only where a test counts drafts: with a tiny model, whether drafting pays (and so
+    # whether any draft is verified) depends on the machine's timings.
+    adaptive_speculation: bool = True
 
 
 def measure_transformers(
@@ -195,7 +198,7 @@ async def measure_specserve(
 ) -> list[Measurement]:
     """Speculation off, ngram and suffix, one request at a time and `concurrency` at once, all on one engine;
     with `http`, the single-request runs of off and ngram also through the HTTP API (see `_sequential`)."""
-    engine = specserve_runs.build_engine(runner, eos_token_ids, compute)
+    engine = specserve_runs.build_engine(runner, eos_token_ids, compute, settings.adaptive_speculation)
     ids = specserve_runs.RequestIds()
     modes = specserve_modes(settings, progress)
     measurements = []

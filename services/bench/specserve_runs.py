@@ -21,10 +21,14 @@ from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 
 
-def build_engine(runner: ModelRunner, eos_token_ids: Sequence[int], compute: Executor) -> Engine:
+def build_engine(
+    runner: ModelRunner, eos_token_ids: Sequence[int], compute: Executor, adaptive_speculation: bool = True
+) -> Engine:
     """One engine per round on the bench's one runner (slots for the concurrent batch), its forwards on `compute`
     (the thread the start-up measurement chose); proposers are set per measurement (fresh_proposer)."""
-    config = EngineConfig(max_num_batched_tokens=512, log_stats_interval_s=0)
+    config = EngineConfig(
+        max_num_batched_tokens=512, log_stats_interval_s=0, adaptive_speculation=adaptive_speculation
+    )
     return Engine(runner, config, {}, eos_token_ids, compute)
 
 

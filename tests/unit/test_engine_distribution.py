@@ -48,10 +48,13 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
 
 
 async def sample_pairs(model, params, spec, proposers, planner=None) -> np.ndarray:
-    """With `planner`, the engine verifies the draft positions it chooses (default: the adaptive planner)."""
+    """With `planner`, the engine verifies the draft positions it chooses (tests.schedules.RandomSchedulePlanner:
+    any cut, 0 included); without, every row verifies its whole draft (adaptive speculation off: whether drafting
+    pays for a tiny model depends on the machine's timings, and these tests must verify drafts)."""
     engine = Engine(
         LlamaFamilyRunner(model, max_num_seqs=500, max_model_len=16),
-        EngineConfig(max_num_batched_tokens=4096, max_waiting_requests=SAMPLES, log_stats_interval_s=0),
+        EngineConfig(max_num_batched_tokens=4096, max_waiting_requests=SAMPLES, log_stats_interval_s=0,
+                     adaptive_speculation=planner is not None),
         proposers,
     )
     if planner is not None:
