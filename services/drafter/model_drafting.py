@@ -135,9 +135,9 @@ class ModelDrafter:
             for i in rows:  # what the slots hold is unknown now: start these sequences afresh next time
                 self.forget(requests[i].seq_id)
             raise
-        for i, feed, whole, tokens in zip(rows, feeds, wanted, proposed, strict=True):
+        for i, feed, whole, done, tokens in zip(rows, feeds, wanted, complete, proposed, strict=True):
             request = requests[i]
-            if len(feed) < len(whole):  # a chunk of its prefill: the slot holds what was fed, no draft yet
+            if not done:  # a chunk of its prefill: the slot holds what was fed, no draft yet
                 fed_until = len(request.token_ids) - len(whole) + len(feed)
                 self.slots.set_tokens(request.seq_id, request.token_ids[:fed_until])
                 continue
