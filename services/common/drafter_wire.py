@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from services.common.protos import load
+
+if TYPE_CHECKING:
+    import torch
 
 drafter_pb2, drafter_pb2_grpc = load("drafter")
 
@@ -62,8 +65,10 @@ class DraftReply:
 # -- tensors ------------------------------------------------------------------------------------------------
 def encode_probs(probs: torch.Tensor | None) -> bytes:
     """[N, V] float tensor -> little-endian float16 bytes (empty for None)."""
-    if probs is None:
+    if probs is None:  # every draft of an ngram or suffix drafter, whose image has no torch
         return b""
+    import torch  # here, not at the top: only a drafter that samples (and so has torch) sends probabilities
+
     return probs.detach().to("cpu", torch.float16).contiguous().numpy().astype("<f2", copy=False).tobytes()
 
 
@@ -72,6 +77,8 @@ def decode_probs(data: bytes, num_tokens: int) -> torch.Tensor | None:
     values = np.frombuffer(data, dtype="<f2")
     if not data or num_tokens == 0 or values.size % num_tokens:
         return None
+    import torch  # the verifier's side, which has torch; see encode_probs
+
     return torch.from_numpy(values.astype(np.float32).reshape(num_tokens, -1))
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # only drafters that sample carry tensors: ngram and suffix drafters run without torch
+    import torch
 
 
 @dataclass(frozen=True)

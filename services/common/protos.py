@@ -1,8 +1,12 @@
-"""Generated gRPC code, built from proto/ on demand instead of committed.
+"""Generated gRPC code: built from proto/ when the package is built or installed, never committed, never at
+import time.
 
-The .proto files are the contract; committing generated code invites the two to drift. `ensure_generated`
-regenerates `services/proto_gen/` whenever the protos (or the grpcio-tools version) change, detected by
-a content hash stamp rather than mtimes, so a fresh checkout or a branch switch is always picked up.
+The .proto files are the contract; committing generated code invites the two to drift. The build hook
+(proto/build_hook.py, run by `pip install .`, `pip wheel .` and editable installs) calls `generate` so that a
+wheel carries `services/proto_gen/` and a runtime image needs no grpcio-tools. In a source checkout,
+`ensure_generated` (the Makefile's `proto` target) regenerates `services/proto_gen/` whenever the protos (or
+the grpcio-tools version) change, detected by a content hash stamp rather than mtimes, so a branch switch is
+picked up by `make install`.
 
 protoc writes imports between generated modules as `from specserve.v1 import x_pb2`, which only resolves with
 `services/proto_gen` on sys.path. Rather than mutate sys.path, the generated files are rewritten to import
@@ -19,9 +23,7 @@ import hashlib
 import importlib
 import re
 import shutil
-import sys
 import tempfile
-from importlib.metadata import PackageNotFoundError
 from pathlib import Path
 from types import ModuleType
 
@@ -76,18 +78,20 @@ def _finish_package(out: Path) -> None:
             module.write_text(fixed)
 
 
+def generate(proto_root: Path, out: Path) -> None:
+    """Write the Python package of every .proto under `proto_root` into `out` (an existing folder): what the
+    build hook puts into a wheel."""
+    if not _proto_files(proto_root):
+        raise FileNotFoundError(f"no .proto files under {proto_root}")
+    _run_protoc(proto_root, out)
+    _finish_package(out)
+
+
 def ensure_generated(proto_root: Path = PROTO_ROOT, out: Path = GENERATED_ROOT) -> None:
     """Regenerate `out` from `proto_root` unless it is already up to date. Safe to call often and from
     several processes at once; cheap when nothing changed (one hash of the .proto files)."""
     stamp = out / _STAMP
-    try:
-        fingerprint = _fingerprint(proto_root)
-    except PackageNotFoundError:  # a runtime image without build tools: use what the build generated
-        if stamp.is_file():
-            return
-        raise RuntimeError(
-            f"{out} has no generated gRPC code and grpcio-tools is not installed to generate it"
-        ) from None
+    fingerprint = _fingerprint(proto_root)
     if stamp.is_file() and stamp.read_text() == fingerprint:
         return
     out.mkdir(parents=True, exist_ok=True)
@@ -97,8 +101,7 @@ def ensure_generated(proto_root: Path = PROTO_ROOT, out: Path = GENERATED_ROOT) 
             return  # another process generated while this one waited
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=".proto_gen-") as tmp:
             staging = Path(tmp)
-            _run_protoc(proto_root, staging)
-            _finish_package(staging)
+            generate(proto_root, staging)
             for child in out.iterdir():
                 if child.name not in (_LOCK, _STAMP):
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
@@ -109,9 +112,15 @@ def ensure_generated(proto_root: Path = PROTO_ROOT, out: Path = GENERATED_ROOT) 
 
 
 def load(name: str) -> tuple[ModuleType, ModuleType]:
-    """(messages, grpc stubs) of `proto/specserve/v1/<name>.proto`, generating them first if needed:
+    """(messages, grpc stubs) of `proto/specserve/v1/<name>.proto`, as the build generated them:
     `drafter_pb2, drafter_pb2_grpc = load("drafter")`."""
     base = f"{GENERATED_PACKAGE}.specserve.v1.{name}"
-    if f"{base}_pb2_grpc" not in sys.modules:  # a running process cannot reload them anyway: skip the hash
-        ensure_generated()
-    return importlib.import_module(f"{base}_pb2"), importlib.import_module(f"{base}_pb2_grpc")
+    try:
+        return importlib.import_module(f"{base}_pb2"), importlib.import_module(f"{base}_pb2_grpc")
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith(GENERATED_PACKAGE):
+            raise
+        raise RuntimeError(
+            f"the generated gRPC code ({base}_pb2) is missing: install the package (`pip install .`), or in a "
+            "source checkout run `make proto` (editable installs generate it when they install)"
+        ) from error

@@ -1,14 +1,16 @@
 """Loading the target's tokenizer and turning requests into prompt token ids.
 
 The gateway tokenizes (and applies the chat template) so the verifier's engine only ever sees ids; it must use
-exactly the tokenizer the verifier's model was saved with, hence the same `--model` spec resolution.
+exactly the tokenizer the verifier's model was saved with, hence the same `--model` spec resolution. Only
+transformers' tokenizer classes are used (a GGUF file's tokenizer is read without its weights): the gateway's
+install set has no torch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from services.modeling.loading import resolve_model_source
+from services.modeling.model_source import resolve_model_source
 
 
 def load_tokenizer(spec: str) -> Any:

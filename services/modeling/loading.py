@@ -1,9 +1,9 @@
 """Load a causal LM and its tokenizer from whatever `--model` names: folder, .gguf file, registered name, hub id.
 
-One resolver for every service keeps `--model` meaning the same thing in the verifier and in model-based
-drafters (which must share a tokenizer). It also decides early, and loudly, when a model cannot be had: on
-machines without a hub connection a hub id must fail in seconds with a list of what would work, never hang in
-download retries.
+One resolver (model_source.py) for every service keeps `--model` meaning the same thing in the verifier, in
+model-based drafters (which must share a tokenizer) and in the gateway. Loading also decides early, and loudly,
+when a model cannot be had: on machines without a hub connection a hub id must fail in seconds with a list of
+what would work, never hang in download retries.
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import getproxies, proxy_bypass
 
 import torch
 
 from services.common.device import resolve_device, resolve_dtype
-from services.modeling.fetch import default_cache_dir, fetch_registered_model
-from services.modeling.registry import find_registered_model, registered_model_names
+from services.modeling.model_source import ModelSource, resolve_model_source
+from services.modeling.registry import registered_model_names
 
 logger = logging.getLogger(__name__)
-
-SourceKind = Literal["folder", "gguf", "registered", "hub"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HUB_PROBE_TIMEOUT_S = 3.0
@@ -34,21 +32,6 @@ _HUB_PROBE_TIMEOUT_S = 3.0
 
 class ModelUnavailableError(RuntimeError):
     """`--model` names nothing that can be loaded from here; the message says what would work."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from. `path` is a folder (for gguf kinds: the folder holding `gguf_file`) or,
-    for `hub`, the repo id; `model_id` is the name reported to users and metrics."""
-
-    kind: SourceKind
-    path: str
-    model_id: str
-    gguf_file: str | None = None
-
-    def pretrained_kwargs(self) -> dict[str, Any]:
-        """Arguments that `from_pretrained(self.path, ...)` needs for this kind of source."""
-        return {"gguf_file": self.gguf_file} if self.gguf_file is not None else {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,41 +57,6 @@ class LoadedModel:
             elif isinstance(value, (list, tuple)):
                 ids.update(int(v) for v in value)
         return ids
-
-
-def _looks_like_path(spec: str) -> bool:
-    """A missing local path should say 'not found', not be sent to the hub as a repo id."""
-    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
-
-
-def resolve_model_source(spec: str, cache_dir: Path | None = None, *, fetch: bool = True) -> ModelSource:
-    """Decide what `spec` names; a registered name is fetched into `cache_dir` unless `fetch` is False."""
-    text = spec.strip()
-    path = Path(text).expanduser()
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").exists() and len(ggufs) == 1:
-            return ModelSource("gguf", str(path.resolve()), ggufs[0].name, gguf_file=ggufs[0].name)
-        return ModelSource("folder", str(path.resolve()), path.resolve().name)
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model file {text!r} is not a .gguf file; pass a .gguf file or a model folder")
-        path = path.resolve()
-        return ModelSource("gguf", str(path.parent), path.name, gguf_file=path.name)
-
-    registered = find_registered_model(text)
-    if registered is not None:
-        if fetch:
-            file = fetch_registered_model(registered, cache_dir)
-        else:
-            file = Path(cache_dir or default_cache_dir()) / registered.name / registered.filename
-        return ModelSource("registered", str(file.parent), registered.name, gguf_file=file.name)
-
-    if _looks_like_path(text):
-        raise FileNotFoundError(
-            f"model path {text!r} does not exist; registered models: {', '.join(registered_model_names())}"
-        )
-    return ModelSource("hub", text, text)
 
 
 def _folder_weight_kwargs(folder: Path, allow_pickle: bool) -> dict[str, Any]:

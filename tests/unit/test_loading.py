@@ -18,14 +18,9 @@ from huggingface_hub import constants as hf_constants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from services.modeling import loading
-from services.modeling.loading import (
-    ModelSource,
-    ModelUnavailableError,
-    hub_reachable,
-    load_model,
-    resolve_model_source,
-)
+from services.modeling import loading, model_source
+from services.modeling.loading import ModelUnavailableError, hub_reachable, load_model
+from services.modeling.model_source import ModelSource, resolve_model_source
 from services.modeling.registry import REGISTERED_MODELS, registered_model_names
 
 WORDS = ["[UNK]", "<s>", "</s>", "hello", "world", "the", "cat", "sat"]
@@ -109,7 +104,7 @@ def test_registered_names_resolve_case_insensitively(tmp_path: Path, monkeypatch
         fetched.append(model.name)
         return Path(cache_dir) / model.name / model.filename
 
-    monkeypatch.setattr(loading, "fetch_registered_model", fake_fetch)
+    monkeypatch.setattr(model_source, "fetch_registered_model", fake_fetch)
     model = REGISTERED_MODELS["qwen2.5-coder-0.5b-instruct"]
     source = resolve_model_source("Qwen2.5-Coder-0.5B-Instruct", tmp_path)
     assert source == ModelSource(
