@@ -130,13 +130,14 @@ def run_process(settings: DrafterSettings) -> int:
     """Build the proposer on the main thread, then serve it. A proposer with a model of its own (it has a `runner`
     and `use_compute`, e.g. draft_model) gets its forwards placed as the verifier engine's are
     (services/modeling/compute_placement.py): on the main thread where that thread's torch pool is measurably
-    faster, the asyncio loop then moving beside it; on a worker thread otherwise. Other proposers run on the loop."""
-    from services.modeling.compute_placement import choose_compute_thread
-
+    faster, the asyncio loop then moving beside it; on a worker thread otherwise. Other proposers run on the loop,
+    and never import torch (an ngram or suffix drafter's install has none)."""
     proposer = build_proposer(settings.speculation)
     runner = getattr(proposer, "runner", None)
     if runner is None or not hasattr(proposer, "use_compute"):
         return asyncio.run(run(settings, proposer))
+    from services.modeling.compute_placement import choose_compute_thread  # torch: model drafters only
+
     worker = worker_thread()
     try:
         placement, _ = choose_compute_thread(settings.compute_thread, runner, worker)

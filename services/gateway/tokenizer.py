@@ -8,8 +8,10 @@ install set has no torch.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from services.modeling.gguf_tokenizer import load_gguf_tokenizer
 from services.modeling.model_source import resolve_model_source
 
 
@@ -17,6 +19,8 @@ def load_tokenizer(spec: str) -> Any:
     from transformers import AutoTokenizer
 
     source = resolve_model_source(spec)
+    if source.gguf_file is not None:  # transformers' own GGUF path imports torch
+        return load_gguf_tokenizer(Path(source.path) / source.gguf_file)
     return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
 
 
