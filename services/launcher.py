@@ -26,6 +26,7 @@ from services.supervision import (
     RestartPolicy,
     StartInterrupted,
     Supervisor,
+    free_ports,
     spawn_child,
     stop_processes,
     wait_for_port,
@@ -187,7 +188,25 @@ def serve(children: Sequence[Child], policy: RestartPolicy, *, start_timeout_s: 
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
+SERVICE_PORTS = ("port", "verifier_port", "drafter_port")  # 0: any free port (a metrics port 0 turns metrics off)
+
+
+def with_free_ports(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with every service port given as 0 replaced by a free one, chosen once: a restarted child gets the
+    same port again, and the banner and the other children's flags name the real one."""
+    zero = [name for name in SERVICE_PORTS if getattr(args, name) == 0]
+    return argparse.Namespace(**{**vars(args), **dict(zip(zero, free_ports(len(zero), args.host), strict=True))})
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0..65535; 0: any free port)")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
+    args = with_free_ports(args)
     children = plan(args)
     policy = RestartPolicy(initial_backoff_s=args.restart_backoff_initial_s,
                            max_backoff_s=args.restart_backoff_max_s, reset_after_s=args.restart_backoff_reset_s)
@@ -202,11 +221,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "own); '{\"method\": \"none\"}' serves without speculation",
     )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
-    parser.add_argument("--verifier-port", type=int, default=50051)
-    parser.add_argument("--verifier-metrics-port", type=int, default=8001)
-    parser.add_argument("--drafter-port", type=int, default=50061)
-    parser.add_argument("--drafter-metrics-port", type=int, default=8002)
+    parser.add_argument("--port", type=port_number, default=8000, help="gateway HTTP port (0: any free port)")
+    parser.add_argument("--verifier-port", type=port_number, default=50051, help="0: any free port")
+    parser.add_argument("--verifier-metrics-port", type=port_number, default=8001, help="0: no metrics endpoint")
+    parser.add_argument("--drafter-port", type=port_number, default=50061, help="0: any free port")
+    parser.add_argument("--drafter-metrics-port", type=port_number, default=8002, help="0: no metrics endpoint")
     parser.add_argument("--tls-cert-file", default=None, help="PEM certificate: the verifier and drafter serve TLS")
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     parser.add_argument("--tls-root-cert", default=None, help="PEM root the gRPC clients trust (default: the cert)")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -39,6 +40,16 @@ def port_is_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
     except OSError:
         return False
 
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct ports nothing listens on now (all sockets held until every port is picked); a server started
+    soon after binds one of them."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float,
                   cancelled: Callable[[], bool] = lambda: False) -> None:

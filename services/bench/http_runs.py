@@ -16,12 +16,10 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
@@ -62,12 +60,7 @@ def system_label(k: int) -> str:
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct ports nothing listens on now (all sockets held until every port is picked)."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind((HOST, 0))
-        return [sock.getsockname()[1] for sock in sockets]
+    return supervision.free_ports(count, HOST)
 
 
 def launcher_args(

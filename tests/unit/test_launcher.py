@@ -189,3 +189,24 @@ def test_serve_passes_adaptive_speculation_on_and_off_to_the_verifier_only_when_
     _, planned, _ = launcher.plan(parse())
     assert not any("adaptive-speculation" in arg for arg in planned.argv)  # the verifier's default holds
     assert VerifierSettings().adaptive_speculation is True
+
+
+def test_service_ports_given_as_zero_become_free_ports_named_consistently():
+    """`--drafter-port 0` used to hang: the launcher waited for port 0 to listen."""
+    args = launcher.with_free_ports(parse("--port", "0", "--verifier-port", "0", "--drafter-port", "0",
+                                          "--drafter-metrics-port", "0"))
+    drafter, verifier, gateway = launcher.plan(args)
+    ports = (drafter.port, verifier.port, gateway.port)
+    assert 0 not in ports and len(set(ports)) == 3
+    assert flag(drafter.argv, "--port") == str(drafter.port)
+    assert flag(verifier.argv, "--drafter").endswith(f":{drafter.port}")
+    assert flag(gateway.argv, "--verifier").endswith(f":{verifier.port}")
+    assert flag(drafter.argv, "--metrics-port") == "0"  # a metrics port 0 means no endpoint, not a free port
+    assert launcher.plan(launcher.with_free_ports(parse()))[0].port == 50061  # given ports stay
+
+
+@pytest.mark.parametrize("port", ["-5", "65536"])
+def test_a_port_out_of_range_is_a_usage_error(port, capsys):
+    with pytest.raises(SystemExit):
+        parse("--drafter-port", port)
+    assert "is not a port number" in capsys.readouterr().err
