@@ -13,23 +13,21 @@ No Prometheus binary is a failure, not a skip: `make test` installs it (deploy/s
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import openai
 import pytest
 
+from services.dashboard.prometheus import PrometheusServer, PromQLError, finite_values, prometheus_binary
+from services.dashboard.render import load_dashboard, substitute
 from services.soak.serve_process import HOST, ServeProcess
-from tests.e2e.prometheus_server import PrometheusServer, PromQLError, finite_values, prometheus_binary
 from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC
 
 pytestmark = pytest.mark.slow
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "specserve" / "dashboards" / "specserve.json"
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 5}'
 SPEC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
@@ -117,7 +115,7 @@ def test_promql_acceptance_equals_the_responses_stats(observed):
 
     # The dashboard's panels divide rate()s of counters scraped together, so over a range covering the test
     # (counters at 0 when it starts) their ratio is the exact one too.
-    panels = {panel["title"]: panel for panel in dashboard()["panels"]}
+    panels = {panel["title"]: panel for panel in load_dashboard()["panels"]}
     for title, expected in (("Acceptance rate", expected_rate), ("Mean acceptance length", expected_length)):
         (target,) = panels[title]["targets"]
         result = prometheus.query(concrete(target["expr"], observed), at)
@@ -128,7 +126,7 @@ def test_promql_acceptance_equals_the_responses_stats(observed):
 
 def test_every_dashboard_query_parses_and_returns_data(observed):
     problems = []
-    panels = [panel for panel in dashboard()["panels"] if panel["type"] != "row"]
+    panels = [panel for panel in load_dashboard()["panels"] if panel["type"] != "row"]
     assert len(panels) >= 15
     for panel in panels:
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
@@ -146,7 +144,7 @@ def test_every_dashboard_query_parses_and_returns_data(observed):
 
 
 def test_template_variables_list_this_stack(observed):
-    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     expected = {"model": {observed.model}, "method": {"ngram"},
                 "instance": {target for target in observed.prometheus.targets.values()}}
@@ -158,12 +156,8 @@ def test_template_variables_list_this_stack(observed):
         assert {r["metric"][label] for r in result} >= wanted, name
 
 
-def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
 def concrete(expr: str, observed: Observed) -> str:
     """What Grafana sends for `expr` with model and method chosen, All instances and a rate interval spanning
     the test; an unknown variable is a KeyError (the dashboard would show it unreplaced)."""
     values = {"model": observed.model, "method": "ngram", "instance": ".*", "__rate_interval": observed.window}
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: values[m.group(1) or m.group(2)], expr)
+    return substitute(expr, values)

@@ -1,5 +1,7 @@
 """A real Prometheus server (Debian's `prometheus` package, put in place by deploy/scripts/install-test-tools.sh
-from `make test`) scraping given targets every second, and its HTTP query API."""
+from `make test`) scraping given targets every second, and its HTTP query API (instant and range queries).
+
+The end-to-end metrics test and the dashboard picture both run it."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from services.bench.http_runs import free_ports
 from services.supervision import stop_processes, wait_for_port
-from tests.ports import free_port
 
 INSTALL_HINT = ("run deploy/scripts/install-test-tools.sh (`make test` does), `apt-get install prometheus`, or "
                 "set PROMETHEUS_BIN to a Prometheus >= 2.33 binary")
@@ -23,13 +25,13 @@ INSTALL_HINT = ("run deploy/scripts/install-test-tools.sh (`make test` does), `a
 
 def prometheus_binary() -> str:
     """PROMETHEUS_BIN, else the one install-test-tools.sh unpacked next to this Python, else `prometheus` on
-    PATH; an AssertionError (the test fails, it is never skipped) when there is none."""
+    PATH; FileNotFoundError (a test fails, it is never skipped) when there is none."""
     candidates = [os.environ.get("PROMETHEUS_BIN"), str(Path(sys.executable).parent / "prometheus"),
                   shutil.which("prometheus")]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
-    raise AssertionError(f"no Prometheus server binary found: {INSTALL_HINT}")
+    raise FileNotFoundError(f"no Prometheus server binary found: {INSTALL_HINT}")
 
 
 def scrape_config(targets: dict[str, str], interval_s: int = 1) -> str:
@@ -41,15 +43,15 @@ def scrape_config(targets: dict[str, str], interval_s: int = 1) -> str:
     return "\n".join(lines) + "\n"
 
 
-class PromQLError(AssertionError):
-    pass
+class PromQLError(RuntimeError):
+    """A query Prometheus refused, or one that did not give what was asked."""
 
 
 @dataclass
 class PrometheusServer:
     targets: dict[str, str]  # job name -> host:port serving /metrics
     folder: Path
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=lambda: free_ports(1)[0])
     process: subprocess.Popen | None = None
 
     @property
@@ -69,7 +71,8 @@ class PrometheusServer:
         wait_for_port("127.0.0.1", self.port, self.process, timeout_s)
         deadline = time.monotonic() + timeout_s
         while httpx.get(f"{self.url}/-/ready", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, f"Prometheus never became ready; see {self.folder / 'prometheus.log'}"
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Prometheus never became ready; see {self.folder / 'prometheus.log'}")
             time.sleep(0.2)
         return self
 
@@ -83,11 +86,7 @@ class PrometheusServer:
         params = {"query": expr}
         if at is not None:
             params["time"] = f"{at:.3f}"
-        response = httpx.get(f"{self.url}/api/v1/query", params=params, timeout=30)
-        body = response.json()
-        if response.status_code != 200 or body.get("status") != "success":
-            raise PromQLError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
-        data = body["data"]
+        data = api_get(self.url, "query", params)
         if data["resultType"] == "scalar":
             return [{"metric": {}, "value": data["result"]}]
         return data["result"]
@@ -112,8 +111,25 @@ class PrometheusServer:
                 oldest = self.value("min(timestamp(up))", now)
                 if oldest > moment:
                     return now
-            assert time.monotonic() < deadline, f"targets not all scraped after {moment}: {result}"
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"targets not all scraped after {moment}: {result}")
             time.sleep(0.2)
+
+
+def api_get(url: str, endpoint: str, params: dict) -> dict:
+    """The `data` of a Prometheus HTTP API answer (`endpoint`: query, query_range); PromQLError when the query
+    does not run."""
+    response = httpx.get(f"{url}/api/v1/{endpoint}", params=params, timeout=30)
+    body = response.json()
+    if response.status_code != 200 or body.get("status") != "success":
+        raise PromQLError(f"{params.get('query')!r}: {body.get('errorType')}: {body.get('error')}")
+    return body["data"]
+
+
+def query_range(url: str, expr: str, start: float, end: float, step_s: float) -> list[dict]:
+    """A range query's matrix: [{"metric": {...}, "values": [[unix time, "value"], ...]}, ...]."""
+    params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step_s:g}"}
+    return api_get(url, "query_range", params)["result"]
 
 
 def finite_values(result: list[dict]) -> list[float]:

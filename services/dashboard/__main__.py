@@ -1,0 +1,3 @@
+from services.dashboard.picture import main
+
+raise SystemExit(main())
