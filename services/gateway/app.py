@@ -33,7 +33,7 @@ from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_cho
 from services.gateway.metrics import NO_METHOD, GatewayMetrics
 from services.gateway.openapi import error_responses, generation_docs, install_openapi
 from services.gateway.request_body import parse_body, read_json
-from services.gateway.responses import Accounting, LogprobFormatter, sse
+from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, joined, sse
 from services.gateway.sampling import build_request, resolve_max_tokens
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import encode_chat, encode_prompt, load_tokenizer, make_decode, token_text
@@ -180,9 +180,14 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         served = await check_model(req.model)
         tokenizer = await state.get_tokenizer()
         prompts = [await run_in_threadpool(encode_prompt, tokenizer, p) for p in req.prompts()]
-        echo = [make_decode(tokenizer)(ids) if req.echo else "" for ids in prompts]
+        # echo returns the prompt as sent; a token-id prompt, decoded
+        echo = [(p if isinstance(p, str) else make_decode(tokenizer)(ids)) if req.echo else ""
+                for p, ids in zip(req.prompts(), prompts, strict=True)]
+        returned = PromptReturn(echo=req.echo, echo_logprobs=req.logprobs if req.echo else None,
+                                prompt_logprobs=req.prompt_logprobs)
         return await unless_disconnected(
-            request, _generate(state, "completion", req, served, prompts, req.max_tokens, req.logprobs, echo)
+            request, _generate(state, "completion", req, served, prompts, req.max_tokens, req.logprobs, echo,
+                               returned)
         )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
@@ -199,7 +204,8 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
             raise ApiError(400, str(exc), param="messages") from exc
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await unless_disconnected(
-            request, _generate(state, "chat", req, served, [ids], req.requested_max_tokens, logprobs, [""])
+            request, _generate(state, "chat", req, served, [ids], req.requested_max_tokens, logprobs, [""],
+                               PromptReturn(prompt_logprobs=req.prompt_logprobs))
         )
 
     return app
@@ -220,26 +226,33 @@ async def _health(client: VerifierClient) -> s.Health:
 
 async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str,
                     prompts: list[list[int]], requested_max: int | None, logprobs: int | None,
-                    echo: list[str]) -> Response:
+                    echo: list[str], returned: PromptReturn) -> Response:
     info = await state.model_info()
     tokenizer = state.tokenizer
     start = time.perf_counter()
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     decode = make_decode(tokenizer)
-    streams, choice_echo = [], {}
+    streams, choice_echo, choice_prompt = [], {}, {}
     for p, ids in enumerate(prompts):
         param_max = resolve_max_tokens(requested_max, len(ids), info.max_model_len)
         for i in range(req.n):
             index = p * req.n + i
-            choice_echo[index] = echo[p]
+            choice_echo[index], choice_prompt[index] = echo[p], ids
             grpc_req = build_request(req, request_id=f"{rid}-{index}", prompt_ids=ids, max_tokens=param_max,
-                                     choice=index, logprobs=logprobs)
+                                     choice=index, logprobs=logprobs, prompt_logprobs=returned.wire)
             timer = ChoiceTimer(state.metrics, served, start)
             streams.append(run_choice(state.client, grpc_req, index, decode, req.stop_strings, timer))
     accounting = Accounting(prompt_tokens=sum(len(ids) for ids in prompts), num_choices=len(streams))
     formatter = LogprobFormatter(lambda t: token_text(tokenizer, t))
     events = merge(streams)
+    prompt_lps: dict[int, list[Any]] = {i: [] for i in choice_echo}  # the verifier's, from each first message
+
+    def completion_logprobs(index: int, generated: list[Any], offset: int, with_prompt: bool) -> s.CompletionLogprobs:
+        out = formatter.completion(generated, offset)
+        if with_prompt and returned.echo_logprobs is not None:
+            out = joined(formatter.echoed_prompt(choice_prompt[index], prompt_lps[index], returned.echo_logprobs), out)
+        return out
 
     def finish_metrics() -> None:
         spec = accounting.speculation()
@@ -275,6 +288,7 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
                 async for event in all_events():
                     texts[event.index] += event.text
                     lps[event.index].extend(event.logprobs)
+                    prompt_lps[event.index] += event.prompt_logprobs
                     accounting.record(event)
             except grpc.RpcError as exc:
                 raise from_grpc(exc) from exc
@@ -286,29 +300,36 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
                 speculative_decoding=accounting.speculation().model(),
                 choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content=texts[i]),
                                       logprobs=formatter.chat(lps[i]) if logprobs is not None else None,
-                                      finish_reason=reasons.get(i)) for i in sorted(texts)])
+                                      finish_reason=reasons.get(i)) for i in sorted(texts)],
+                prompt_logprobs=formatter.prompt_logprobs(prompt_lps[0], returned.prompt_logprobs)
+                if returned.prompt_logprobs is not None else None)
         else:
             body = s.CompletionResponse(
                 id=rid, created=created, model=served, usage=accounting.usage(),
                 speculative_decoding=accounting.speculation().model(),
                 choices=[s.CompletionChoice(index=i, text=texts[i], finish_reason=reasons.get(i),
-                                            logprobs=formatter.completion(lps[i], len(choice_echo[i]))
-                                            if logprobs is not None else None) for i in sorted(texts)])
+                                            logprobs=completion_logprobs(i, lps[i], len(choice_echo[i]), True)
+                                            if logprobs is not None else None,
+                                            prompt_logprobs=formatter.prompt_logprobs(prompt_lps[i],
+                                                                                      returned.prompt_logprobs)
+                                            if returned.prompt_logprobs is not None else None)
+                         for i in sorted(texts)])
         return JSONResponse(body.model_dump())
 
     async def stream() -> AsyncIterator[bytes]:
         offsets = {i: len(choice_echo[i]) for i in choice_echo}
+        # echo (completions): the prompt's text, and with logprobs its tokens' logprobs, lead the choice's first
+        # chunk, which waits for the verifier's first message (it carries the prompt logprobs), as in vLLM
+        unechoed = set(choice_echo) if returned.echo else set()
         async with aclosing(events):
-            for i in sorted(choice_echo):  # chat: the first chunk of each choice carries the role
-                if kind == "chat":
+            if kind == "chat":  # the first chunk of each choice carries the role
+                for i in sorted(choice_echo):
                     yield sse(s.ChatCompletionChunk(id=rid, created=created, model=served, choices=[
                         s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""))]))
-                elif choice_echo[i]:
-                    yield sse(s.CompletionChunk(id=rid, created=created, model=served, choices=[
-                        s.CompletionChoice(index=i, text=choice_echo[i])]))
             try:
                 async for event in all_events():
                     accounting.record(event)
+                    prompt_lps[event.index] += event.prompt_logprobs
                     if not event.text and not event.logprobs and event.finish_reason is None:
                         continue
                     last = accounting.all_finished and not req.include_usage
@@ -321,12 +342,15 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
                                                   logprobs=formatter.chat(event.logprobs)
                                                   if logprobs is not None else None)])
                     else:
+                        echoing = event.index in unechoed
+                        unechoed.discard(event.index)
                         chunk = s.CompletionChunk(
                             id=rid, created=created, model=served, speculative_decoding=spec, choices=[
-                                s.CompletionChoice(index=event.index, text=event.text,
+                                s.CompletionChoice(index=event.index,
+                                                   text=(choice_echo[event.index] if echoing else "") + event.text,
                                                    finish_reason=event.finish_reason,
-                                                   logprobs=formatter.completion(event.logprobs,
-                                                                                 offsets[event.index])
+                                                   logprobs=completion_logprobs(event.index, event.logprobs,
+                                                                                offsets[event.index], echoing)
                                                    if logprobs is not None else None)])
                     offsets[event.index] += len(event.text)
                     yield sse(chunk)

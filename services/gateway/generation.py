@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -32,6 +32,7 @@ class ChoiceEvent:
     finish_reason: str | None
     completion_tokens: int  # tokens generated so far by this choice
     speculation: Any  # pb.SpeculationStats, cumulative
+    prompt_logprobs: list[Any] = field(default_factory=list)  # pb.TokenLogprob per prompt token after the first
 
 
 @dataclass
@@ -69,7 +70,8 @@ async def run_choice(client: VerifierClient, request: Any, index: int, decode: C
                 tail, stopped = matcher.push(detok.flush())
                 text += tail if stopped else tail + matcher.flush()
                 finish = "stop" if stopped else _FINISH.get(response.finish_reason, "stop")
-            yield ChoiceEvent(index, text, list(response.logprobs), finish, generated, response.speculation)
+            yield ChoiceEvent(index, text, list(response.logprobs), finish, generated, response.speculation,
+                              list(response.prompt_logprobs))
             if finish is not None:
                 return  # leaving the `async with` cancels the call when a stop string ended it early
     raise ApiError(503, "the verifier ended a generation without finishing it", code="incomplete_stream")

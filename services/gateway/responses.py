@@ -82,6 +82,30 @@ class Accounting:
         return totals
 
 
+@dataclass(frozen=True)
+class PromptReturn:
+    """What a response returns of the prompt itself: `echo` (its text before each choice's; with
+    `echo_logprobs`, its tokens before the generated ones in the choice's logprobs, the first with null values, as
+    OpenAI and vLLM return them) and vLLM's `prompt_logprobs` (alternatives per position, None: not asked)."""
+
+    echo: bool = False
+    echo_logprobs: int | None = None  # the request's `logprobs` when echo is on
+    prompt_logprobs: int | None = None
+
+    @property
+    def wire(self) -> int | None:
+        """SamplingParams.prompt_logprobs to ask the verifier for: enough alternatives for both uses."""
+        asked = [n for n in (self.echo_logprobs, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else None
+
+
+def joined(first: s.CompletionLogprobs, second: s.CompletionLogprobs) -> s.CompletionLogprobs:
+    return s.CompletionLogprobs(tokens=first.tokens + second.tokens,
+                                token_logprobs=first.token_logprobs + second.token_logprobs,
+                                top_logprobs=first.top_logprobs + second.top_logprobs,
+                                text_offset=first.text_offset + second.text_offset)
+
+
 class LogprobFormatter:
     """Token strings for logprobs come from decoding single tokens (partial characters show as U+FFFD, as in
     OpenAI's API, with the raw bytes alongside for chat); every logprob is finite (LOGPROB_FLOOR for -inf)."""
@@ -98,6 +122,42 @@ class LogprobFormatter:
             out.top_logprobs.append({self._text(t.token_id): finite_logprob(t.logprob) for t in lp.top})
             out.text_offset.append(offset)
             offset += len(token)
+        return out
+
+    def echoed_prompt(self, prompt_ids: list[int], entries: list[Any], num_top: int) -> s.CompletionLogprobs:
+        """The prompt's tokens in the legacy logprobs shape, offsets from 0: the first token has no context to
+        be scored in, so its token_logprob and top_logprobs are null; `entries` (the verifier's prompt logprobs)
+        score the others."""
+        if len(entries) != max(len(prompt_ids) - 1, 0):
+            raise ValueError(f"{len(entries)} prompt logprobs for a prompt of {len(prompt_ids)} tokens")
+        out = s.CompletionLogprobs()
+        offset = 0
+        for j, token_id in enumerate(prompt_ids):
+            token = self._text(token_id)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if j == 0:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            entry = entries[j - 1]
+            out.token_logprobs.append(finite_logprob(entry.logprob))
+            out.top_logprobs.append({self._text(t.token_id): finite_logprob(t.logprob) for t in entry.top[:num_top]})
+        return out
+
+    def prompt_logprobs(self, entries: list[Any], num_top: int) -> s.PromptLogprobs:
+        """vLLM's shape: None for the first prompt token, then per token {token id: logprob, rank, text} for the
+        prompt token itself and its `num_top` most likely alternatives."""
+        out: s.PromptLogprobs = [None]
+        for entry in entries:
+            tokens = {str(entry.token_id): s.PromptLogprob(logprob=finite_logprob(entry.logprob),
+                                                            rank=entry.rank or None,
+                                                            decoded_token=self._text(entry.token_id))}
+            for rank, top in enumerate(entry.top[:num_top], start=1):
+                tokens.setdefault(str(top.token_id), s.PromptLogprob(logprob=finite_logprob(top.logprob), rank=rank,
+                                                                     decoded_token=self._text(top.token_id)))
+            out.append(tokens)
         return out
 
     def chat(self, logprobs: list[Any]) -> s.ChatLogprobs:

@@ -62,7 +62,7 @@ def choice_seed(seed: int, choice: int) -> int:
 
 
 def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int], max_tokens: int,
-                  choice: int, logprobs: int | None) -> Any:
+                  choice: int, logprobs: int | None, prompt_logprobs: int | None = None) -> Any:
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature_of(req),
@@ -79,6 +79,8 @@ def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int]
         sampling.seed = choice_seed(req.seed, choice)
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     speculation = pb.SpeculationParams()
     if req.speculative_config is not None:
         speculation.method = req.speculative_config.method

@@ -19,6 +19,7 @@ MAX_N = 16
 MAX_CHOICES = 64
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_STOP_STRINGS = 16
+MAX_PROMPT_LOGPROBS = 20
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -58,6 +59,9 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     speculative_config: SpeculativeConfig | None = None
     user: str | None = None
+    # vLLM's extension: each prompt token's logprob (after the first) plus this many alternatives, under the
+    # model's raw distribution, in the response's `prompt_logprobs` (not in streams: refused there, as vLLM does).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -68,6 +72,12 @@ class SamplingFields(BaseModel):
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs_stream(self) -> SamplingFields:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return self
 
     @property
     def stop_strings(self) -> list[str]:
@@ -81,8 +91,10 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     suffix: str | None = None
-    echo: bool = False
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    echo: bool = False  # the prompt is prepended to each choice's text (and, with logprobs, to its logprobs)
+    # 0 generates nothing (finish_reason "length"): with echo and logprobs it scores the prompt, as
+    # lm-evaluation-harness does; allowed without echo too, as vLLM allows it.
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=5)
 
     @field_validator("prompt")
@@ -195,11 +207,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token of vLLM's `prompt_logprobs`: its logprob, its rank in the distribution (1: most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape: one entry per prompt token, None for the first, then {token id: PromptLogprob} holding the prompt
+# token and the asked number of most likely alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # extension, when asked (vLLM's field)
 
 
 class CompletionResponse(ResponseEnvelope):
@@ -236,6 +262,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(ResponseEnvelope):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = None  # extension, when asked (vLLM's field: one prompt per chat)
 
 
 class ChatDelta(BaseModel):

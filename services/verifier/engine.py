@@ -42,8 +42,8 @@ from services.verifier.sampling_params import GenerationRequest
 from services.verifier.spec_stats import PeriodicStatsLogger, SpecDecodeStats
 from services.verifier.speculation_planner import SpeculationPlanner
 from services.verifier.step_cost import StepCostModel, profile_step_cost
-from services.verifier.step_execution import SampledRow, execute_isolating_faults
-from services.verifier.step_planning import plan_prefill, speculation_cap
+from services.verifier.step_execution import SampledRow, StepResult, execute_isolating_faults
+from services.verifier.step_planning import PrefillChunk, plan_prefill, speculation_cap
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +179,11 @@ class Engine:
         state = RequestState(
             request=request, seed=seed, token_ids=list(request.prompt_token_ids), outputs=asyncio.Queue()
         )
+        if request.sampling.prompt_logprobs is not None:
+            state.prompt_logprobs = []
+        elif request.sampling.max_tokens == 0:  # nothing to generate or score: done without a slot or a forward
+            self._finish(state, FinishReason.LENGTH, [], None)
+            return RequestStream(state, self.abort)
         self._states[request.request_id] = state
         self._waiting.append(state)
         self._wakeup.set()
@@ -274,6 +279,7 @@ class Engine:
         for chunk in prefill:
             if chunk.state.request_id not in failed:
                 chunk.state.num_computed += len(chunk.tokens)
+        self._record_prompt_scores(prefill, result, failed)
         for state, error in result.failures:
             self._fail(state, error)
         for row in result.rows:
@@ -351,6 +357,18 @@ class Engine:
         logprobs = row.logprobs[: len(emitted)] if row.logprobs is not None else None
         self._finish(state, reason, emitted, logprobs)
 
+    def _record_prompt_scores(self, prefill: list[PrefillChunk], result: StepResult, failed: set[str]) -> None:
+        """Keep the step's prompt logprobs until the first output carries them; a request with max_tokens 0 is
+        done once its prompt is in (it ends LENGTH with no token, its scores on that one output)."""
+        for state, entries in result.prompt_scores:
+            if state.request_id not in failed and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(entries)
+        for chunk in prefill:
+            state = chunk.state
+            scored_only = chunk.final and state.request.sampling.max_tokens == 0
+            if scored_only and state.request_id not in failed and not state.finished:
+                self._finish(state, FinishReason.LENGTH, [], None)
+
     def _fail(self, state: RequestState, error: Exception) -> None:
         """End one request with an error (its stream raises it); the other requests of the step go on."""
         if not state.finished:
@@ -364,8 +382,12 @@ class Engine:
         tokens: list[int],
         logprobs: list[TokenLogprob] | None,
     ) -> None:
-        """Publish one output; with a reason, the request is done (its slot is freed by _reap)."""
+        """Publish one output; with a reason, the request is done (its slot is freed by _reap). The first output
+        after the prefill carries the prompt logprobs, when asked (an abort during the prefill has none)."""
         state.finish_reason = reason
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not state.prefilling:
+            prompt_logprobs, state.prompt_logprobs = tuple(state.prompt_logprobs), None
         state.outputs.put_nowait(
             RequestOutput(
                 request_id=state.request_id,
@@ -377,5 +399,6 @@ class Engine:
                 spec=SpecDecodeCounts(
                     state.spec.num_drafts, state.spec.num_draft_tokens, state.spec.num_accepted_tokens
                 ),
+                prompt_logprobs=prompt_logprobs,
             )
         )

@@ -17,6 +17,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int = 0  # 1-based rank of token_id in its distribution; 0: not computed (generated tokens)
 
 
 @dataclass
@@ -48,6 +49,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
     spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
+    # SamplingParams.prompt_logprobs asked: one entry per prompt token after the first, on the first output only
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:

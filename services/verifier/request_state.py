@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts
+from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.row_speculation import RowSpeculation
 from services.verifier.sampling_params import GenerationRequest
 
@@ -25,6 +25,9 @@ class RequestState:
     spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     has_slot: bool = False
     speculation: RowSpeculation | None = None  # set at admission when the request speculates
+    # Scored prompt tokens so far when the request asked prompt_logprobs (filled chunk by chunk during prefill,
+    # handed out with the first output, then None); None otherwise.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def request_id(self) -> str:

@@ -10,6 +10,7 @@ from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS, SEED_MAX, SEE
 # Every emitted token is checked against the stop ids on the engine's loop, which all requests share: a bound
 # keeps one request's list from slowing everyone's steps.
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOP_LOGPROBS = 20  # alternatives per position, for logprobs and prompt_logprobs alike (vLLM's default cap)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob plus n alternatives
+    # None: off; n >= 0: each prompt token's logprob (after the first) under the raw target, plus n alternatives
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         errors = list(self._errors())
@@ -39,8 +42,8 @@ class SamplingParams:
             raise ValueError("; ".join(errors))
 
     def _errors(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            yield f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            yield f"max_tokens must be an integer >= 0, got {self.max_tokens!r}"
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
             yield f"temperature must be a finite number >= 0, got {self.temperature!r}"
         if not 0.0 < self.top_p <= 1.0:
@@ -63,6 +66,10 @@ class SamplingParams:
             yield "stop_token_ids must be non-negative integers"
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
             yield f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            yield f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
 
     @property
     def greedy(self) -> bool:

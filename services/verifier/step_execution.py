@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.modeling.runner import ModelRunner, RowInput
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
 from services.verifier.outputs import TokenLogprob
+from services.verifier.prompt_scoring import score_positions
 from services.verifier.rejection import verify
 from services.verifier.request_state import RequestState
 from services.verifier.sampling_batch import SamplingBatch
@@ -33,6 +34,9 @@ class SampledRow:
     logprobs: list[TokenLogprob] | None
 
 
+PromptScores = tuple[RequestState, list[TokenLogprob]]  # one prefill chunk's scored prompt tokens
+
+
 @dataclass(frozen=True)
 class StepResult:
     rows: list[SampledRow]
@@ -40,6 +44,8 @@ class StepResult:
     # The decode rows' forward and verification: its shape and seconds, for the step-cost model (None when the
     # step had no decode rows or ran row by row after a fault).
     verify_timing: tuple[StepShape, float] | None = None
+    # Prompt logprobs computed this step, per prefill chunk of a request that asked (prompt_scoring.py).
+    prompt_scores: list[PromptScores] = field(default_factory=list)
 
 
 def execute_isolating_faults(
@@ -51,23 +57,54 @@ def execute_isolating_faults(
     states = [chunk.state for chunk in prefill] + list(decode)
     lengths = {state.request_id: runner.length(state.request_id) for state in states}
     timing: list[tuple[StepShape, float]] = []
+    scores: list[PromptScores] = []
     try:
-        rows = execute(runner, prefill, decode, drafts, timing)
-        return StepResult(rows, [], timing[0] if timing else None)
+        rows = execute(runner, prefill, decode, drafts, timing, scores)
+        return StepResult(rows, [], timing[0] if timing else None, scores)
     except Exception:  # located below
         logger.exception("an engine step over %d requests failed; running them one by one", len(states))
     parts = [([chunk], [], []) for chunk in prefill]
     parts += [([], [state], [draft]) for state, draft in zip(decode, drafts, strict=True)]
-    rows, failures = [], []
+    rows, failures, scores = [], [], []
     for state, part in zip(states, parts, strict=True):
         runner.truncate(state.request_id, lengths[state.request_id])  # undo the failed attempt's K/V
+        part_scores: list[PromptScores] = []
         try:
-            rows += execute(runner, *part)
+            rows += execute(runner, *part, scores=part_scores)
+            scores += part_scores
         except Exception as error:  # noqa: BLE001 - this request's own fault
             logger.error("request %s fails the engine step: %r", state.request_id, error)
             runner.truncate(state.request_id, lengths[state.request_id])
             failures.append((state, error))
-    return StepResult(rows, failures)
+    return StepResult(rows, failures, prompt_scores=scores)
+
+
+def prefill_chunks(
+    runner: ModelRunner, prefill: Sequence[PrefillChunk], scores: list[PromptScores] | None
+) -> list[tuple[RequestState, torch.Tensor]]:
+    """Feed the prompt chunks; returns the last-position logits ([1, V]) of each final chunk whose request
+    samples (max_tokens > 0). Chunks of requests that asked prompt_logprobs run in forwards of their own with
+    logits at every position, scored here (appended to `scores`); the other chunks keep one position's logits,
+    so they neither pay for scoring nor see their batch change because of it."""
+    first_token_logits: list[tuple[RequestState, torch.Tensor]] = []
+    for scoring in (False, True):
+        part = [c for c in prefill if (c.state.request.sampling.prompt_logprobs is not None) == scoring]
+        for group in group_by_length([len(c.tokens) for c in part]):
+            chunks = [part[i] for i in group]
+            rows = [RowInput(c.state.request_id, c.tokens, len(c.tokens) if scoring else int(c.final)) for c in chunks]
+            logits = runner.forward(rows).logits  # [B, max num_logits, V]
+            for b, (chunk, row) in enumerate(zip(chunks, rows, strict=True)):
+                if scoring:
+                    prompt = chunk.state.request.prompt_token_ids
+                    following = prompt[chunk.start + 1 : chunk.start + len(chunk.tokens) + 1]
+                    entries = score_positions(logits[b, : row.num_logits], following,
+                                              chunk.state.request.sampling.prompt_logprobs)
+                    if scores is not None:
+                        scores.append((chunk.state, entries))
+                if chunk.final and chunk.state.request.sampling.max_tokens > 0:
+                    last = row.num_logits - 1
+                    first_token_logits.append((chunk.state, logits[b, last : last + 1].clone()))  # [1, V]
+    return first_token_logits
 
 def execute(
     runner: ModelRunner,
@@ -75,15 +112,13 @@ def execute(
     decode: Sequence[RequestState],
     drafts: Sequence[ProposedDraft],
     timing: list[tuple[StepShape, float]] | None = None,
+    scores: list[PromptScores] | None = None,
 ) -> list[SampledRow]:
     """The step's rows; with `timing`, appends the decode rows' (shape, seconds) from the start of their forward
-    to the results on the host (the transfer waits for an accelerator to finish)."""
+    to the results on the host (the transfer waits for an accelerator to finish); with `scores`, appends the
+    prompt logprobs of the chunks whose requests asked for them."""
     vocab = runner.vocab_size
-    first_token_logits: list[tuple[RequestState, torch.Tensor]] = []
-    for group in group_by_length([len(c.tokens) for c in prefill]):
-        chunks = [prefill[i] for i in group]
-        out = runner.forward([RowInput(c.state.request_id, c.tokens, num_logits=int(c.final)) for c in chunks])
-        first_token_logits += [(c.state, out.logits[b, :1]) for b, c in enumerate(chunks) if c.final]  # [1, V]
+    first_token_logits = prefill_chunks(runner, prefill, scores)
 
     states = list(decode) + [state for state, _ in first_token_logits]
     if not states:

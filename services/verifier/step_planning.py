@@ -15,6 +15,7 @@ class PrefillChunk:
     state: RequestState
     tokens: list[int]
     final: bool  # the last chunk samples the first output token
+    start: int  # prompt position of tokens[0]
 
 
 def group_by_length(lengths: Sequence[int], max_padding: float = 0.25) -> list[list[int]]:
@@ -57,5 +58,5 @@ def plan_prefill(running: Sequence[RequestState], decode_tokens: int, max_num_ba
         n = min(state.num_prompt_tokens - start, budget)
         budget -= n
         tokens = list(state.request.prompt_token_ids[start : start + n])
-        chunks.append(PrefillChunk(state, tokens, final=start + n == state.num_prompt_tokens))
+        chunks.append(PrefillChunk(state, tokens, final=start + n == state.num_prompt_tokens, start=start))
     return chunks

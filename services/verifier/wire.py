@@ -51,6 +51,7 @@ def sampling_from_proto(message) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
+        prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
     )
 
 
@@ -79,6 +80,7 @@ def logprob_to_proto(item: TokenLogprob):
         token_id=item.token_id,
         logprob=item.logprob,
         top=[verifier_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in item.top],
+        rank=item.rank,
     )
 
 
@@ -95,6 +97,7 @@ def output_to_proto(output: RequestOutput, method: str):
             num_draft_tokens=output.spec.num_draft_tokens,
             num_accepted_tokens=output.spec.num_accepted_tokens,
         ),
+        prompt_logprobs=[logprob_to_proto(item) for item in output.prompt_logprobs or ()],
     )
 
 

@@ -109,6 +109,14 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
         stats = pb.SpeculationStats(method=(request.speculation.method or "ngram") if speculate else "")
         if self.first_delay_s:
             threading.Event().wait(self.first_delay_s)
+        prompt_logprobs = []
+        if sp.HasField("prompt_logprobs"):  # every prompt token after the first, its top alternative itself
+            prompt_logprobs = [pb.TokenLogprob(token_id=t, logprob=self.logprob, rank=1,
+                                               top=[pb.TopLogprob(token_id=t, logprob=self.logprob)][:sp.prompt_logprobs])
+                               for t in request.prompt_token_ids[1:]]
+        if not out:  # max_tokens 0: one message, after the prefill
+            yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH, prompt_logprobs=prompt_logprobs,
+                                      usage=pb.Usage(prompt_tokens=prompt_len), speculation=stats)
         for start in range(0, len(out), self.tokens_per_step):
             if self.step_delay_s:
                 threading.Event().wait(self.step_delay_s)
@@ -131,7 +139,7 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
                 token_ids=chunk, logprobs=logprobs,
                 finish_reason=finish if last else pb.FINISH_REASON_UNSPECIFIED,
                 usage=pb.Usage(prompt_tokens=prompt_len, completion_tokens=min(len(out), start + len(chunk))),
-                speculation=stats)
+                speculation=stats, prompt_logprobs=prompt_logprobs if start == 0 else [])
         done.set()
         self.completed.append(request.request_id)
 

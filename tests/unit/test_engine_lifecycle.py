@@ -112,9 +112,11 @@ def test_invalid_sampling_params_are_refused():
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
         ({"logprobs": 50}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
