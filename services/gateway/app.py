@@ -254,13 +254,22 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
             out = joined(formatter.echoed_prompt(choice_prompt[index], prompt_lps[index], returned.echo_logprobs), out)
         return out
 
+    recorded = False
+
     def finish_metrics() -> None:
+        """Once per answered request, however it ends: a choice that did not finish (the client went away, the
+        stream broke) counts as `abort`."""
+        nonlocal recorded
+        if recorded:
+            return
+        recorded = True
         spec = accounting.speculation()
         state.metrics.e2e_latency.labels(served, spec.method or NO_METHOD).observe(time.perf_counter() - start)
         state.metrics.prompt_tokens.labels(served).inc(accounting.prompt_tokens)
         usage = accounting.usage()
         state.metrics.generation_tokens.labels(served).inc(usage.completion_tokens)
-        state.metrics.observe_finished(served, (e.finish_reason for e in accounting.finished.values()))
+        reasons = [e.finish_reason for e in accounting.finished.values()]
+        state.metrics.observe_finished(served, reasons + ["abort"] * (accounting.num_choices - len(reasons)))
         state.metrics.observe_speculation(served, spec.method, spec.num_drafts, spec.num_draft_tokens,
                                           spec.num_accepted_tokens)
 
@@ -271,6 +280,10 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
         raise from_grpc(exc) from exc
     except StopAsyncIteration:
         raise ApiError(503, "the verifier returned no output") from None
+    except asyncio.CancelledError:  # the client went away before the first token (disconnect.py)
+        await events.aclose()
+        finish_metrics()
+        raise
     except BaseException:
         await events.aclose()
         raise
@@ -281,18 +294,19 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
             yield event
 
     if not req.stream:
-        async with aclosing(events):
-            texts = {i: choice_echo[i] for i in choice_echo}
-            lps: dict[int, list[Any]] = {i: [] for i in choice_echo}
-            try:
+        texts = {i: choice_echo[i] for i in choice_echo}
+        lps: dict[int, list[Any]] = {i: [] for i in choice_echo}
+        try:
+            async with aclosing(events):
                 async for event in all_events():
                     texts[event.index] += event.text
                     lps[event.index].extend(event.logprobs)
                     prompt_lps[event.index] += event.prompt_logprobs
                     accounting.record(event)
-            except grpc.RpcError as exc:
-                raise from_grpc(exc) from exc
-        finish_metrics()
+        except grpc.RpcError as exc:
+            raise from_grpc(exc) from exc
+        finally:  # also when the client disconnected and the work was cancelled
+            finish_metrics()
         reasons = {i: e.finish_reason for i, e in accounting.finished.items()}
         if kind == "chat":
             body: BaseModel = s.ChatCompletionResponse(
@@ -317,6 +331,13 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
         return JSONResponse(body.model_dump())
 
     async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in stream_chunks():
+                yield chunk
+        finally:  # also when the client went away mid-stream (Starlette closes this generator)
+            finish_metrics()
+
+    async def stream_chunks() -> AsyncIterator[bytes]:
         offsets = {i: len(choice_echo[i]) for i in choice_echo}
         # echo (completions): the prompt's text, and with logprobs its tokens' logprobs, lead the choice's first
         # chunk, which waits for the verifier's first message (it carries the prompt logprobs), as in vLLM

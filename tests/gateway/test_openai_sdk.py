@@ -1,5 +1,5 @@
 """The official openai SDK (sync, async, streaming) against the gateway served by uvicorn, and a client that
-disconnects mid-stream, which must cancel the verifier's Generate call."""
+disconnects mid-stream, which must cancel the verifier's Generate call and count its choice as aborted."""
 
 from __future__ import annotations
 
@@ -47,6 +47,21 @@ async def test_async_sdk_with_api_key(served):
     await client.close()
 
 
+def aborted_choices(base: str) -> float:
+    """specserve_gateway_request_success_total{finished_reason="abort"} as /metrics reports it."""
+    for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("specserve_gateway_request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for_aborted_choices(base: str, expected: float) -> float:
+    deadline = time.monotonic() + 5
+    while (found := aborted_choices(base)) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def test_disconnect_cancels_generate(served, verifier):
     verifier.step_delay_s = 0.05
     verifier.reply = "x" * 200
@@ -60,6 +75,7 @@ def test_disconnect_cancels_generate(served, verifier):
     while not verifier.cancelled and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(verifier.cancelled) == 1 and not verifier.completed
+    assert wait_for_aborted_choices(base, 1) == 1  # the dashboard's "Finished choices" shows it
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -77,3 +93,4 @@ def test_disconnect_before_the_first_byte_cancels_generate(served, verifier, str
     while not verifier.cancelled and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(verifier.cancelled) == 1 and not verifier.completed
+    assert wait_for_aborted_choices(base, 1) == 1
