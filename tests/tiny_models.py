@@ -45,3 +45,19 @@ def _sharpen(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0) if not model.config.tie_word_embeddings else model.lm_head.weight.mul_(4.0)
     return model
+
+
+CHARS = "abcdefghijk"  # token i + 1 is CHARS[i]; token 0 is "</s>": matches tiny models of vocabulary 12
+
+
+def tiny_char_tokenizer():
+    """A real (byte-level BPE, no merges) fast tokenizer whose tokens are single letters, for grammar tests on
+    the tiny models: llguidance builds its token masks from it exactly as from a real model's tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    backend.decoder = decoders.ByteLevel()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")

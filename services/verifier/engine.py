@@ -44,6 +44,7 @@ from services.verifier.speculation_planner import SpeculationPlanner
 from services.verifier.step_cost import StepCostModel, profile_step_cost
 from services.verifier.step_execution import SampledRow, StepResult, execute_isolating_faults
 from services.verifier.step_planning import PrefillChunk, plan_prefill, speculation_cap
+from services.verifier.structured_output import GrammarCompiler, build_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,12 @@ class Engine:
         proposers: Mapping[str, Proposer] | None = None,
         eos_token_ids: Iterable[int] = (),
         compute: Executor | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """compute: the executor that runs every forward (see services/modeling/compute_placement.py); its owner
-        shuts it down. Without one the engine keeps a worker thread of its own."""
+        shuts it down. Without one the engine keeps a worker thread of its own. grammars: compiles requests'
+        structured_output for the target's tokenizer; without it such requests are refused."""
+        self.grammars = grammars
         self.runner = runner
         self.config = config or EngineConfig()
         self.drafts = DraftCollector(
@@ -177,7 +181,8 @@ class Engine:
         seed = request.sampling.seed
         seed = seed_to_int64(seed) if seed is not None else self._seed_source.getrandbits(63)
         state = RequestState(
-            request=request, seed=seed, token_ids=list(request.prompt_token_ids), outputs=asyncio.Queue()
+            request=request, seed=seed, token_ids=list(request.prompt_token_ids), outputs=asyncio.Queue(),
+            constraint=build_constraint(request.sampling, self.grammars, self.runner.vocab_size),
         )
         if request.sampling.prompt_logprobs is not None:
             state.prompt_logprobs = []
@@ -225,6 +230,8 @@ class Engine:
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(token >= vocab for token, _ in request.sampling.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         spec = request.speculation
         if spec.enabled and spec.method not in self.proposers:
             available = ", ".join(sorted(self.proposers)) or "none configured"
@@ -337,10 +344,12 @@ class Engine:
             return
         sampling = state.request.sampling
         emitted, reason = [], None
+        constraint = state.constraint
         for token in row.tokens:
             emitted.append(token)
             state.token_ids.append(token)
-            if token in sampling.stop_token_ids or (token in self.eos_token_ids and not sampling.ignore_eos):
+            complete = constraint is not None and constraint.commit(token)  # the grammar allows nothing more
+            if complete or token in sampling.stop_token_ids or (token in self.eos_token_ids and not sampling.ignore_eos):
                 reason = FinishReason.STOP
             elif state.num_output_tokens >= sampling.max_tokens or len(state.token_ids) >= self.runner.max_model_len:
                 reason = FinishReason.LENGTH

@@ -10,6 +10,7 @@ import torch
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.row_speculation import RowSpeculation
 from services.verifier.sampling_params import GenerationRequest
+from services.verifier.structured_output import OutputConstraint
 
 
 @dataclass
@@ -28,6 +29,8 @@ class RequestState:
     # Scored prompt tokens so far when the request asked prompt_logprobs (filled chunk by chunk during prefill,
     # handed out with the first output, then None); None otherwise.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # The request's grammar and logit bias (structured_output.py); None when it has neither.
+    constraint: OutputConstraint | None = None
 
     @property
     def request_id(self) -> str:

@@ -11,6 +11,27 @@ from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS, SEED_MAX, SEE
 # keeps one request's list from slowing everyone's steps.
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20  # alternatives per position, for logprobs and prompt_logprobs alike (vLLM's default cap)
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar is compiled at admission: bound the work one request asks for
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class OutputGrammar:
+    """The language the output must belong to (proto StructuredOutput): `kind` one of GRAMMAR_KINDS; `text` the
+    JSON schema, regular expression, JSON list of choices or llguidance Lark / GBNF grammar ("" for json_object).
+    Compiled against the target's tokenizer at admission (structured_output.py)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"structured_output kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_output is {len(self.text)} characters; at most {MAX_GRAMMAR_CHARS}")
+        if self.kind != "json_object" and not self.text.strip():
+            raise ValueError(f"structured_output ({self.kind}) is empty")
 
 
 @dataclass(frozen=True)
@@ -35,6 +56,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob plus n alternatives
     # None: off; n >= 0: each prompt token's logprob (after the first) under the raw target, plus n alternatives
     prompt_logprobs: int | None = None
+    # (token id, bias) pairs added to the raw logits at every position (ids are checked against the vocabulary
+    # by the engine, which knows it)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: OutputGrammar | None = None
 
     def __post_init__(self) -> None:
         errors = list(self._errors())
@@ -70,6 +95,11 @@ class SamplingParams:
             isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
         ):
             yield f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            yield f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}"
+        elif not all(isinstance(t, int) and t >= 0 and math.isfinite(b) and -100.0 <= b <= 100.0
+                     for t, b in self.logit_bias):
+            yield "logit_bias maps token ids (non-negative integers) to values in [-100, 100]"
 
     @property
     def greedy(self) -> bool:

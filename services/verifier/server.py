@@ -33,6 +33,7 @@ from services.verifier.metrics import EngineCollector, TimedRunner, create_metri
 from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig
 from services.verifier.servicer import VerifierServicer, status_for
 from services.verifier.settings import VerifierSettings, add_engine_flags
+from services.verifier.structured_output import GrammarCompiler
 from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2, verifier_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -123,10 +124,12 @@ async def start_verifier(
     tokenizer_fingerprint: str = "",
     runner: ModelRunner | None = None,
     compute: Executor | None = None,
+    grammars: GrammarCompiler | None = None,
 ) -> RunningVerifier:
     """Build runner (unless given), drafter links and engine around `model` and start serving (port 0: a free
     port). `tokenizer_fingerprint` (of the model's tokenizer) is published in Info and checked against drafters;
-    `compute` is the executor for the engine's forwards (default: a worker thread of the engine's own)."""
+    `compute` is the executor for the engine's forwards (default: a worker thread of the engine's own);
+    `grammars` compiles structured_output for the model's tokenizer (without it such requests are refused)."""
     credentials = settings.server_credentials()
     max_model_len = resolve_max_model_len(model, settings.max_model_len)
     metrics = create_metrics()
@@ -146,6 +149,7 @@ async def start_verifier(
         {d.name: d for d in drafters},
         eos_token_ids,
         compute,
+        grammars,
     )
     metrics.attach(EngineCollector(engine, model_id, lambda: [d.name for d in drafters]))
     facts = ModelFacts(
@@ -180,8 +184,9 @@ async def start_verifier(
 async def serve(settings: VerifierSettings, loaded: LoadedModel, runner: ModelRunner, compute: Executor) -> int:
     """Serve the loaded model until SIGTERM/SIGINT, then stop gracefully."""
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
+    grammars = GrammarCompiler(loaded.tokenizer, runner.vocab_size)
     running = await start_verifier(
-        loaded.model, loaded.model_id, settings, loaded.eos_token_ids, fingerprint, runner, compute
+        loaded.model, loaded.model_id, settings, loaded.eos_token_ids, fingerprint, runner, compute, grammars
     )
     install_sigterm_handler(lambda: running.stop(settings.drain_s, settings.grace_s))
     scheme = "grpcs" if settings.tls_enabled else "grpc"

@@ -21,6 +21,7 @@ from services.verifier.request_state import RequestState
 from services.verifier.sampling_batch import SamplingBatch
 from services.verifier.step_cost import StepShape
 from services.verifier.step_planning import PrefillChunk, group_by_length
+from services.verifier.structured_output import constrain_logits
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,8 @@ def execute(
         [s.output_counts for s in states],
         [s.prompt_mask for s in states],
     )
+    if any(s.constraint is not None for s in states):
+        constrain_logits(logits, [s.constraint for s in states], [d.tokens for d in all_drafts])
     result = verify(logits, draft_tokens, num_draft, positions, batch, draft_probs, has_probs)
 
     tokens = result.tokens.tolist()  # the step's one host transfer of results

@@ -7,12 +7,18 @@ a bad value raises ValueError there, and the servicer maps that to INVALID_ARGUM
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.protos import load
 from services.verifier.outputs import FinishReason, RequestOutput, TokenLogprob
-from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from services.verifier.sampling_params import (
+    GenerationRequest,
+    OutputGrammar,
+    SamplingParams,
+    SpeculationParams,
+)
 
 verifier_pb2, verifier_pb2_grpc = load("verifier")
 
@@ -52,7 +58,23 @@ def sampling_from_proto(message) -> SamplingParams:
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs if message.HasField("logprobs") else None,
         prompt_logprobs=message.prompt_logprobs if message.HasField("prompt_logprobs") else None,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
+        structured_output=grammar_from_proto(message.structured_output) if message.HasField("structured_output")
+        else None,
     )
+
+
+def grammar_from_proto(message) -> OutputGrammar:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output is set but names no kind (json_schema, json_object, regex, choice, grammar)")
+    if kind == "json_object":
+        return OutputGrammar("json_object")
+    if kind == "choice":
+        if not message.choice.choices:
+            raise ValueError("structured_output choice needs at least one choice")
+        return OutputGrammar("choice", json.dumps(list(message.choice.choices)))
+    return OutputGrammar(kind, getattr(message, kind))
 
 
 def speculation_from_proto(message, default: DefaultSpeculation) -> SpeculationParams:
