@@ -43,6 +43,7 @@ from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
                    pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+MODEL_ROUTE = "/v1/models/{model}"  # one metrics label for every model id asked for
 
 logger = logging.getLogger("specserve.gateway")
 
@@ -130,7 +131,8 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         except Exception:
             logger.exception("unhandled error in %s %s", request.method, request.url.path)
             response = internal_error().response()
-        path = request.url.path if request.url.path in _ROUTES else "other"
+        path = request.url.path
+        path = path if path in _ROUTES else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
         state.metrics.requests.labels(path, str(response.status_code)).inc()
         return response
 
@@ -172,6 +174,14 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
                            max_model_len=info.max_model_len or None)
         return JSONResponse(s.ModelList(data=[card]).model_dump())
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)],
+             responses={200: {"model": s.ModelCard}, **error_responses(401, 404, 500, 503)})
+    async def model(model_id: str) -> JSONResponse:
+        info = await state.model_info()
+        served = await check_model(model_id)
+        card = s.ModelCard(id=served, created=int(time.time()), max_model_len=info.max_model_len or None)
+        return JSONResponse(card.model_dump())
+
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)],
               **generation_docs(s.CompletionRequest, s.CompletionResponse, s.CompletionChunk))
     async def completions(request: Request) -> Response:
@@ -197,9 +207,11 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
                                               await read_json(request, settings.max_request_body_bytes))
         served = await check_model(req.model)
         tokenizer = await state.get_tokenizer()
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
         try:
-            ids = await run_in_threadpool(encode_chat, tokenizer, messages)
+            ids = await run_in_threadpool(encode_chat, tokenizer, messages,
+                                          add_generation_prompt=req.add_generation_prompt,
+                                          continue_final_message=req.continue_final_message)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -81,6 +81,10 @@ def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int]
         sampling.logprobs = logprobs
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs
+    sampling.logit_bias.update(req.logit_bias_ids())
+    structured = req.structured_output()
+    if structured is not None:
+        sampling.structured_output.CopyFrom(structured)
     speculation = pb.SpeculationParams()
     if req.speculative_config is not None:
         speculation.method = req.speculative_config.method

@@ -1,8 +1,11 @@
 """Request and response bodies of /v1/completions and /v1/chat/completions, shaped like OpenAI's API.
 
 Validation happens here, once, with OpenAI's documented ranges, so every bad value becomes a 400 naming the
-field before anything reaches the verifier. Unknown fields are ignored (SDKs add new ones over time), except
-those whose silent omission would change the answer (`suffix`), which are refused explicitly.
+field before anything reaches the verifier. Every field either works or is refused with a 400 that names it: a
+field this server does not implement is never dropped silently, since that would change the answer the client
+expects. A field sent as null counts as absent (SDKs echo assistant messages back with null fields). Fields that
+cannot change the output by their nature (`user`, `metadata`, `store: false`, `service_tier` "auto"/"default",
+`parallel_tool_calls` without tools) are accepted. The table of every field: docs/openai_parameters.md.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.common.sampling_rules import SEED_MAX, SEED_MIN
+from services.gateway.structured_output import OutputConstraintFields
 
 MAX_N = 16
 # Generate calls one request may start (prompts x n): more would fill the verifier's waiting queue by
@@ -19,6 +23,7 @@ MAX_N = 16
 MAX_CHOICES = 64
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_PROMPT_LOGPROBS = 20
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
@@ -37,10 +42,41 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+# Fields of OpenAI's or vLLM's API this server does not implement, refused with the reason.
+UNSUPPORTED_FIELDS = {
+    "tools": "tool calls are not supported by this server yet",
+    "tool_choice": "tool calls are not supported by this server yet",
+    "functions": "function calls are not supported by this server",
+    "function_call": "function calls are not supported by this server",
+    "best_of": "best_of is not supported (vLLM refuses it too); use n and score the choices yourself",
+    "audio": "audio output is not supported: this server serves text-only models",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning_effort is not supported by this server's models",
+    "web_search_options": "web search is not supported",
+}
+
+
+def refuse_unsupported(data: Any, known: set[str]) -> Any:
+    """Before field validation: unknown keys sent as null are absent; a field this server does not implement
+    is a 400 with the reason (unknown ones are refused by extra="forbid" afterwards)."""
+    if not isinstance(data, dict):
+        return data
+    data = {k: v for k, v in data.items() if v is not None or k in known}
+    for name, reason in UNSUPPORTED_FIELDS.items():
+        if name in data and name not in known and not _asks_nothing(name, data[name]):
+            raise ValueError(f"{name}: {reason}")
+    return {k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and k not in known)}
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    """An unsupported field at the value that means "off": no tools, tool_choice "none", best_of 1."""
+    return value in ([], {}) or (name == "tool_choice" and value == "none") or (name == "best_of" and value == 1)
+
+
+class SamplingFields(OutputConstraintFields):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     stream: bool = False
@@ -58,7 +94,36 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     speculative_config: SpeculativeConfig | None = None
+    # OpenAI: added to the logits of these token ids (keys: token ids as strings) at every position
+    logit_bias: dict[str, float] | None = None
+    # Accepted because they cannot change the output (see the module docstring).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, set(cls.model_fields))
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+        for key, bias in value.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
     # vLLM's extension: each prompt token's logprob (after the first) plus this many alternatives, under the
     # model's raw distribution, in the response's `prompt_logprobs` (not in streams: refused there, as vLLM does).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
@@ -139,10 +204,33 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
+    model_config = ConfigDict(extra="forbid")
+    # developer: OpenAI's newer name for system instructions, rendered as system
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_message(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("role") == "tool":
+            raise ValueError("tool messages are not supported: this server does not support tool calls yet")
+        if data.get("tool_calls"):
+            raise ValueError("tool_calls are not supported: this server does not support tool calls yet")
+        parts = data.get("content")
+        if isinstance(parts, list):
+            for part in parts:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in (None, "text"):
+                    raise ValueError(f"content parts of type {kind!r} are not supported: this server serves "
+                                     "text-only models; send text parts")
+        return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         if self.content is None:
@@ -158,11 +246,20 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's: render the conversation without the generation prompt, leaving the final assistant message open so
+    # the model continues it (an assistant prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false (as in vLLM): the "
+                             "final message is continued, no new one is started")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's to continue")
         return self
 
     @property

@@ -1,0 +1,126 @@
+"""Every request field works or is refused by name: output constraints and logit_bias reach the verifier as the
+proto says, fields this server does not implement are 400s that say why, unknown fields are 400s, nulls are
+absent; the developer role, text content parts, an assistant prefill continued, and GET /v1/models/{id}."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+REPLY = "Hello, wörld! 你好. The end."  # the scripted verifier's default reply
+
+MODEL = "tiny-test"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def post_chat(client, **fields):
+    return await client.post("/v1/chat/completions", json={**CHAT, **fields})
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("fields", "kind", "value"), [
+    ({"response_format": {"type": "json_object"}}, "json_object", True),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     "json_schema", SCHEMA),
+    ({"guided_json": SCHEMA}, "json_schema", SCHEMA),
+    ({"guided_json": json.dumps(SCHEMA)}, "json_schema", SCHEMA),
+    ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
+    ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+    ({"guided_grammar": 'start: "a"+'}, "grammar", 'start: "a"+'),
+])
+async def test_output_constraints_reach_the_verifier(client, verifier, fields, kind, value):
+    for endpoint, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "hi"})):
+        verifier.requests.clear()
+        r = await client.post(endpoint, json={**body, **fields})
+        assert r.status_code == 200, r.text
+        structured = verifier.requests[0].sampling.structured_output
+        assert structured.WhichOneof("kind") == kind
+        got = getattr(structured, kind)
+        if kind == "json_schema":
+            got = json.loads(got)
+        elif kind == "choice":
+            got = list(got.choices)
+        assert got == value
+
+
+async def test_text_format_and_no_constraint_send_none(client, verifier):
+    for fields in ({}, {"response_format": {"type": "text"}}):
+        verifier.requests.clear()
+        assert (await post_chat(client, **fields)).status_code == 200
+        assert not verifier.requests[0].sampling.HasField("structured_output")
+
+
+async def test_logit_bias_reaches_the_verifier(client, verifier):
+    r = await post_chat(client, logit_bias={"104": 5.5, "105": -100})
+    assert r.status_code == 200, r.text
+    assert dict(verifier.requests[0].sampling.logit_bias) == {104: 5.5, 105: -100.0}
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"best_of": 3}, "best_of"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"audio": {"voice": "x"}}, "audio"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"no_such_field": 1}, "no_such_field"),
+    ({"store": True}, "store"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex, guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format, guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "tool"),
+    ({"messages": [{"role": "user", "content": "hi", "surprise": 1}]}, "surprise"),
+    ({"continue_final_message": True, "add_generation_prompt": False}, "last message"),
+    ({"continue_final_message": True}, "add_generation_prompt"),
+])
+async def test_unsupported_and_unknown_fields_are_refused_by_name(client, verifier, fields, named):
+    r = await post_chat(client, **fields)
+    assert r.status_code == 400, r.text
+    assert named in r.json()["error"]["message"]
+    assert not verifier.requests
+
+
+async def test_fields_that_cannot_change_the_output_and_nulls_are_accepted(client, verifier):
+    r = await post_chat(client, user="u1", metadata={"k": "v"}, store=False, service_tier="auto",
+                        parallel_tool_calls=True, tools=[], tool_choice="none", best_of=1, audio=None,
+                        messages=[{"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None},
+                                  {"role": "user", "content": "hi"}])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == REPLY
+
+
+async def test_developer_role_text_parts_and_a_continued_assistant_prefill(client, verifier, tokenizer):
+    r = await post_chat(client, messages=[{"role": "developer", "content": "be brief"},
+                                          {"role": "user", "content": [{"type": "text", "text": "h"},
+                                                                       {"type": "text", "text": "i"}]}])
+    assert r.status_code == 200, r.text
+    assert tokenizer.decode(list(verifier.requests[0].prompt_token_ids)) == (
+        "<|system|>be brief\n<|user|>hi\n<|assistant|>")
+    verifier.requests.clear()
+    r = await post_chat(client, continue_final_message=True, add_generation_prompt=False,
+                        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}])
+    assert r.status_code == 200, r.text
+    assert tokenizer.decode(list(verifier.requests[0].prompt_token_ids)) == "<|user|>hi\n<|assistant|>Sure,"
+
+
+def test_models_by_id_with_the_sdk(served):
+    client = openai.OpenAI(base_url=served() + "/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("other-model")
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          response_format={"type": "json_object"}, logit_bias={"5": 1})
+    assert chat.choices[0].message.content == REPLY  # the scripted verifier ignores constraints: shape only
