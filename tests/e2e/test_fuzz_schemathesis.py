@@ -87,7 +87,7 @@ def test_fuzzing_finds_no_server_error_and_no_schema_violation(stack, tmp_path):
     assert report["failures"] == [] and report["errors"] == [], report["output"]
     assert report["exit_code"] == 0, report["output"]
     assert cases["with_failures"] == 0 and cases["errored"] == 0, report["output"]
-    assert report["operations"]["tested"] == 3
+    assert report["operations"]["tested"] == 4  # completions, chat, models, models/{id}
     assert cases["generated"] >= 200, summary  # the run really ran
     for operation in ("POST /v1/completions", "POST /v1/chat/completions"):
         accepted = sum(phase["accepted"] for phase in report["valid_rates"][operation].values())
