@@ -37,6 +37,10 @@ from services.gateway.responses import Accounting, LogprobFormatter, PromptRetur
 from services.gateway.sampling import build_request, resolve_max_tokens
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import encode_chat, encode_prompt, load_tokenizer, make_decode, token_text
+from services.gateway.tools.grammar import forced_call_grammar
+from services.gateway.tools.output import StreamedChoice, ToolOutput
+from services.gateway.tools.parsers import tool_call_format
+from services.gateway.tools.template import render_inputs, template_knows_tools
 from services.gateway.verifier_client import VerifierClient, pb
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -105,6 +109,7 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
                                       request_timeout_s=settings.request_timeout_s,
                                       root_cert=settings.grpc_root_cert)
     state = GatewayState(settings=settings, client=client, metrics=GatewayMetrics(), tokenizer=tokenizer)
+    call_format = tool_call_format(settings.tool_call_parser)  # an unknown name fails at start-up
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -207,9 +212,11 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
                                               await read_json(request, settings.max_request_body_bytes))
         served = await check_model(req.model)
         tokenizer = await state.get_tokenizer()
-        messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
+        tools = req.offered_tools()
+        messages, tool_dicts = render_inputs([m.template_dict() for m in req.messages], tools,
+                                             template_knows_tools(tokenizer))
         try:
-            ids = await run_in_threadpool(encode_chat, tokenizer, messages,
+            ids = await run_in_threadpool(encode_chat, tokenizer, messages, tools=tool_dicts,
                                           add_generation_prompt=req.add_generation_prompt,
                                           continue_final_message=req.continue_final_message)
         except ValueError as exc:
@@ -217,8 +224,21 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await unless_disconnected(
             request, _generate(state, "chat", req, served, [ids], req.requested_max_tokens, logprobs, [""],
-                               PromptReturn(prompt_logprobs=req.prompt_logprobs))
+                               PromptReturn(prompt_logprobs=req.prompt_logprobs), tool_output(req, tools))
         )
+
+    def tool_output(req: s.ChatCompletionRequest, tools: list) -> ToolOutput | None:
+        """How this request's output is read for tool calls (None: it offers none); a forced call's grammar."""
+        if not tools:
+            return None
+        forced = None
+        if req.forces_a_call:
+            if req.structured_output() is not None:
+                raise ApiError(400, "tool_choice forcing a call cannot be combined with response_format or "
+                                    "guided_* (the call's grammar is the output's)", param="tool_choice")
+            several = req.tool_choice == "required" and req.parallel_tool_calls is not False
+            forced = pb.StructuredOutput(grammar=forced_call_grammar(tools, call_format, several=several))
+        return ToolOutput(call_format, forced)
 
     return app
 
@@ -238,7 +258,8 @@ async def _health(client: VerifierClient) -> s.Health:
 
 async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str,
                     prompts: list[list[int]], requested_max: int | None, logprobs: int | None,
-                    echo: list[str], returned: PromptReturn) -> Response:
+                    echo: list[str], returned: PromptReturn, tools: ToolOutput | None = None) -> Response:
+    """tools: how a chat choice's output is read for tool calls (None: not at all)."""
     info = await state.model_info()
     tokenizer = state.tokenizer
     start = time.perf_counter()
@@ -252,7 +273,8 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
             index = p * req.n + i
             choice_echo[index], choice_prompt[index] = echo[p], ids
             grpc_req = build_request(req, request_id=f"{rid}-{index}", prompt_ids=ids, max_tokens=param_max,
-                                     choice=index, logprobs=logprobs, prompt_logprobs=returned.wire)
+                                     choice=index, logprobs=logprobs, prompt_logprobs=returned.wire,
+                                     structured_output=tools.forced if tools is not None else None)
             timer = ChoiceTimer(state.metrics, served, start)
             streams.append(run_choice(state.client, grpc_req, index, decode, req.stop_strings, timer))
     accounting = Accounting(prompt_tokens=sum(len(ids) for ids in prompts), num_choices=len(streams))
@@ -321,10 +343,15 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
             finish_metrics()
         reasons = {i: e.finish_reason for i, e in accounting.finished.items()}
         if kind == "chat":
+            messages = {}
+            for i, text in texts.items():
+                content, calls, reason = (tools.message(text, reasons.get(i)) if tools is not None
+                                          else (text, None, reasons.get(i)))
+                messages[i], reasons[i] = s.AssistantMessage(content=content, tool_calls=calls), reason
             body: BaseModel = s.ChatCompletionResponse(
                 id=rid, created=created, model=served, usage=accounting.usage(),
                 speculative_decoding=accounting.speculation().model(),
-                choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content=texts[i]),
+                choices=[s.ChatChoice(index=i, message=messages[i],
                                       logprobs=formatter.chat(lps[i]) if logprobs is not None else None,
                                       finish_reason=reasons.get(i)) for i in sorted(texts)],
                 prompt_logprobs=formatter.prompt_logprobs(prompt_lps[0], returned.prompt_logprobs)
@@ -354,6 +381,7 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
         # echo (completions): the prompt's text, and with logprobs its tokens' logprobs, lead the choice's first
         # chunk, which waits for the verifier's first message (it carries the prompt logprobs), as in vLLM
         unechoed = set(choice_echo) if returned.echo else set()
+        calls = {i: StreamedChoice(tools) for i in choice_echo} if tools is not None else {}
         async with aclosing(events):
             if kind == "chat":  # the first chunk of each choice carries the role
                 for i in sorted(choice_echo):
@@ -368,10 +396,15 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
                     last = accounting.all_finished and not req.include_usage
                     spec = accounting.speculation().model() if last else None
                     if kind == "chat":
+                        content, tool_calls, reason = event.text or None, None, event.finish_reason
+                        if event.index in calls:  # tool calls are taken out of the text as they complete
+                            choice = calls[event.index]
+                            content, tool_calls = choice.feed(event.text, event.finish_reason is not None)
+                            reason = choice.finish_reason(event.finish_reason)
                         chunk: BaseModel = s.ChatCompletionChunk(
                             id=rid, created=created, model=served, speculative_decoding=spec, choices=[
-                                s.ChatChunkChoice(index=event.index, finish_reason=event.finish_reason,
-                                                  delta=s.ChatDelta(content=event.text or None),
+                                s.ChatChunkChoice(index=event.index, finish_reason=reason,
+                                                  delta=s.ChatDelta(content=content, tool_calls=tool_calls),
                                                   logprobs=formatter.chat(event.logprobs)
                                                   if logprobs is not None else None)])
                     else:

@@ -19,6 +19,8 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--served-model-name", help="name clients send as 'model' (default: verifier's)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 (or SPECSERVE_API_KEY)")
     parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
+    parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "
+                                                   "Hermes)")
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
     return GatewaySettings(**given)  # flags override SPECSERVE_GATEWAY_* environment values

@@ -62,7 +62,9 @@ def choice_seed(seed: int, choice: int) -> int:
 
 
 def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int], max_tokens: int,
-                  choice: int, logprobs: int | None, prompt_logprobs: int | None = None) -> Any:
+                  choice: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                  structured_output: Any | None = None) -> Any:
+    """structured_output: a proto StructuredOutput that replaces the request's own (a forced tool call's)."""
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature_of(req),
@@ -82,7 +84,7 @@ def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int]
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs
     sampling.logit_bias.update(req.logit_bias_ids())
-    structured = req.structured_output()
+    structured = structured_output if structured_output is not None else req.structured_output()
     if structured is not None:
         sampling.structured_output.CopyFrom(structured)
     speculation = pb.SpeculationParams()

@@ -10,12 +10,14 @@ cannot change the output by their nature (`user`, `metadata`, `store: false`, `s
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.common.sampling_rules import SEED_MAX, SEED_MIN
 from services.gateway.structured_output import OutputConstraintFields
+from services.gateway.tools.schemas import MAX_TOOLS, ToolCall, ToolCallDelta, ToolFields
 
 MAX_N = 16
 # Generate calls one request may start (prompts x n): more would fill the verifier's waiting queue by
@@ -44,8 +46,8 @@ class StreamOptions(BaseModel):
 
 # Fields of OpenAI's or vLLM's API this server does not implement, refused with the reason.
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calls are not supported by this server yet",
-    "tool_choice": "tool calls are not supported by this server yet",
+    "tools": "tools are supported on /v1/chat/completions only",
+    "tool_choice": "tools are supported on /v1/chat/completions only",
     "functions": "function calls are not supported by this server",
     "function_call": "function calls are not supported by this server",
     "best_of": "best_of is not supported (vLLM refuses it too); use n and score the choices yourself",
@@ -206,19 +208,21 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # developer: OpenAI's newer name for system instructions, rendered as system
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="before")
     @classmethod
     def _check_message(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        if data.get("role") == "tool":
-            raise ValueError("tool messages are not supported: this server does not support tool calls yet")
-        if data.get("tool_calls"):
-            raise ValueError("tool_calls are not supported: this server does not support tool calls yet")
+        if data.get("role") == "tool" and not data.get("tool_call_id"):
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if data.get("tool_calls") and data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         parts = data.get("content")
         if isinstance(parts, list):
             for part in parts:
@@ -232,6 +236,16 @@ class ChatMessage(BaseModel):
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
 
+    def template_dict(self) -> dict[str, Any]:
+        """As chat templates take it: text content ("" for none), tool calls with their arguments as objects."""
+        message: dict[str, Any] = {"role": self.template_role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -240,7 +254,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -346,7 +360,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the reply is tool calls only
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)  # absent unless called
 
 
 class ChatChoice(BaseModel):
@@ -365,6 +380,7 @@ class ChatCompletionResponse(ResponseEnvelope):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChunkChoice(BaseModel):

@@ -34,3 +34,5 @@ class GatewaySettings(BaseSettings):
     # PEM root certificate: when set, the gRPC channel to the verifier uses TLS.
     grpc_root_cert: Path | None = None
     max_n: int = Field(16, ge=1)
+    # How the model writes tool calls (services/gateway/tools/parsers.py); vLLM's --tool-call-parser.
+    tool_call_parser: str = "hermes"

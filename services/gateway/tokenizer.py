@@ -30,8 +30,8 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> list[int]:
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Render with the model's chat template, then tokenize without adding special tokens again (the template
     already wrote BOS where the model wants one). A template may refuse a conversation (`raise_exception`, e.g.
     "roles must alternate"): that is the request's fault, a ValueError like the rest."""
@@ -41,7 +41,8 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]], *, add_generatio
         raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, tokenize=False)
+                                             continue_final_message=continue_final_message, tools=tools,
+                                             tokenize=False)
     except TemplateError as exc:
         raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

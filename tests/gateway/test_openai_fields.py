@@ -61,8 +61,10 @@ async def test_logit_bias_reaches_the_verifier(client, verifier):
 
 
 @pytest.mark.parametrize(("fields", "named"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "not in tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"best_of": 3}, "best_of"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"audio": {"voice": "x"}}, "audio"),
@@ -78,7 +80,9 @@ async def test_logit_bias_reaches_the_verifier(client, verifier):
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format, guided_regex"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "tool"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "tool_call_id"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "arguments"),
     ({"messages": [{"role": "user", "content": "hi", "surprise": 1}]}, "surprise"),
     ({"continue_final_message": True, "add_generation_prompt": False}, "last message"),
     ({"continue_final_message": True}, "add_generation_prompt"),
@@ -118,9 +122,9 @@ def test_models_by_id_with_the_sdk(served):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("other-model")
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="chat/completions only"):
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {}}}]})
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                           response_format={"type": "json_object"}, logit_bias={"5": 1})
     assert chat.choices[0].message.content == REPLY  # the scripted verifier ignores constraints: shape only
