@@ -223,3 +223,55 @@ def test_a_grammar_that_does_not_compile_is_a_400(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, logit_bias={"999999": 1})
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
+                                              "parameters": {"type": "object",
+                                                             "properties": {"city": {"type": "string", "maxLength": 30}},
+                                                             "required": ["city"], "additionalProperties": False}}}
+
+
+def streamed_calls(chunks) -> tuple[dict[int, dict], str | None]:
+    calls, finish = {}, None
+    for chunk in chunks:
+        for part in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(part.index, {"name": "", "arguments": ""})
+            entry["name"] += part.function.name or ""
+            entry["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return calls, finish
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_always_parse_streaming_or_not(client, choice):
+    """SmolLM2-135M knows no tools: only the grammar makes its output a valid call, with speculation on."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+    expected = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice=choice, max_tokens=150, temperature=0)
+    assert reply.choices[0].finish_reason == "tool_calls", reply
+    calls = reply.choices[0].message.tool_calls
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), expected[call.function.name]["function"]["parameters"])
+    if isinstance(choice, dict):
+        assert [c.function.name for c in calls] == ["get_time"]
+    streamed, finish = streamed_calls(client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice, max_tokens=150,
+        temperature=0, stream=True))
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+    second = client.chat.completions.create(model=MODEL, max_tokens=30, temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
+                                            messages=[*messages, reply.choices[0].message.model_dump(exclude_none=True),
+                                                      *({"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"}
+                                                        for c in calls)])
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
