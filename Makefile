@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test bench bench-sweep bench-draft-model soak fetch-model clean
+.PHONY: install proto run test bench bench-sweep bench-grammar bench-draft-model soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -49,7 +49,13 @@ test: install
 bench: fetch-model
 	$(BIN)/specserve bench --model $(MODEL)
 	$(MAKE) bench-sweep
+	$(MAKE) bench-grammar
 	$(MAKE) bench-draft-model
+
+# JSON-schema requests with ngram speculation vs without (tok/s, acceptance; exit 1 if outputs differ), the grammar
+# mask's cost per verify step and the share of tokens the grammar forces.
+bench-grammar: fetch-model
+	$(BIN)/python -m services.bench.grammar_cost --model $(MODEL)
 
 # Concurrency 1, 4, 8, 16 on HumanEval and the code edit: no speculation vs each fixed K vs adaptive K; markdown
 # tables on stdout, the figure in docs/concurrency_sweep.png; exit 1 if a speculative output differs (SWEEP_ARGS).
