@@ -44,6 +44,7 @@ class GrammarCompiler:
         # (ids past the tokenizer's are never allowed by a grammar).
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=max(vocab_size, len(hf_tokenizer)))
+        self.mask_words = (self.tokenizer.vocab_size + 31) // 32  # llguidance writes this many int32 per mask
         self.executor = llguidance.LLExecutor(num_threads=1)
         self._compiled: OrderedDict[OutputGrammar, str] = OrderedDict()
         self._warm_up()
@@ -53,7 +54,7 @@ class GrammarCompiler:
         not in the first structured request's step, which every request in that batch would wait for."""
         import llguidance.torch
 
-        bitmask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        bitmask = torch.full((1, self.mask_words), -1, dtype=torch.int32)
         llguidance.torch.fill_next_token_bitmask_par(self.executor, [(self.matcher(OutputGrammar("json_object")), 0)],
                                                      bitmask)
 
@@ -144,7 +145,7 @@ def constrain_logits(logits: torch.Tensor, constraints: Sequence[OutputConstrain
 
     positions = logits.shape[1]
     vocab = logits.shape[2]
-    bitmask = torch.full((len(grammar_rows) * positions, (compiler.vocab_size + 31) // 32), -1, dtype=torch.int32)
+    bitmask = torch.full((len(grammar_rows) * positions, compiler.mask_words), -1, dtype=torch.int32)
     jobs = [(constraints[b].matcher, i * positions, list(drafts[b])) for i, b in enumerate(grammar_rows)]
     with_drafts = [job for job in jobs if job[2]]
     if with_drafts:  # llguidance walks each row's drafts and rolls itself back
