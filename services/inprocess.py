@@ -20,7 +20,7 @@ from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import SpeculationParams
-from services.verifier.structured_output import GrammarCompiler
+from services.verifier.structured_output import grammar_compiler_for
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None =
         ),
         local_proposers(options.speculative_config, (runner.vocab_size, tokenizer_fingerprint(loaded.tokenizer))),
         loaded.eos_token_ids,
-        grammars=GrammarCompiler(loaded.tokenizer, runner.vocab_size),
+        grammars=grammar_compiler_for(loaded.tokenizer, runner.vocab_size),
     )
     logger.info(
         "engine ready: %s, max_num_seqs=%d, max_model_len=%d, speculation=%s",

@@ -33,7 +33,7 @@ from services.verifier.metrics import EngineCollector, TimedRunner, create_metri
 from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig
 from services.verifier.servicer import VerifierServicer, status_for
 from services.verifier.settings import VerifierSettings, add_engine_flags
-from services.verifier.structured_output import GrammarCompiler
+from services.verifier.structured_output import GrammarCompiler, grammar_compiler_for
 from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2, verifier_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ async def start_verifier(
 async def serve(settings: VerifierSettings, loaded: LoadedModel, runner: ModelRunner, compute: Executor) -> int:
     """Serve the loaded model until SIGTERM/SIGINT, then stop gracefully."""
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
-    grammars = GrammarCompiler(loaded.tokenizer, runner.vocab_size)
+    grammars = grammar_compiler_for(loaded.tokenizer, runner.vocab_size)
     running = await start_verifier(
         loaded.model, loaded.model_id, settings, loaded.eos_token_ids, fingerprint, runner, compute, grammars
     )

@@ -15,6 +15,7 @@ or multiply it, temperature divides it, filters keep it out).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from services.verifier.sampling_params import OutputGrammar, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 COMPILED_GRAMMARS_KEPT = 128  # the same schema sent again skips llguidance's (up to ~1 s) compilation
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -84,6 +87,22 @@ class GrammarCompiler:
         return matcher
 
 
+def grammar_compiler_for(hf_tokenizer: Any, vocab_size: int) -> GrammarCompiler | None:
+    """The compiler, or None (logged) where llguidance cannot take this tokenizer (a slow, non-`tokenizers`
+    one): the verifier then serves everything else and refuses structured output with a clear message."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not isinstance(hf_tokenizer, PreTrainedTokenizerFast):
+        logger.warning("structured output is unavailable: llguidance needs a fast (`tokenizers`) tokenizer, not %s",
+                       type(hf_tokenizer).__name__)
+        return None
+    try:
+        return GrammarCompiler(hf_tokenizer, vocab_size)
+    except ValueError as error:
+        logger.warning("structured output is unavailable with this tokenizer: %s", error)
+        return None
+
+
 @dataclass
 class OutputConstraint:
     """One request's constraint; `matcher` is an llguidance LLMatcher (None: no grammar) made by `compiler`,
@@ -111,7 +130,8 @@ def build_constraint(sampling: SamplingParams, compiler: GrammarCompiler | None,
     constraint = OutputConstraint()
     if sampling.structured_output is not None:
         if compiler is None:
-            raise ValueError("structured_output needs the target's tokenizer, which this engine was built without")
+            raise ValueError("structured output is unavailable on this server: llguidance could not take the "
+                             "model's tokenizer (see the verifier's log)")
         constraint.matcher = compiler.matcher(sampling.structured_output)
         constraint.compiler = compiler
     if sampling.logit_bias:

@@ -30,7 +30,7 @@ from services.verifier.sampling_params import (
     SamplingParams,
     SpeculationParams,
 )
-from services.verifier.structured_output import GrammarCompiler
+from services.verifier.structured_output import GrammarCompiler, grammar_compiler_for
 from tests.engine_harness import run_schedule
 from tests.proposers import ModelSamplingProposer, RandomProposer
 from tests.stats import ALPHA, chi_square_p_value, reference_processed, total_variation
@@ -211,6 +211,10 @@ def test_values_are_checked_before_the_engine():
 
 
 async def test_an_engine_without_a_compiler_refuses_grammars(target):
+    """A tokenizer llguidance cannot take (not a `tokenizers` one): no compiler, the server still starts, and
+    grammars are refused clearly."""
+    assert grammar_compiler_for(object(), V) is None
+    assert grammar_compiler_for(tiny_char_tokenizer(), V) is not None
     engine = engine_for(target, None)
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(ValueError, match="unavailable"):
         engine.add_request(GenerationRequest("x", PROMPT, SamplingParams(structured_output=OutputGrammar("json_object"))))
