@@ -41,6 +41,9 @@ class TrainSettings:
     feature_weight: float = 0.1
     checkpoint_every_s: float = 300.0
     threads: int = 2
+    # Positions per step whose draft distribution is scored (a random subset): the LM head over every position
+    # (T x H x V per step) is most of a CPU step; the head's context still covers every position.
+    loss_positions: int = 96
 
 
 def step_losses(head: EagleHead, embed, lm_head, ids: torch.Tensor, features: torch.Tensor,
@@ -51,7 +54,9 @@ def step_losses(head: EagleHead, embed, lm_head, ids: torch.Tensor, features: to
     outputs = head.unrolled(emb, inputs, settings.steps)
     losses = []
     for j, out in enumerate(outputs, start=1):
-        reach = slice(j - 1, None)  # step j at t needs a chain started at t - j + 1 >= 0
+        reach = torch.arange(j - 1, out.shape[1])  # step j at t needs a chain started at t - j + 1 >= 0
+        if settings.loss_positions and len(reach) > settings.loss_positions:
+            reach = reach[torch.randperm(len(reach))[: settings.loss_positions].sort().values]
         logq = F.log_softmax(lm_head(out[:, reach]).float(), dim=-1)
         p = target_logp[:, 1:][:, reach].exp()  # the target's distribution at t + 1
         ce = -(p * logq).sum(-1).mean()
@@ -118,8 +123,8 @@ def train(settings: TrainSettings) -> None:
         losses = step_losses(head, embed, lm_head, ids_t, features, target_logp, settings)
         (sum(losses) / settings.accumulate).backward()
         tokens += len(ids)
-        running = [float(x) for x in losses] if running is None else [0.98 * r + 0.02 * float(x)
-                                                                      for r, x in zip(running, losses, strict=True)]
+        values = [float(x.detach()) for x in losses]
+        running = values if running is None else [0.98 * r + 0.02 * x for r, x in zip(running, values, strict=True)]
         if done % settings.accumulate == 0:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(done // settings.accumulate)
