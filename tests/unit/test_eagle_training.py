@@ -61,3 +61,28 @@ def test_acceptance_counts_leading_matches_as_serving_does():
     chain_acceptance(head, target.get_input_embeddings(), target.lm_head, ids, features, 10, 4, report)
     assert report.positions == 30 - 4 - 10
     assert report.reached[0] == report.positions and 1.0 <= report.mean_acceptance_length <= 5.0
+
+
+class OracleHead(EagleHead):
+    """Predicts the target's true next feature at every position: a perfect head, so every draft of every chain
+    must be accepted if the evaluation aligns features, tokens and positions as serving does."""
+
+    def __init__(self, config, features):
+        super().__init__(config)
+        self.true = features
+
+    def step(self, embeddings, features, start, cache):
+        positions = range(start, start + embeddings.shape[1])
+        return torch.stack([self.true[0, p + 1] for p in positions])[None], cache
+
+
+def test_a_perfect_head_is_accepted_everywhere():
+    target = tiny_llama(seed=3)
+    prompt = torch.randint(0, 96, (1, 8))
+    with torch.no_grad():
+        ids = target.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)[0].tolist()
+        features = target.model(input_ids=torch.tensor([ids])).last_hidden_state
+    report = AcceptanceReport(4, 0, [0] * 4, [0] * 4, 0)
+    chain_acceptance(OracleHead(EagleConfig.for_target(target.config), features), target.get_input_embeddings(),
+                     target.lm_head, ids, features, 8, 4, report)
+    assert report.positions > 0 and report.mean_acceptance_length == 5.0, report
