@@ -184,6 +184,9 @@ class Engine:
             request=request, seed=seed, token_ids=list(request.prompt_token_ids), outputs=asyncio.Queue(),
             constraint=build_constraint(request.sampling, self.grammars, self.runner.vocab_size),
         )
+        spec = request.speculation
+        if spec.enabled and getattr(self.proposers.get(spec.method), "needs_hidden_states", False):
+            state.hidden = []  # its drafter (EAGLE) reads the target's hidden states
         if request.sampling.prompt_logprobs is not None:
             state.prompt_logprobs = []
         elif request.sampling.max_tokens == 0:  # nothing to generate or score: done without a slot or a forward
@@ -286,6 +289,9 @@ class Engine:
         for chunk in prefill:
             if chunk.state.request_id not in failed:
                 chunk.state.num_computed += len(chunk.tokens)
+        for state, states in result.prefill_hidden:
+            if state.request_id not in failed and state.hidden is not None:
+                state.hidden.append(states)
         self._record_prompt_scores(prefill, result, failed)
         for state, error in result.failures:
             self._fail(state, error)
@@ -330,6 +336,8 @@ class Engine:
     # -- bookkeeping (loop thread) --------------------------------------------------------------------------
     def _commit(self, row: SampledRow) -> None:
         state = row.state
+        if row.hidden is not None and state.hidden is not None:
+            state.hidden.append(row.hidden)
         if row.num_draft:
             state.num_computed = len(state.token_ids) + row.num_accepted
             state.spec.num_drafts += 1
