@@ -38,6 +38,8 @@ class SequenceUpdate:
     base_length: int  # committed tokens the drafter is assumed to hold; 0 (re)opens the sequence
     new_token_ids: tuple[int, ...]
     num_speculative_tokens: int
+    # float16 [rows, H]: target states of the committed tokens the drafter has none for yet (see the proto)
+    hidden_states: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ def step_to_proto(step: DraftStep):
                 base_length=u.base_length,
                 new_token_ids=u.new_token_ids,
                 num_speculative_tokens=u.num_speculative_tokens,
+                hidden_states_fp16=b"" if u.hidden_states is None else u.hidden_states.astype("<f2").tobytes(),
+                hidden_size=0 if u.hidden_states is None else u.hidden_states.shape[1],
             )
             for u in step.updates
         ],
@@ -124,7 +128,8 @@ def step_from_proto(message) -> DraftStep:
     return DraftStep(
         step_id=message.step_id,
         updates=tuple(
-            SequenceUpdate(u.seq_id, u.base_length, tuple(u.new_token_ids), u.num_speculative_tokens)
+            SequenceUpdate(u.seq_id, u.base_length, tuple(u.new_token_ids), u.num_speculative_tokens,
+                           decode_hidden(u.hidden_states_fp16, u.hidden_size))
             for u in message.updates
         ),
         closed_seq_ids=tuple(message.closed_seq_ids),
@@ -162,6 +167,19 @@ def reply_from_proto(message) -> DraftReply:
             for d in message.drafts
         ),
     )
+
+
+def decode_hidden(data: bytes, hidden_size: int) -> np.ndarray | None:
+    """float16 [rows, hidden_size], or None when nothing (or nothing well-formed) was sent."""
+    if not data or not hidden_size or len(data) % (2 * hidden_size):
+        return None
+    return np.frombuffer(data, dtype="<f2").reshape(-1, hidden_size)
+
+
+def new_hidden_rows(states: np.ndarray, base_length: int, num_committed: int) -> np.ndarray:
+    """The rows a peer holding `base_length` committed tokens (states for all but its last) is missing, of
+    `states` [>= num_committed - 1, H] (row i: token i), once `num_committed` tokens are committed."""
+    return states[max(base_length - 1, 0) : num_committed - 1]
 
 
 def new_tokens(committed: Sequence[int], base_length: int) -> tuple[int, ...]:

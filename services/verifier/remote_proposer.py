@@ -23,6 +23,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from services.common.drafter_wire import (
     DrafterDescription,
@@ -32,6 +33,7 @@ from services.common.drafter_wire import (
     description_from_proto,
     drafter_pb2,
     drafter_pb2_grpc,
+    new_hidden_rows,
     new_tokens,
     reply_from_proto,
     step_to_proto,
@@ -115,6 +117,7 @@ class RemoteProposer:
     def __init__(self, config: RemoteProposerConfig, method: str = "remote") -> None:
         self.config = config
         self.method = method  # replaced by the drafter's own method once Info has answered
+        self.needs_hidden_states = False  # likewise (an EAGLE drafter reads the target's hidden states)
         self._channel: grpc.aio.Channel | None = None
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
@@ -136,6 +139,7 @@ class RemoteProposer:
         described = description_from_proto(message)
         check_compatible(described, self.config)
         self.method = described.method
+        self.needs_hidden_states = described.needs_hidden_states  # the engine then keeps its requests' states
         self._retry_at = 0.0  # it answers and fits: no reason to keep backing off
         return described
 
@@ -220,7 +224,11 @@ class RemoteProposer:
             if base > len(committed):
                 base = 0  # cannot happen with an append-only engine; re-open rather than send garbage
             k = min(item.num_speculative_tokens, max_k) if max_k else item.num_speculative_tokens
-            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), k))
+            hidden = None
+            if link.info.needs_hidden_states and item.hidden_states is not None:
+                states = item.hidden_states.detach().to("cpu", torch.float16).numpy()
+                hidden = new_hidden_rows(states, base, len(committed))
+            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), k, hidden))
         step = DraftStep(link.next_step_id, tuple(updates), tuple(link.closed))
         link.next_step_id += 1
         try:
