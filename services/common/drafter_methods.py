@@ -29,6 +29,7 @@ NO_SPECULATION = "none"  # not a method: turns speculation off (server default o
 
 BUILTIN_METHODS = MappingProxyType({
     "draft_model": "services.drafter.methods.draft_model",
+    "eagle": "services.drafter.methods.eagle",
     "ngram": "services.drafter.methods.ngram",
     "suffix": "services.drafter.methods.suffix",
 })
