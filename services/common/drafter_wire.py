@@ -30,6 +30,8 @@ class DrafterDescription:
     tokenizer_fingerprint: str = ""  # empty: needs no tokenizer
     needs_hidden_states: bool = False
     max_speculative_tokens: int = 0
+    hidden_size: int = 0  # with needs_hidden_states: the target state width it was built for
+    hidden_layers: tuple[int, ...] = (-1,)  # target layers it reads (-1: the final, normed one)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ def description_to_proto(info: DrafterDescription):
         tokenizer_fingerprint=info.tokenizer_fingerprint,
         needs_hidden_states=info.needs_hidden_states,
         max_speculative_tokens=info.max_speculative_tokens,
+        hidden_size=info.hidden_size,
+        hidden_layers=info.hidden_layers if info.needs_hidden_states else (),
     )
 
 
@@ -102,6 +106,8 @@ def description_from_proto(message) -> DrafterDescription:
         tokenizer_fingerprint=message.tokenizer_fingerprint,
         needs_hidden_states=message.needs_hidden_states,
         max_speculative_tokens=message.max_speculative_tokens,
+        hidden_size=message.hidden_size,
+        hidden_layers=tuple(message.hidden_layers) or (-1,),
     )
 
 

@@ -50,6 +50,8 @@ async def serve(
         needs_hidden_states=bool(getattr(proposer, "needs_hidden_states", False)) if needs_hidden_states is None
         else needs_hidden_states,
         max_speculative_tokens=num_speculative_tokens,
+        hidden_size=int(getattr(proposer, "hidden_size", 0) or 0),
+        hidden_layers=tuple(getattr(proposer, "hidden_layers", (-1,))),
     )
     servicer = DrafterServicer(proposer, description, metrics)
     server = await start_grpc_server(

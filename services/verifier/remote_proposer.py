@@ -62,6 +62,7 @@ class RemoteProposerConfig:
     target: str  # "host:port"
     vocab_size: int  # the verifier's (target model's) vocabulary size
     tokenizer_fingerprint: str = ""  # the verifier's; compared when both sides have one
+    hidden_size: int = 0  # the target's hidden size, for drafters that read its states (0: unknown, not checked)
     info_timeout_s: float = 2.0
     # Its own wait for a step's answer; None: none, the caller's deadline cancels the call (the verifier engine's,
     # which follows what the drafter's calls take: draft_deadline.py).
@@ -77,10 +78,25 @@ class RemoteProposerConfig:
 def check_compatible(info: DrafterDescription, config: RemoteProposerConfig) -> None:
     why = vocabulary_mismatch((info.vocab_size, info.tokenizer_fingerprint),
                               (config.vocab_size, config.tokenizer_fingerprint))
+    if why is None and info.needs_hidden_states:
+        why = hidden_states_mismatch(info, config.hidden_size)
     if why is not None:
         raise IncompatibleDrafterError(
             f"drafter at {config.target} ({info.method}) {why}; refusing it (use a drafter built for this model)"
         )
+
+
+SERVED_HIDDEN_LAYERS = (-1,)  # the target states the engine keeps: its final, normed layer
+
+
+def hidden_states_mismatch(info: DrafterDescription, hidden_size: int) -> str | None:
+    """Why this verifier cannot feed a drafter that reads the target's hidden states, or None."""
+    if tuple(info.hidden_layers) != SERVED_HIDDEN_LAYERS:
+        return (f"reads target layers {list(info.hidden_layers)}, but this verifier serves only the final layer "
+                f"({list(SERVED_HIDDEN_LAYERS)})")
+    if hidden_size and info.hidden_size and info.hidden_size != hidden_size:
+        return f"was built for target states of width {info.hidden_size}, but the target's are {hidden_size} wide"
+    return None
 
 
 @dataclass

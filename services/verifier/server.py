@@ -92,7 +92,7 @@ def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]
 
 
 async def _attach_drafters(
-    settings: VerifierSettings, vocab_size: int, fingerprint: str, model_id: str, metrics
+    settings: VerifierSettings, vocab_size: int, fingerprint: str, model_id: str, metrics, hidden_size: int = 0
 ) -> list[TrackedProposer]:
     """One RemoteProposer per --drafter. An unreachable drafter is only a warning (it may start later; its
     requests run with K = 0 until then); one that refuses this model's vocabulary stops startup."""
@@ -101,7 +101,8 @@ async def _attach_drafters(
     for name, address in settings.drafter_targets.items():
         config = RemoteProposerConfig(
             # no deadline of its own: the engine's (draft_deadline.py) cancels a late call
-            address, vocab_size, fingerprint, step_timeout_s=None, channel_credentials=credentials
+            address, vocab_size, fingerprint, hidden_size=hidden_size, step_timeout_s=None,
+            channel_credentials=credentials,
         )
         tracked = TrackedProposer(name, RemoteProposer(config), metrics.observe_round_trip(model_id, name))
         await tracked.probe()
@@ -134,7 +135,8 @@ async def start_verifier(
     max_model_len = resolve_max_model_len(model, settings.max_model_len)
     metrics = create_metrics()
     runner = runner or create_runner(model, settings.max_num_seqs, max_model_len)
-    drafters = await _attach_drafters(settings, runner.vocab_size, tokenizer_fingerprint, model_id, metrics)
+    drafters = await _attach_drafters(settings, runner.vocab_size, tokenizer_fingerprint, model_id, metrics,
+                                      int(getattr(model.config, "hidden_size", 0) or 0))
     default = default_speculation(settings, [d.name for d in drafters])
     engine = Engine(
         TimedRunner(runner, metrics.forward_seconds, model_id),

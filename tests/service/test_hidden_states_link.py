@@ -79,3 +79,36 @@ async def test_the_drafter_receives_the_targets_hidden_states(needs):
         assert states is not None and states.shape[0] == len(token_ids) - 1, (seq, len(token_ids))
         assert torch.allclose(states, truth[seq][: states.shape[0]], atol=2e-2, rtol=1e-2)  # float16 on the wire
     assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+
+
+class DeclaringDrafter:
+    method = "picky"
+    needs_hidden_states = True
+
+    def __init__(self, hidden_size: int, hidden_layers: tuple[int, ...]) -> None:
+        self.hidden_size, self.hidden_layers = hidden_size, hidden_layers
+
+    async def propose(self, inputs):
+        return [Draft([]) for _ in inputs]
+
+    def release(self, seq_id) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("width", "layers", "refused"), [
+    (64, (-1,), None), (128, (-1,), "width 128"), (64, (-1, 3, 7), r"layers \[-1, 3, 7\]")])
+async def test_a_verifier_refuses_a_drafter_whose_states_it_cannot_serve(width, layers, refused):
+    from services.verifier.remote_proposer import IncompatibleDrafterError
+
+    server, port = await serve(DeclaringDrafter(width, layers), "127.0.0.1", 0)
+    config = RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, hidden_size=64)  # the tiny models' width
+    try:
+        if refused is None:
+            remote = await RemoteProposer.connect(config)
+            assert remote.needs_hidden_states
+            await remote.close()
+        else:
+            with pytest.raises(IncompatibleDrafterError, match=refused):
+                await RemoteProposer.connect(config)
+    finally:
+        await server.server.stop(0)

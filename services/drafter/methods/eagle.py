@@ -52,6 +52,11 @@ class EagleProposer:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compute: Executor | None = None
 
+    @property
+    def hidden_size(self) -> int:
+        """The target state width the head reads (declared in Info, checked by the verifier)."""
+        return self.head.config.hidden_size
+
     async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
         if self._compute is None:
             self._compute = worker_thread()
