@@ -34,6 +34,7 @@ from services.common.proposer import Proposer
 from services.modeling.runner import ModelRunner
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.engine_config import EngineConfig
+from services.verifier.hidden_state_files import write_request_states
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.random_streams import seed_to_int64
 from services.verifier.request_state import RequestState
@@ -185,8 +186,10 @@ class Engine:
             constraint=build_constraint(request.sampling, self.grammars, self.runner.vocab_size),
         )
         spec = request.speculation
-        if spec.enabled and getattr(self.proposers.get(spec.method), "needs_hidden_states", False):
-            state.hidden = []  # its drafter (EAGLE) reads the target's hidden states
+        if self.config.extract_hidden_states_dir is not None or (
+            spec.enabled and getattr(self.proposers.get(spec.method), "needs_hidden_states", False)
+        ):
+            state.hidden = []  # its drafter (EAGLE) reads the target's hidden states, or they are extracted
         if request.sampling.prompt_logprobs is not None:
             state.prompt_logprobs = []
         elif request.sampling.max_tokens == 0:  # nothing to generate or score: done without a slot or a forward
@@ -332,6 +335,19 @@ class Engine:
             if spec.enabled:
                 self.proposers[spec.method].release(state.request_id)
             self._states.pop(state.request_id, None)
+            self._extract(state)
+
+    def _extract(self, state: RequestState) -> None:
+        """extract_hidden_states: the finished request's token ids and states to its file (a write that fails
+        is logged; serving goes on)."""
+        folder = self.config.extract_hidden_states_dir
+        states = state.hidden_states()
+        if folder is None or states is None:
+            return
+        try:
+            write_request_states(folder, state.request_id, state.token_ids, state.num_prompt_tokens, states)
+        except OSError:
+            logger.exception("could not write the hidden states of request %s to %s", state.request_id, folder)
 
     # -- bookkeeping (loop thread) --------------------------------------------------------------------------
     def _commit(self, row: SampledRow) -> None:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -68,6 +69,17 @@ class RunningVerifier:
             await drafter.close()
         if self.metrics is not None:
             self.metrics.stop()
+
+
+def extract_dir(settings: VerifierSettings) -> Path | None:
+    """extract_hidden_states' folder, created now so that a bad path stops start-up, not a request."""
+    folder = settings.speculation.extract_dir
+    if folder is None:
+        return None
+    path = Path(folder).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    logger.info("extract_hidden_states: every request's token ids and hidden states go to %s", path)
+    return path
 
 
 def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]) -> DefaultSpeculation:
@@ -147,6 +159,7 @@ async def start_verifier(
             max_draft_timeout_s=settings.max_draft_timeout_s,
             log_stats_interval_s=settings.log_stats_interval_s,
             adaptive_speculation=settings.adaptive_speculation,
+            extract_hidden_states_dir=extract_dir(settings),
         ),
         {d.name: d for d in drafters},
         eos_token_ids,
