@@ -78,6 +78,7 @@ DELEGATED = {
     "verifier": "services.verifier.server",
     "gateway": "services.gateway.main",
     "soak": "services.soak.main",
+    "train-eagle": "services.eagle.train",
 }
 
 
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("verifier", "the verifier gRPC service (target model)"),
         ("gateway", "the OpenAI-compatible HTTP gateway"),
         ("soak", "the stack under saturating mixed traffic, with pass/fail targets"),
+        ("train-eagle", "train an EAGLE head for a target on ShareGPT (resumable)"),
     ):
         sub.add_parser(command, help=f"{what} (see `specserve {command} --help`)", add_help=False)
     return parser

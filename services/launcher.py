@@ -103,6 +103,8 @@ def plan(args: argparse.Namespace) -> list[Child]:
         *python, "verifier", *_given_engine_flags(args), "--host", args.host, "--port", str(args.verifier_port),
         "--metrics-port", str(args.verifier_metrics_port), *tls.server_flags,
     ]
+    if spec.extract_dir is not None:  # no drafter: the verifier serves and writes hidden states
+        verifier += ["--speculative-config", json.dumps({"method": spec.method, "output_dir": spec.output_dir})]
     if spec.enabled:
         spec_json = json.dumps({"method": spec.method, **spec.model_dump(exclude_defaults=True)})  # short, readable
         verifier += ["--speculative-config", spec_json]

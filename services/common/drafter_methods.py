@@ -26,9 +26,13 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "specserve.drafter_methods"
 NO_SPECULATION = "none"  # not a method: turns speculation off (server default or per request)
+# Not a drafter either: the verifier serves without speculation and writes every request's target hidden states
+# to files (vLLM's name; services/verifier/hidden_state_files.py)
+EXTRACT_HIDDEN_STATES = "extract_hidden_states"
 
 BUILTIN_METHODS = MappingProxyType({
     "draft_model": "services.drafter.methods.draft_model",
+    "eagle": "services.drafter.methods.eagle",
     "ngram": "services.drafter.methods.ngram",
     "suffix": "services.drafter.methods.suffix",
 })
@@ -65,7 +69,7 @@ def method_names() -> tuple[str, ...]:
 
 def check_method(name: str) -> str:
     """`name` if it is a registered method or "none"; otherwise UnknownMethodError naming the choices."""
-    if name == NO_SPECULATION or name in method_modules():
+    if name in (NO_SPECULATION, EXTRACT_HIDDEN_STATES) or name in method_modules():
         return name
     raise UnknownMethodError(
         f"unknown speculative method {name!r}; available: {', '.join(method_names())}, or {NO_SPECULATION!r}"

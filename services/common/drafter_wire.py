@@ -30,6 +30,8 @@ class DrafterDescription:
     tokenizer_fingerprint: str = ""  # empty: needs no tokenizer
     needs_hidden_states: bool = False
     max_speculative_tokens: int = 0
+    hidden_size: int = 0  # with needs_hidden_states: the target state width it was built for
+    hidden_layers: tuple[int, ...] = (-1,)  # target layers it reads (-1: the final, normed one)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class SequenceUpdate:
     base_length: int  # committed tokens the drafter is assumed to hold; 0 (re)opens the sequence
     new_token_ids: tuple[int, ...]
     num_speculative_tokens: int
+    # float16 [rows, H]: target states of the committed tokens the drafter has none for yet (see the proto)
+    hidden_states: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ def description_to_proto(info: DrafterDescription):
         tokenizer_fingerprint=info.tokenizer_fingerprint,
         needs_hidden_states=info.needs_hidden_states,
         max_speculative_tokens=info.max_speculative_tokens,
+        hidden_size=info.hidden_size,
+        hidden_layers=info.hidden_layers if info.needs_hidden_states else (),
     )
 
 
@@ -100,6 +106,8 @@ def description_from_proto(message) -> DrafterDescription:
         tokenizer_fingerprint=message.tokenizer_fingerprint,
         needs_hidden_states=message.needs_hidden_states,
         max_speculative_tokens=message.max_speculative_tokens,
+        hidden_size=message.hidden_size,
+        hidden_layers=tuple(message.hidden_layers) or (-1,),
     )
 
 
@@ -113,6 +121,8 @@ def step_to_proto(step: DraftStep):
                 base_length=u.base_length,
                 new_token_ids=u.new_token_ids,
                 num_speculative_tokens=u.num_speculative_tokens,
+                hidden_states_fp16=b"" if u.hidden_states is None else u.hidden_states.astype("<f2").tobytes(),
+                hidden_size=0 if u.hidden_states is None else u.hidden_states.shape[1],
             )
             for u in step.updates
         ],
@@ -124,7 +134,8 @@ def step_from_proto(message) -> DraftStep:
     return DraftStep(
         step_id=message.step_id,
         updates=tuple(
-            SequenceUpdate(u.seq_id, u.base_length, tuple(u.new_token_ids), u.num_speculative_tokens)
+            SequenceUpdate(u.seq_id, u.base_length, tuple(u.new_token_ids), u.num_speculative_tokens,
+                           decode_hidden(u.hidden_states_fp16, u.hidden_size))
             for u in message.updates
         ),
         closed_seq_ids=tuple(message.closed_seq_ids),
@@ -162,6 +173,19 @@ def reply_from_proto(message) -> DraftReply:
             for d in message.drafts
         ),
     )
+
+
+def decode_hidden(data: bytes, hidden_size: int) -> np.ndarray | None:
+    """float16 [rows, hidden_size], or None when nothing (or nothing well-formed) was sent."""
+    if not data or not hidden_size or len(data) % (2 * hidden_size):
+        return None
+    return np.frombuffer(data, dtype="<f2").reshape(-1, hidden_size)
+
+
+def new_hidden_rows(states: np.ndarray, base_length: int, num_committed: int) -> np.ndarray:
+    """The rows a peer holding `base_length` committed tokens (states for all but its last) is missing, of
+    `states` [>= num_committed - 1, H] (row i: token i), once `num_committed` tokens are committed."""
+    return states[max(base_length - 1, 0) : num_committed - 1]
 
 
 def new_tokens(committed: Sequence[int], base_length: int) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from services.common.drafter_methods import check_method
+from services.common.drafter_methods import EXTRACT_HIDDEN_STATES, check_method
 
 
 class SpeculativeConfig(BaseModel):
@@ -30,6 +30,8 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_max_cached_requests: int = Field(10_000, ge=0)
     suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
     suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
+    # extract_hidden_states: the folder each finished request's token ids and target hidden states go to
+    output_dir: str | None = None
 
     @field_validator("method")
     @classmethod
@@ -42,11 +44,18 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.method in ("draft_model", "eagle") and not self.model:
             raise ValueError(f"method {self.method!r} needs a 'model'")
+        if self.method == EXTRACT_HIDDEN_STATES and not self.output_dir:
+            raise ValueError(f"method {EXTRACT_HIDDEN_STATES!r} needs an 'output_dir' for its files")
         return self
 
     @property
     def enabled(self) -> bool:
-        return self.method != "none" and self.num_speculative_tokens > 0
+        """A drafter proposes (extract_hidden_states serves without speculation)."""
+        return self.method not in ("none", EXTRACT_HIDDEN_STATES) and self.num_speculative_tokens > 0
+
+    @property
+    def extract_dir(self) -> str | None:
+        return self.output_dir if self.method == EXTRACT_HIDDEN_STATES else None
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig:

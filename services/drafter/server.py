@@ -35,7 +35,7 @@ async def serve(
     num_speculative_tokens: int = 5,
     vocab_size: int | None = None,
     tokenizer_fingerprint: str | None = None,
-    needs_hidden_states: bool = False,
+    needs_hidden_states: bool | None = None,
     credentials: grpc.ServerCredentials | None = None,
     metrics: DrafterMetrics | None = None,
 ) -> tuple[GrpcServer, int]:
@@ -47,8 +47,11 @@ async def serve(
         method=proposer.method,
         vocab_size=declared_vocab_size if vocab_size is None else vocab_size,
         tokenizer_fingerprint=declared_fingerprint if tokenizer_fingerprint is None else tokenizer_fingerprint,
-        needs_hidden_states=needs_hidden_states,
+        needs_hidden_states=bool(getattr(proposer, "needs_hidden_states", False)) if needs_hidden_states is None
+        else needs_hidden_states,
         max_speculative_tokens=num_speculative_tokens,
+        hidden_size=int(getattr(proposer, "hidden_size", 0) or 0),
+        hidden_layers=tuple(getattr(proposer, "hidden_layers", (-1,))),
     )
     servicer = DrafterServicer(proposer, description, metrics)
     server = await start_grpc_server(

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from services.common.drafter_wire import (
     DrafterDescription,
@@ -39,6 +40,17 @@ class LinkState:
 
     link_id: int
     sequences: dict[str, list[int]] = field(default_factory=dict)
+    # The target's hidden states of each sequence's committed tokens but the last, as received (float16 rows);
+    # kept only for a drafter that needs them.
+    hidden: dict[str, list[np.ndarray]] = field(default_factory=dict)
+
+    def hidden_states(self, seq_id: str) -> np.ndarray | None:
+        parts = self.hidden.get(seq_id)
+        if not parts:
+            return None
+        if len(parts) > 1:
+            parts[:] = [np.concatenate(parts)]
+        return parts[0]
 
     def key(self, seq_id: str) -> tuple[int, str]:
         return (self.link_id, seq_id)
@@ -50,6 +62,7 @@ def apply_step(link: LinkState, step: DraftStep) -> tuple[list[SequenceDraft | N
     answers: list[SequenceDraft | None] = []
     dropped: list[str] = []
     for seq_id in step.closed_seq_ids:
+        link.hidden.pop(seq_id, None)
         if link.sequences.pop(seq_id, None) is not None:
             dropped.append(seq_id)
     for update in step.updates:
@@ -58,6 +71,7 @@ def apply_step(link: LinkState, step: DraftStep) -> tuple[list[SequenceDraft | N
             if known is not None:
                 dropped.append(update.seq_id)  # re-opened: the proposer starts afresh
             link.sequences[update.seq_id] = list(update.new_token_ids)
+            link.hidden[update.seq_id] = [] if update.hidden_states is None else [update.hidden_states]
         elif known is None or len(known) != update.base_length:
             if known is not None:
                 del link.sequences[update.seq_id]
@@ -66,6 +80,8 @@ def apply_step(link: LinkState, step: DraftStep) -> tuple[list[SequenceDraft | N
             continue
         else:
             known.extend(update.new_token_ids)
+            if update.hidden_states is not None:
+                link.hidden.setdefault(update.seq_id, []).append(update.hidden_states)
         answers.append(None)
     return answers, dropped
 
@@ -100,6 +116,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             for seq_id in link.sequences:  # the verifier went away: nothing will close these
                 self.proposer.release(link.key(seq_id))
 
+    def _hidden_states(self, link: LinkState, seq_id: str):
+        """A torch [n, H] float32 view of the sequence's states for a drafter that needs them (it has torch)."""
+        if not self.description.needs_hidden_states:
+            return None
+        states = link.hidden_states(seq_id)
+        if states is None:
+            return None
+        import torch
+
+        return torch.from_numpy(states.astype(np.float32))
+
     async def _step(self, link: LinkState, step: DraftStep) -> DraftReply:
         answers, dropped = apply_step(link, step)
         for seq_id in dropped:
@@ -111,7 +138,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             k = update.num_speculative_tokens
             if self.description.max_speculative_tokens:
                 k = min(k, self.description.max_speculative_tokens)
-            inputs.append(DraftInput(link.key(update.seq_id), link.sequences[update.seq_id], k))
+            inputs.append(DraftInput(link.key(update.seq_id), link.sequences[update.seq_id], k,
+                                     self._hidden_states(link, update.seq_id)))
         wanted = [j for j, item in enumerate(inputs) if item.num_speculative_tokens > 0]
         proposed = list(await self.proposer.propose([inputs[j] for j in wanted])) if wanted else []
         if len(proposed) != len(wanted):

@@ -54,7 +54,8 @@ class DraftCollector:
                 groups.setdefault(state.request.speculation.method, []).append((index, k))
 
         async def ask(method: str, members: list[tuple[int, int]]) -> None:
-            inputs = [DraftInput(decode[i].request_id, decode[i].token_ids, k) for i, k in members]
+            inputs = [DraftInput(decode[i].request_id, decode[i].token_ids, k, decode[i].hidden_states())
+                      for i, k in members]
             deadline = self.deadline(method)
             longest = max(k for _, k in members)
             timeout = deadline.for_call(longest)

@@ -49,6 +49,11 @@ class TrackedProposer:
     def method(self) -> str:
         return self.proposer.method
 
+    @property
+    def needs_hidden_states(self) -> bool:
+        """Whether the engine must keep its requests' target hidden states (an EAGLE drafter)."""
+        return self.proposer.needs_hidden_states
+
     async def probe(self) -> None:
         """Ask the drafter's Info once (under its own deadline) and record the outcome; never raises."""
         try:

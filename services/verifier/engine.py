@@ -34,6 +34,7 @@ from services.common.proposer import Proposer
 from services.modeling.runner import ModelRunner
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.engine_config import EngineConfig
+from services.verifier.hidden_state_files import write_request_states
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.random_streams import seed_to_int64
 from services.verifier.request_state import RequestState
@@ -184,6 +185,11 @@ class Engine:
             request=request, seed=seed, token_ids=list(request.prompt_token_ids), outputs=asyncio.Queue(),
             constraint=build_constraint(request.sampling, self.grammars, self.runner.vocab_size),
         )
+        spec = request.speculation
+        if self.config.extract_hidden_states_dir is not None or (
+            spec.enabled and getattr(self.proposers.get(spec.method), "needs_hidden_states", False)
+        ):
+            state.hidden = []  # its drafter (EAGLE) reads the target's hidden states, or they are extracted
         if request.sampling.prompt_logprobs is not None:
             state.prompt_logprobs = []
         elif request.sampling.max_tokens == 0:  # nothing to generate or score: done without a slot or a forward
@@ -286,6 +292,9 @@ class Engine:
         for chunk in prefill:
             if chunk.state.request_id not in failed:
                 chunk.state.num_computed += len(chunk.tokens)
+        for state, states in result.prefill_hidden:
+            if state.request_id not in failed and state.hidden is not None:
+                state.hidden.append(states)
         self._record_prompt_scores(prefill, result, failed)
         for state, error in result.failures:
             self._fail(state, error)
@@ -326,10 +335,25 @@ class Engine:
             if spec.enabled:
                 self.proposers[spec.method].release(state.request_id)
             self._states.pop(state.request_id, None)
+            self._extract(state)
+
+    def _extract(self, state: RequestState) -> None:
+        """extract_hidden_states: the finished request's token ids and states to its file (a write that fails
+        is logged; serving goes on)."""
+        folder = self.config.extract_hidden_states_dir
+        states = state.hidden_states()
+        if folder is None or states is None:
+            return
+        try:
+            write_request_states(folder, state.request_id, state.token_ids, state.num_prompt_tokens, states)
+        except OSError:
+            logger.exception("could not write the hidden states of request %s to %s", state.request_id, folder)
 
     # -- bookkeeping (loop thread) --------------------------------------------------------------------------
     def _commit(self, row: SampledRow) -> None:
         state = row.state
+        if row.hidden is not None and state.hidden is not None:
+            state.hidden.append(row.hidden)
         if row.num_draft:
             state.num_computed = len(state.token_ids) + row.num_accepted
             state.spec.num_drafts += 1

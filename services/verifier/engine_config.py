@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class EngineConfig:
     # Time a few verify shapes at start-up so the first steps already know what width costs (step_cost.py);
     # without it the planner learns costs from the steps it runs, starting at full K.
     profile_step_cost: bool = True
+    # extract_hidden_states: write every finished request's token ids and target hidden states here
+    # (hidden_state_files.py); None: off.
+    extract_hidden_states_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -23,6 +23,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from services.common.drafter_wire import (
     DrafterDescription,
@@ -32,6 +33,7 @@ from services.common.drafter_wire import (
     description_from_proto,
     drafter_pb2,
     drafter_pb2_grpc,
+    new_hidden_rows,
     new_tokens,
     reply_from_proto,
     step_to_proto,
@@ -60,6 +62,7 @@ class RemoteProposerConfig:
     target: str  # "host:port"
     vocab_size: int  # the verifier's (target model's) vocabulary size
     tokenizer_fingerprint: str = ""  # the verifier's; compared when both sides have one
+    hidden_size: int = 0  # the target's hidden size, for drafters that read its states (0: unknown, not checked)
     info_timeout_s: float = 2.0
     # Its own wait for a step's answer; None: none, the caller's deadline cancels the call (the verifier engine's,
     # which follows what the drafter's calls take: draft_deadline.py).
@@ -75,10 +78,25 @@ class RemoteProposerConfig:
 def check_compatible(info: DrafterDescription, config: RemoteProposerConfig) -> None:
     why = vocabulary_mismatch((info.vocab_size, info.tokenizer_fingerprint),
                               (config.vocab_size, config.tokenizer_fingerprint))
+    if why is None and info.needs_hidden_states:
+        why = hidden_states_mismatch(info, config.hidden_size)
     if why is not None:
         raise IncompatibleDrafterError(
             f"drafter at {config.target} ({info.method}) {why}; refusing it (use a drafter built for this model)"
         )
+
+
+SERVED_HIDDEN_LAYERS = (-1,)  # the target states the engine keeps: its final, normed layer
+
+
+def hidden_states_mismatch(info: DrafterDescription, hidden_size: int) -> str | None:
+    """Why this verifier cannot feed a drafter that reads the target's hidden states, or None."""
+    if tuple(info.hidden_layers) != SERVED_HIDDEN_LAYERS:
+        return (f"reads target layers {list(info.hidden_layers)}, but this verifier serves only the final layer "
+                f"({list(SERVED_HIDDEN_LAYERS)})")
+    if hidden_size and info.hidden_size and info.hidden_size != hidden_size:
+        return f"was built for target states of width {info.hidden_size}, but the target's are {hidden_size} wide"
+    return None
 
 
 @dataclass
@@ -115,6 +133,7 @@ class RemoteProposer:
     def __init__(self, config: RemoteProposerConfig, method: str = "remote") -> None:
         self.config = config
         self.method = method  # replaced by the drafter's own method once Info has answered
+        self.needs_hidden_states = False  # likewise (an EAGLE drafter reads the target's hidden states)
         self._channel: grpc.aio.Channel | None = None
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
@@ -136,6 +155,7 @@ class RemoteProposer:
         described = description_from_proto(message)
         check_compatible(described, self.config)
         self.method = described.method
+        self.needs_hidden_states = described.needs_hidden_states  # the engine then keeps its requests' states
         self._retry_at = 0.0  # it answers and fits: no reason to keep backing off
         return described
 
@@ -220,7 +240,11 @@ class RemoteProposer:
             if base > len(committed):
                 base = 0  # cannot happen with an append-only engine; re-open rather than send garbage
             k = min(item.num_speculative_tokens, max_k) if max_k else item.num_speculative_tokens
-            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), k))
+            hidden = None
+            if link.info.needs_hidden_states and item.hidden_states is not None:
+                states = item.hidden_states.detach().to("cpu", torch.float16).numpy()
+                hidden = new_hidden_rows(states, base, len(committed))
+            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), k, hidden))
         step = DraftStep(link.next_step_id, tuple(updates), tuple(link.closed))
         link.next_step_id += 1
         try:

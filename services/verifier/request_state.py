@@ -31,6 +31,17 @@ class RequestState:
     prompt_logprobs: list[TokenLogprob] | None = None
     # The request's grammar and logit bias (structured_output.py); None when it has neither.
     constraint: OutputConstraint | None = None
+    # The target's hidden states of committed tokens, in order, when a proposer needs them (chunks of [n, H]);
+    # None when none does.
+    hidden: list[torch.Tensor] | None = None
+
+    def hidden_states(self) -> torch.Tensor | None:
+        """[n, H]: rows for token_ids[:n] (every committed token the target has run on), or None."""
+        if not self.hidden:
+            return None
+        if len(self.hidden) > 1:
+            self.hidden = [torch.cat(self.hidden)]
+        return self.hidden[0]
 
     @property
     def request_id(self) -> str:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -70,6 +71,17 @@ class RunningVerifier:
             self.metrics.stop()
 
 
+def extract_dir(settings: VerifierSettings) -> Path | None:
+    """extract_hidden_states' folder, created now so that a bad path stops start-up, not a request."""
+    folder = settings.speculation.extract_dir
+    if folder is None:
+        return None
+    path = Path(folder).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    logger.info("extract_hidden_states: every request's token ids and hidden states go to %s", path)
+    return path
+
+
 def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]) -> DefaultSpeculation:
     """The configured method when a drafter of that name is attached; with no --speculative-config, the only
     attached drafter; otherwise off. Never an error: speculation is an optimisation, the verifier still serves."""
@@ -92,7 +104,7 @@ def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]
 
 
 async def _attach_drafters(
-    settings: VerifierSettings, vocab_size: int, fingerprint: str, model_id: str, metrics
+    settings: VerifierSettings, vocab_size: int, fingerprint: str, model_id: str, metrics, hidden_size: int = 0
 ) -> list[TrackedProposer]:
     """One RemoteProposer per --drafter. An unreachable drafter is only a warning (it may start later; its
     requests run with K = 0 until then); one that refuses this model's vocabulary stops startup."""
@@ -101,7 +113,8 @@ async def _attach_drafters(
     for name, address in settings.drafter_targets.items():
         config = RemoteProposerConfig(
             # no deadline of its own: the engine's (draft_deadline.py) cancels a late call
-            address, vocab_size, fingerprint, step_timeout_s=None, channel_credentials=credentials
+            address, vocab_size, fingerprint, hidden_size=hidden_size, step_timeout_s=None,
+            channel_credentials=credentials,
         )
         tracked = TrackedProposer(name, RemoteProposer(config), metrics.observe_round_trip(model_id, name))
         await tracked.probe()
@@ -134,7 +147,8 @@ async def start_verifier(
     max_model_len = resolve_max_model_len(model, settings.max_model_len)
     metrics = create_metrics()
     runner = runner or create_runner(model, settings.max_num_seqs, max_model_len)
-    drafters = await _attach_drafters(settings, runner.vocab_size, tokenizer_fingerprint, model_id, metrics)
+    drafters = await _attach_drafters(settings, runner.vocab_size, tokenizer_fingerprint, model_id, metrics,
+                                      int(getattr(model.config, "hidden_size", 0) or 0))
     default = default_speculation(settings, [d.name for d in drafters])
     engine = Engine(
         TimedRunner(runner, metrics.forward_seconds, model_id),
@@ -145,6 +159,7 @@ async def start_verifier(
             max_draft_timeout_s=settings.max_draft_timeout_s,
             log_stats_interval_s=settings.log_stats_interval_s,
             adaptive_speculation=settings.adaptive_speculation,
+            extract_hidden_states_dir=extract_dir(settings),
         ),
         {d.name: d for d in drafters},
         eos_token_ids,

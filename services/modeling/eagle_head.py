@@ -1,0 +1,180 @@
+"""An EAGLE-1 head for a llama-family target: one decoder layer over [token embedding; target feature].
+
+At position t the head reads the embedding of token x_{t+1} and the target's feature f_t (its final, normed
+hidden state at t, what the runners return as `hidden_states`) and predicts f_{t+1}; the target's own LM head turns
+that into a draft of x_{t+2}. Drafting a chain feeds the head its own prediction as the next feature.
+
+The target's embedding and LM head are shared, never copied into the head (they are most of a small model's
+weights). The layer is written out (RMSNorm, RoPE, grouped-query attention, SwiGLU) rather than taken from
+transformers because training unrolls it over several drafting steps whose keys mix (`unrolled`), which needs
+an attention it controls. `step` runs it incrementally with a per-sequence KV cache, as a drafter would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "eagle_config.json"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    target: str = ""  # the target model it was trained for (a --model spec)
+
+    @staticmethod
+    def for_target(config, target: str = "") -> EagleConfig:
+        theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get(
+            "rope_theta", 10000.0)
+        return EagleConfig(config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                           config.num_key_value_heads, config.rms_norm_eps, float(theta), config.vocab_size, target)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE (the llama half-split convention) on [..., T, D] at integer positions [T]."""
+    dim = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
+    angles = positions.float()[:, None] * inv[None, :]  # [T, D/2]
+    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, d = config.hidden_size, config.head_dim
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.input_norm = RMSNorm(h, config.rms_norm_eps)
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+        self.post_norm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    # -- pieces ----------------------------------------------------------------------------------------------
+    def _inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([embeddings, features], dim=-1))  # [B, T, H]
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, heads, T, D] queries, keys and values of the (normed) inputs at `positions`."""
+        c = self.config
+        b, t, _ = x.shape
+        normed = self.input_norm(x)
+        q = self.q_proj(normed).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(normed).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(normed).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta), v
+
+    def _expand(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv.repeat_interleave(self.config.num_attention_heads // self.config.num_key_value_heads, dim=1)
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = attended.shape
+        hidden = x + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
+        normed = self.post_norm(hidden)
+        return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+    # -- whole sequences ---------------------------------------------------------------------------------------
+    def forward(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Causal pass over [B, T] positions: embeddings of x_{t+1} [B, T, H], features f_t [B, T, H] -> [B, T, H]."""
+        return self.unrolled(embeddings, features, 1)[0]
+
+    def unrolled(self, embeddings: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test: outputs of drafting steps 1..`steps` at every position, each with the inputs and
+        the attention context a drafter has at that step. Step 1 reads the target's features f_t; step j > 1
+        reads the head's own step j-1 output at t-1 (position 0 keeps f_0: no chain reaches it). A query at
+        position t in step j reads key position s from step 1 when t - s >= j - 1 (committed context, target
+        features) and from step j - (t - s) otherwise (the drafts of this chain)."""
+        k_steps, v_steps, outputs = [], [], []
+        length = embeddings.shape[1]
+        positions = torch.arange(length, device=embeddings.device)
+        distance = positions[:, None] - positions[None, :]  # [T, T] t - s
+        for j in range(1, steps + 1):
+            if j > 1:
+                features = torch.cat([features[:, :1], outputs[-1][:, :-1]], dim=1)
+            x = self._inputs(embeddings, features)
+            q, k, v = self._qkv(x, positions)
+            k_steps.append(self._expand(k))
+            v_steps.append(self._expand(v))
+            scores, values = [], []
+            for i in range(1, j + 1):
+                own = (distance == j - i) if i > 1 else (distance >= j - 1)
+                allowed = own & (distance >= 0)
+                s = (q @ k_steps[i - 1].transpose(-1, -2)) / math.sqrt(self.config.head_dim)  # [B, Hq, T, T]
+                scores.append(s.masked_fill(~allowed, float("-inf")))
+                values.append(v_steps[i - 1])
+            weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # [B, Hq, T, i*T]
+            attended = weights @ torch.cat(values, dim=2)
+            outputs.append(self._finish(x, attended))
+        return outputs
+
+    # -- incremental (a drafter) -------------------------------------------------------------------------------
+    def step(self, embeddings: torch.Tensor, features: torch.Tensor, start: int,
+             cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Feed positions start..start+T-1 of one sequence batch ([B, T, H] each) after `cache` (keys and values of
+        positions 0..start-1, or None); returns the outputs and the grown cache."""
+        x = self._inputs(embeddings, features)
+        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        q, k, v = self._qkv(x, positions)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        total = k.shape[2]
+        keys = torch.arange(total, device=x.device)
+        allowed = keys[None, :] <= positions[:, None]  # [T, total]
+        s = (q @ self._expand(k).transpose(-1, -2)) / math.sqrt(self.config.head_dim)
+        attended = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ self._expand(v)
+        return self._finish(x, attended), (k, v)
+
+    # -- files -------------------------------------------------------------------------------------------------
+    def save(self, folder: Path, extra: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({name: p.detach().to(torch.float16).contiguous() for name, p in self.state_dict().items()},
+                  str(folder / WEIGHTS_FILE))
+        (folder / CONFIG_FILE).write_text(json.dumps({**asdict(self.config), **(extra or {})}, indent=2) + "\n")
+
+    @staticmethod
+    def load(folder: Path, dtype: torch.dtype = torch.float32) -> EagleHead:
+        from safetensors.torch import load_file
+
+        fields = json.loads((folder / CONFIG_FILE).read_text())
+        config = EagleConfig(**{k: fields[k] for k in EagleConfig.__dataclass_fields__})
+        head = EagleHead(config)
+        head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(folder / WEIGHTS_FILE)).items()})
+        return head.to(dtype).eval()

@@ -1,0 +1,105 @@
+"""The EAGLE drafter as a real gRPC service (a tiny random target and a tiny random head): it receives the
+target's hidden states, drafts, and the output is lossless — greedy output identical to speculation off, and
+sampled output distributed as the target's (chi-square on the first tokens, as the engine distribution test)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.drafter.methods.eagle import EagleProposer
+from services.drafter.server import serve
+from services.modeling.eagle_head import EagleConfig, EagleHead
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.engine_harness import run_schedule
+from tests.stats import ALPHA, chi_square_p_value, reference_processed, total_variation
+from tests.tiny_models import tiny_llama
+
+V = 12
+PROMPT = (1, 5, 2, 7, 1, 5)
+
+
+def eagle_for(target) -> EagleProposer:
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target.config)).eval()
+    return EagleProposer(head, target.get_input_embeddings(), target.get_output_embeddings(), V)
+
+
+async def with_eagle(target, run):
+    server, port = await serve(eagle_for(target), "127.0.0.1", 0, num_speculative_tokens=3)
+    remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", V, step_timeout_s=None))
+    assert remote.method == "eagle" and remote.needs_hidden_states
+    try:
+        return await run(remote)
+    finally:
+        await remote.close()
+        await server.server.stop(0)
+
+
+def engine(target, proposers, slots: int = 8) -> Engine:
+    return Engine(LlamaFamilyRunner(target, max_num_seqs=slots, max_model_len=64),
+                  EngineConfig(max_num_batched_tokens=4096, max_waiting_requests=4000, log_stats_interval_s=0,
+                               adaptive_speculation=False, draft_timeout_s=5.0),
+                  proposers)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=21, vocab_size=V)
+
+
+async def test_greedy_output_is_identical_with_the_eagle_drafter(target):
+    prompts = [PROMPT, (3, 3, 4, 4, 5, 5, 6), tuple(range(1, 12))]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = await run_schedule(engine(target, {}), {0: [GenerationRequest(f"r{i}", p, params)
+                                                        for i, p in enumerate(prompts)]})
+
+    async def run(remote):
+        e = engine(target, {"eagle": remote})
+        spec = SpeculationParams("eagle", 3)
+        results = await run_schedule(e, {0: [GenerationRequest(f"r{i}", p, params, spec)
+                                             for i, p in enumerate(prompts)]})
+        return results, e.stats
+
+    results, stats = await with_eagle(target, run)
+    for i in range(len(prompts)):
+        assert results[f"r{i}"].tokens == plain[f"r{i}"].tokens
+    assert stats.num_draft_tokens > 0 and stats.num_fallbacks == 0
+
+
+def exact_joint(model, params: SamplingParams) -> np.ndarray:
+    with torch.inference_mode():
+        p1 = reference_processed(model(input_ids=torch.tensor([PROMPT])).logits[0, -1].numpy(), params)
+        one = model(input_ids=torch.tensor([PROMPT + (a,) for a in range(V)])).logits[:, -1].numpy()
+        two = model(input_ids=torch.tensor([PROMPT + (a, b) for a in range(V) for b in range(V)])).logits[:, -1]
+        two = two.numpy().reshape(V, V, V)
+    joint = np.zeros((V, V))
+    for a in range(V):
+        p2 = reference_processed(one[a], params)
+        for b in range(V):
+            joint[b] += p1[a] * p2[b] * reference_processed(two[a, b], params)
+    return joint
+
+
+async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target):
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    samples = 2000
+
+    async def run(remote):
+        e = engine(target, {"eagle": remote}, slots=200)
+        requests = [GenerationRequest(f"s{i}", PROMPT, SamplingParams(**{**params.__dict__, "seed": 7000 + i}),
+                                      SpeculationParams("eagle", 2)) for i in range(samples)]
+        return await run_schedule(e, {0: requests}), e.stats
+
+    results, stats = await with_eagle(target, run)
+    joint = np.zeros((V, V))
+    for result in results.values():
+        joint[result.tokens[1], result.tokens[2]] += 1
+    assert stats.num_drafts > 0
+    expected = exact_joint(target, params)
+    assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)

@@ -1,0 +1,114 @@
+"""Hidden states over the gRPC link: a drafter that declares needs_hidden_states receives, for every committed
+token but the last, the target's own final hidden state (float16 on the wire), across partial acceptance and
+bonus tokens; a drafter that does not declare it receives none (no bytes on the link)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Sequence
+
+import pytest
+import torch
+
+from services.common.proposer import Draft, DraftInput
+from services.drafter.server import serve
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.engine_harness import run_schedule
+from tests.tiny_models import VOCAB, tiny_llama
+
+
+class RecordingDrafter:
+    """Drafts a prefix of the target's continuation then noise; records what it was given."""
+
+    method = "recorder"
+
+    def __init__(self, continuation: dict[str, list[int]]) -> None:
+        self.continuation = continuation
+        self.seen: list[tuple[str, list[int], torch.Tensor | None]] = []
+        self.rng = random.Random(1)
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        drafts = []
+        for item in inputs:
+            seq = str(item.seq_id[1])  # (link id, verifier seq id)
+            self.seen.append((seq, list(item.token_ids), item.hidden_states))
+            truth = self.continuation[seq][len(item.token_ids):][: item.num_speculative_tokens]
+            cut = self.rng.randint(0, len(truth))
+            drafts.append(Draft(truth[:cut] + [self.rng.randrange(VOCAB) for _ in range(len(truth) - cut)]))
+        return drafts
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
+@pytest.mark.parametrize("needs", [True, False])
+async def test_the_drafter_receives_the_targets_hidden_states(needs):
+    model = tiny_llama(seed=5)
+    prompts = {"a": list(range(3, 30)), "b": [7, 8, 9, 10, 11]}
+    with torch.no_grad():
+        continuation = {rid: model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
+                                            min_new_tokens=20)[0].tolist() for rid, p in prompts.items()}
+    drafter = RecordingDrafter(continuation)
+    server, port = await serve(drafter, "127.0.0.1", 0, num_speculative_tokens=4, needs_hidden_states=needs)
+    remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, step_timeout_s=None))
+    try:
+        engine = Engine(LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128),
+                        EngineConfig(max_num_batched_tokens=16, log_stats_interval_s=0, adaptive_speculation=False,
+                                     draft_timeout_s=2.0),
+                        {"recorder": remote})
+        requests = [GenerationRequest(rid, tuple(p), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                                      SpeculationParams("recorder", 4)) for rid, p in prompts.items()]
+        results = await run_schedule(engine, {0: requests})
+    finally:
+        await remote.close()
+        await server.server.stop(0)
+    for rid, prompt in prompts.items():
+        assert prompt + results[rid].tokens == continuation[rid]
+    assert drafter.seen and engine.stats.num_fallbacks == 0
+    if not needs:
+        assert all(states is None for _, _, states in drafter.seen)
+        return
+    with torch.no_grad():
+        truth = {rid: model(input_ids=torch.tensor([c]), output_hidden_states=True).hidden_states[-1][0]
+                 for rid, c in continuation.items()}
+    for seq, token_ids, states in drafter.seen:
+        assert states is not None and states.shape[0] == len(token_ids) - 1, (seq, len(token_ids))
+        assert torch.allclose(states, truth[seq][: states.shape[0]], atol=2e-2, rtol=1e-2)  # float16 on the wire
+    assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
+
+
+class DeclaringDrafter:
+    method = "picky"
+    needs_hidden_states = True
+
+    def __init__(self, hidden_size: int, hidden_layers: tuple[int, ...]) -> None:
+        self.hidden_size, self.hidden_layers = hidden_size, hidden_layers
+
+    async def propose(self, inputs):
+        return [Draft([]) for _ in inputs]
+
+    def release(self, seq_id) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("width", "layers", "refused"), [
+    (64, (-1,), None), (128, (-1,), "width 128"), (64, (-1, 3, 7), r"layers \[-1, 3, 7\]")])
+async def test_a_verifier_refuses_a_drafter_whose_states_it_cannot_serve(width, layers, refused):
+    from services.verifier.remote_proposer import IncompatibleDrafterError
+
+    server, port = await serve(DeclaringDrafter(width, layers), "127.0.0.1", 0)
+    config = RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, hidden_size=64)  # the tiny models' width
+    try:
+        if refused is None:
+            remote = await RemoteProposer.connect(config)
+            assert remote.needs_hidden_states
+            await remote.close()
+        else:
+            with pytest.raises(IncompatibleDrafterError, match=refused):
+                await RemoteProposer.connect(config)
+    finally:
+        await server.server.stop(0)

@@ -1,0 +1,78 @@
+"""The target's hidden states a drafter that needs them (EAGLE) receives: for every committed token the target
+has run on, exactly transformers' own final hidden state (`output_hidden_states`, after the final norm), row i
+for token i, across chunked prefill, partial acceptance, bonus tokens and rows of different lengths; the last
+committed token (the bonus) has none yet. Drafters that do not ask get none."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Sequence
+
+import pytest
+import torch
+
+from services.common.proposer import Draft, DraftInput
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.engine_harness import run_schedule
+from tests.tiny_models import tiny_llama
+
+
+class RecordingProposer:
+    """Drafts the target's own continuation half the time (accepted) and noise otherwise (rejected), so rows
+    accept every number of drafts; records every DraftInput."""
+
+    method = "recorder"
+
+    def __init__(self, needs: bool, continuation: dict[Hashable, list[int]], seed: int = 0) -> None:
+        self.needs_hidden_states = needs
+        self.continuation = continuation
+        self.seen: list[tuple[Hashable, list[int], torch.Tensor | None]] = []  # token_ids is live: copied
+        self.rng = random.Random(seed)
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        self.seen += [(item.seq_id, list(item.token_ids), item.hidden_states) for item in inputs]
+        drafts = []
+        for item in inputs:
+            truth = self.continuation[item.seq_id][len(item.token_ids):][: item.num_speculative_tokens]
+            cut = self.rng.randint(0, len(truth))
+            drafts.append(Draft(truth[:cut] + [self.rng.randrange(96) for _ in range(len(truth) - cut)]))
+        return drafts
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
+@pytest.mark.parametrize("needs", [True, False])
+async def test_drafters_receive_the_targets_own_hidden_states(needs):
+    model = tiny_llama(seed=5)
+    prompts = {"a": list(range(3, 40)), "b": [7, 8, 9, 10, 11], "c": list(range(50, 20, -1))}
+    continuation = {}
+    with torch.no_grad():
+        for rid, prompt in prompts.items():
+            continuation[rid] = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                               min_new_tokens=24)[0].tolist()
+    proposer = RecordingProposer(needs, continuation)
+    engine = Engine(LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128),
+                    EngineConfig(max_num_batched_tokens=16, log_stats_interval_s=0, adaptive_speculation=False),
+                    {"recorder": proposer})
+    requests = [GenerationRequest(rid, tuple(p), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                  SpeculationParams("recorder", 4)) for rid, p in prompts.items()]
+    results = await run_schedule(engine, {0: requests})
+    for rid, prompt in prompts.items():
+        assert prompt + results[rid].tokens == continuation[rid]  # greedy, whatever was drafted
+    assert proposer.seen
+    if not needs:
+        assert all(states is None for _, _, states in proposer.seen)
+        return
+    with torch.no_grad():
+        truth = {rid: model(input_ids=torch.tensor([c]), output_hidden_states=True).hidden_states[-1][0]
+                 for rid, c in continuation.items()}
+    for seq_id, token_ids, states in proposer.seen:
+        assert states is not None and states.shape[0] == len(token_ids) - 1
+        assert torch.allclose(states, truth[seq_id][: states.shape[0]], atol=1e-4)
+    stats = engine.stats
+    accepted = stats.num_accepted_tokens
+    assert 0 < accepted < stats.num_draft_tokens  # partial acceptance really happened
