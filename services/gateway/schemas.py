@@ -118,8 +118,8 @@ class SamplingFields(OutputConstraintFields):
         if len(value) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
         for key, bias in value.items():
-            if not key.strip().isdigit():
-                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not key.strip().isdigit() or int(key) >= 2**32:  # the wire's ids are uint32
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key[:40]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return value

@@ -74,6 +74,8 @@ async def test_logit_bias_reaches_the_verifier(client, verifier):
     ({"service_tier": "flex"}, "service_tier"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"4294967296": 1}}, "logit_bias"),  # past uint32: was a 500 (protobuf refused the key)
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex, guided_choice"),
