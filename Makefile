@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test bench bench-sweep bench-grammar bench-draft-model soak fetch-model clean
+.PHONY: install proto run test bench bench-sweep bench-grammar bench-draft-model bench-eagle eagle-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -50,7 +50,13 @@ bench: fetch-model
 	$(BIN)/specserve bench --model $(MODEL)
 	$(MAKE) bench-sweep
 	$(MAKE) bench-grammar
+	$(MAKE) bench-eagle
 	$(MAKE) bench-draft-model
+
+# The shipped EAGLE head on held-out ShareGPT prompts: no speculation, ngram K=4, eagle at K = 1..5 and adaptive, at
+# 1 and 4 requests, both drafters as gRPC processes; exit 1 if a speculative output differs (EAGLE_BENCH_ARGS).
+bench-eagle: fetch-model
+	$(BIN)/python -m services.bench.eagle_bench --model $(MODEL) $(EAGLE_BENCH_ARGS)
 
 # JSON-schema requests with ngram speculation vs without (tok/s, acceptance; exit 1 if outputs differ), the grammar
 # mask's cost per verify step and the share of tokens the grammar forces.
@@ -72,6 +78,20 @@ bench-draft-model: install
 	$(BIN)/specserve fetch $(DRAFT_MODEL)
 	$(BIN)/python -m services.bench.draft_model_pair --target $(DRAFT_TARGET) --draft $(DRAFT_MODEL) \
 	  $(DRAFT_MODEL_BENCH_ARGS)
+
+# Reproduce the shipped EAGLE head (services/modeling/eagle_heads/$(MODEL)/): the target answers EAGLE_PROMPTS
+# ShareGPT prompts (extract_hidden_states), the head trains on them, its held-out acceptance is measured, and the
+# head is copied into the package. Resumable (run it again after an interruption); about 1.5 h on a 2-core CPU.
+EAGLE_OUT ?= $(HOME)/.cache/specserve/eagle-train
+EAGLE_PROMPTS ?= 2600
+EAGLE_PASSES ?= 3
+eagle-head: fetch-model
+	$(BIN)/python -m pip install -q -e '.[train]'
+	$(BIN)/specserve train-eagle --model $(MODEL) --out $(EAGLE_OUT) --prompts $(EAGLE_PROMPTS) \
+	  --passes $(EAGLE_PASSES) --eval-prompts 20
+	mkdir -p services/modeling/eagle_heads/$(MODEL)
+	cp $(EAGLE_OUT)/head/model.safetensors $(EAGLE_OUT)/head/eagle_config.json $(EAGLE_OUT)/head/evaluation.json \
+	  services/modeling/eagle_heads/$(MODEL)/
 
 # `specserve serve` on free ports under saturating mixed traffic (SOAK_ARGS, e.g. --duration-s 60); exit 1 when a
 # target is missed (failures other than clean 503s, requests left running, memory growth >= 5% after warm-up).

@@ -93,10 +93,21 @@ def _given_engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def with_shipped_head(spec: SpeculativeConfig, target: str | None) -> SpeculativeConfig:
+    """eagle without a model drafts with the head that ships for the served target; a target with none is a
+    usage error now, before any process starts."""
+    if spec.method != "eagle" or spec.model:
+        return spec
+    from services.modeling.eagle_heads import shipped_head
+
+    return spec.model_copy(update={"model": str(shipped_head(target))})
+
+
 def plan(args: argparse.Namespace) -> list[Child]:
     """The three commands, in start order."""
     python = [sys.executable, "-m", "services.cli"]
-    spec = SpeculativeConfig.parse(args.speculative_config or default_serve_speculation())
+    spec = with_shipped_head(SpeculativeConfig.parse(args.speculative_config or default_serve_speculation()),
+                             args.model)
     tls = TlsFlags.from_args(args)
     children = []
     verifier = [

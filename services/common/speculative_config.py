@@ -19,7 +19,8 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: int = Field(4, ge=1)
     # draft_model / eagle: vLLM's `model` (the draft model) and `max_model_len` (its positions per sequence;
     # None: the model's context, capped as for the target); the rest are specserve's, named like vLLM's
-    # draft_tensor_parallel_size: where the draft model runs and how many sequences keep a KV slot in it
+    # draft_tensor_parallel_size: where the draft model runs and how many sequences keep a KV slot in it.
+    # eagle without a model: the head that ships for the target (services/modeling/eagle_heads/)
     model: str | None = None
     max_model_len: int | None = Field(None, ge=2)
     draft_device: str = "auto"
@@ -42,7 +43,7 @@ class SpeculativeConfig(BaseModel):
     def _check(self) -> SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
-        if self.method in ("draft_model", "eagle") and not self.model:
+        if self.method == "draft_model" and not self.model:
             raise ValueError(f"method {self.method!r} needs a 'model'")
         if self.method == EXTRACT_HIDDEN_STATES and not self.output_dir:
             raise ValueError(f"method {EXTRACT_HIDDEN_STATES!r} needs an 'output_dir' for its files")

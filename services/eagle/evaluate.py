@@ -26,8 +26,15 @@ class AcceptanceReport:
     def mean_acceptance_length(self) -> float:
         return 1 + self.total_accepted / max(1, self.positions)
 
+    def conditional(self) -> list[float]:
+        return [a / max(1, r) for a, r in zip(self.accepted_at, self.reached, strict=True)]
+
+    def as_dict(self) -> dict:
+        return {"k": self.k, "positions": self.positions, "mean_acceptance_length": self.mean_acceptance_length,
+                "conditional_acceptance_per_position": self.conditional()}
+
     def __str__(self) -> str:
-        conditional = ", ".join(f"{a / max(1, r):.2f}" for a, r in zip(self.accepted_at, self.reached, strict=True))
+        conditional = ", ".join(f"{c:.2f}" for c in self.conditional())
         return (f"K={self.k}: mean acceptance length {self.mean_acceptance_length:.3f} over {self.positions} "
                 f"positions; conditional acceptance per draft position: {conditional}")
 
@@ -45,6 +52,7 @@ def leading_matches(drafts: list[int], truth: list[int]) -> int:
 def chain_acceptance(head: EagleHead, embed, lm_head, ids: list[int], features: torch.Tensor, start: int,
                      k: int, report: AcceptanceReport) -> None:
     """Every position n >= start of `ids` (the target's greedy text; features [1, T, H] its own) drafts K."""
+    lm_weight = head.draft_weight(lm_head.weight)
     emb = embed(torch.tensor([ids]))
     _, cache = head.step(emb[:, 1:start], features[:, : start - 1], 0, None)  # committed context before start
     for n in range(start, len(ids) - k):
@@ -53,7 +61,7 @@ def chain_acceptance(head: EagleHead, embed, lm_head, ids: list[int], features: 
         token_emb = emb[:, n : n + 1]
         for j in range(k):
             out, chain_cache = head.step(token_emb, feature, n - 1 + j, chain_cache)
-            token = int(lm_head(out[:, -1]).argmax(-1))
+            token = int(head.token_ids((out[:, -1] @ lm_weight.T).argmax(-1)))
             drafts.append(token)
             token_emb, feature = embed(torch.tensor([[token]])), out
         matched = leading_matches(drafts, ids[n + 1 : n + 1 + k])

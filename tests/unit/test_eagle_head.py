@@ -44,3 +44,33 @@ def test_step_one_is_the_plain_causal_forward_and_save_load(tmp_path):
         model.save(tmp_path, {"steps_trained": 3})
         loaded = EagleHead.load(tmp_path)
         assert torch.allclose(loaded(emb, feats), whole, atol=2e-2)  # fp16 on disk
+
+
+def test_a_batched_chain_step_equals_each_sequence_on_its_own():
+    """step_rows (the drafter's chains batched across sequences, caches padded to one length) gives each row what
+    `step` gives that sequence alone, at its own position, whatever the other rows' lengths."""
+    model = head()
+    lengths = [5, 0, 2]
+    caches, singles = [], []
+    with torch.no_grad():
+        for length in lengths:
+            if length:
+                _, cache = model.step(torch.randn(1, length, 32), torch.randn(1, length, 32), 0, None)
+            else:
+                cache = (torch.zeros(1, 2, 0, 8), torch.zeros(1, 2, 0, 8))
+            caches.append(cache)
+        emb, feats = torch.randn(2, 3, 1, 32), torch.randn(3, 1, 32)  # [chain step, row, 1, H]
+        for b, length in enumerate(lengths):  # two chain steps alone
+            out, cache = model.step(emb[0, b : b + 1], feats[b : b + 1], length, caches[b] if length else None)
+            out2, _ = model.step(emb[1, b : b + 1], out, length + 1, cache)
+            singles.append((out[0], out2[0]))
+        width = max(lengths)
+        keys, values = torch.zeros(3, 2, width, 8), torch.zeros(3, 2, width, 8)
+        for b, (k, v) in enumerate(caches):
+            keys[b, :, : k.shape[2]], values[b, :, : v.shape[2]] = k[0], v[0]
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        positions = torch.tensor(lengths)
+        out, cache, mask = model.step_rows(emb[0], feats, positions, (keys, values), mask)
+        out2, _, _ = model.step_rows(emb[1], out, positions + 1, cache, mask)
+    for b in range(3):
+        assert torch.allclose(out[b], singles[b][0], atol=1e-5) and torch.allclose(out2[b], singles[b][1], atol=1e-5)

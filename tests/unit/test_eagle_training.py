@@ -4,13 +4,14 @@ steps lower the loss, and the acceptance count is vLLM's (1 + leading accepted d
 from __future__ import annotations
 
 import io
+from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 
 from services.eagle.evaluate import AcceptanceReport, chain_acceptance, leading_matches
 from services.eagle.sharegpt import conversations, is_held_out, iter_records
-from services.eagle.train import TrainSettings, step_losses
+from services.eagle.extract import Example
+from services.eagle.train import TrainSettings, draft_vocabulary, reachable, step_losses
 from services.modeling.eagle_head import EagleConfig, EagleHead
 from tests.tiny_models import tiny_llama
 
@@ -37,17 +38,44 @@ def test_training_steps_lower_the_loss():
     ids = torch.randint(0, 96, (1, 40))
     with torch.no_grad():
         features = target.model(input_ids=ids).last_hidden_state
-        logp = F.log_softmax(target.lm_head(features), dim=-1)
     settings = TrainSettings(steps=3)
     history = []
     for _ in range(30):
-        losses = step_losses(head, target.get_input_embeddings(), target.lm_head, ids, features, logp, settings)
+        losses = step_losses(head, target.get_input_embeddings(), target.lm_head.weight, ids, features, 10, settings)
         assert len(losses) == 3
         optimizer.zero_grad()
         sum(losses).backward()
         optimizer.step()
         history.append(float(sum(losses)))
     assert history[-1] < 0.9 * history[0]  # soft cross-entropy has the target's entropy as its floor
+
+
+def test_losses_cover_only_the_answer_positions_a_chain_reaches():
+    # a prompt of 10 tokens: the first chain starts at head position 9 (the bonus token after the prefill), so
+    # step j's outputs count from position 8 + j on
+    assert reachable(30, 10, 1).tolist() == list(range(9, 30))
+    assert reachable(30, 10, 3).tolist() == list(range(11, 30))
+    assert reachable(30, 1, 2).tolist() == list(range(1, 30))  # never a position before the chain's step
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens_and_the_end_tokens():
+    examples = [Example(torch.tensor([50, 50, 50, 7, 7, 7, 8, 9]), 3, torch.zeros(7, 4)),
+                Example(torch.tensor([51, 7, 8, 3]), 1, torch.zeros(3, 4))]
+    assert draft_vocabulary(examples, 3, always=[2]).tolist() == [2, 7, 8]  # never the prompts' 50 and 51
+
+
+def test_a_reduced_vocabulary_head_drafts_target_ids_and_keeps_them_through_its_files(tmp_path):
+    target = tiny_llama(seed=3)
+    config = EagleConfig(**{**asdict(EagleConfig.for_target(target.config)), "draft_vocab_size": 5})
+    head = EagleHead(config)
+    head.draft_vocab.copy_(torch.tensor([3, 10, 20, 40, 90]))
+    weight = head.draft_weight(target.lm_head.weight)
+    assert torch.equal(weight[2], target.lm_head.weight[20])
+    assert head.token_ids(torch.tensor([0, 4])).tolist() == [3, 90]
+    head.save(tmp_path)
+    loaded = EagleHead.load(tmp_path)
+    assert loaded.draft_vocab.dtype == torch.long and loaded.draft_vocab.tolist() == [3, 10, 20, 40, 90]
+    assert torch.allclose(loaded.fc.weight, head.fc.weight.half().float())
 
 
 def test_acceptance_counts_leading_matches_as_serving_does():

@@ -74,6 +74,21 @@ def test_the_drafter_gets_the_whole_speculative_config_so_any_methods_options_re
     assert flag(verifier.argv, "--drafter").startswith("suffix=")
 
 
+def test_eagle_without_a_model_drafts_with_the_head_that_ships_for_the_target():
+    from services.modeling.eagle_heads import shipped_head
+
+    drafter, verifier, _ = launcher.plan(parse("--speculative-config", '{"method": "eagle", "num_speculative_tokens": 4}'))
+    sent = json.loads(flag(drafter.argv, "--speculative-config"))
+    assert sent["model"] == str(shipped_head("smollm2-135m-instruct"))
+    assert (Path(sent["model"]) / "model.safetensors").is_file() and (Path(sent["model"]) / "README.md").is_file()
+    assert json.loads(flag(verifier.argv, "--speculative-config")) == sent
+    with pytest.raises(ValueError, match="no EAGLE head ships for target 'qwen2.5-coder-1.5b-instruct'.*train-eagle"):
+        launcher.plan(parse("--model", "qwen2.5-coder-1.5b-instruct", "--speculative-config", '{"method": "eagle"}'))
+    given = '{"method": "eagle", "model": "/heads/mine"}'  # a head of the user's own is left alone
+    drafter, _, _ = launcher.plan(parse("--speculative-config", given))
+    assert json.loads(flag(drafter.argv, "--speculative-config"))["model"] == "/heads/mine"
+
+
 def test_no_speculation_starts_no_drafter():
     children = launcher.plan(parse("--speculative-config", '{"method": "none"}'))
     assert [c.name for c in children] == ["verifier", "gateway"]

@@ -1,11 +1,14 @@
-"""EAGLE speculation (`--method eagle --model HEAD_DIR`): a one-layer head drafts from the target's own hidden
+"""EAGLE speculation (`--method eagle --model HEAD_DIR`; without --model, the head that ships for the default
+target, services/modeling/eagle_heads/): a one-layer head drafts from the target's own hidden
 states, which the verifier sends with the committed tokens (the drafter declares `needs_hidden_states`).
 
 The head (services/modeling/eagle_head.py) shares the target's embedding and LM head, loaded here from the target
 its config names (`target`, a --model spec), so the drafter must run beside a verifier serving that target (the
 vocabulary fingerprint check enforces it). Per sequence the head keeps a KV cache over committed positions; a
 step feeds the positions committed since the last one, then drafts a chain of K by argmax, feeding back its own
-features, from a copy of that cache (drafts never enter it, so nothing needs rolling back).
+features, from a copy of that cache (drafts never enter it, so nothing needs rolling back). The chains of every
+sequence in a step run together, one batched head step per draft position; a head with a reduced draft vocabulary
+scores only those rows of the LM head.
 
 Threads: every tensor operation runs on one worker thread, off the event loop (the drafter keeps answering
 Info and health checks), as the draft-model drafter does; `release` only queues the id.
@@ -51,6 +54,7 @@ class EagleProposer:
     _released: list[Hashable] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compute: Executor | None = None
+    _draft_weight: torch.Tensor | None = None  # the target's LM head rows of the head's draft vocabulary
 
     @property
     def hidden_size(self) -> int:
@@ -73,13 +77,22 @@ class EagleProposer:
             released, self._released = self._released, []
         for seq_id in released:
             self._sequences.pop(seq_id, None)
-        return [self._draft(item) for item in inputs]
+        rows = [self._catch_up(item) for item in inputs]
+        ready = [(i, row) for i, row in enumerate(rows) if row is not None]
+        drafts = [Draft([]) for _ in inputs]
+        if ready:
+            chains = self._chains([row for _, row in ready])
+            for (i, row), chain in zip(ready, chains, strict=True):
+                drafts[i] = Draft(chain[: row.k])
+        return drafts
 
-    def _draft(self, item: DraftInput) -> Draft:
+    def _catch_up(self, item: DraftInput) -> ChainStart | None:
+        """Feed the sequence's newly committed positions into its cache; where the chain starts, or None when
+        this sequence cannot draft now (no states yet, or K = 0)."""
         tokens, states = item.token_ids, item.hidden_states
         n = len(tokens) - 1  # the last committed token x_n; states exist for x_0..x_{n-1}
         if states is None or n < 1 or states.shape[0] < n or item.num_speculative_tokens < 1:
-            return Draft([])
+            return None
         seq = self._sequences.setdefault(item.seq_id, HeadSequence())
         if seq.fed > n - 1:  # the verifier re-sent a shorter sequence: start over
             seq.fed, seq.cache = 0, None
@@ -88,22 +101,54 @@ class EagleProposer:
             ids = torch.tensor([list(tokens[seq.fed + 1 : n])])
             _, seq.cache = self.head.step(self.embed(ids), states[None, seq.fed : n - 1], seq.fed, seq.cache)
             seq.fed = n - 1
-        cache, feature = seq.cache, states[None, n - 1 : n]
-        token, drafts = int(tokens[n]), []
-        for j in range(item.num_speculative_tokens):
-            out, cache = self.head.step(self.embed(torch.tensor([[token]])), feature, n - 1 + j, cache)
-            token = int(self.lm_head(out[:, -1]).argmax(-1))
-            if token >= self.vocab_size:
-                break
-            drafts.append(token)
-            feature = out
-        return Draft(drafts)
+        return ChainStart(seq.cache, n - 1, int(tokens[n]), states[n - 1 : n], item.num_speculative_tokens)
+
+    def _chains(self, rows: list[ChainStart]) -> list[list[int]]:
+        """Argmax chains for every row at once: their caches padded to one length (a mask hides the padding),
+        one batched head step per draft position, from copies (drafts never enter a sequence's own cache)."""
+        if self._draft_weight is None:
+            self._draft_weight = self.head.draft_weight(self.lm_head.weight)
+        ref = self.head.fc.weight
+        lengths = [0 if r.cache is None else r.cache[0].shape[2] for r in rows]
+        width = max(lengths)
+        heads, dim = self.head.config.num_key_value_heads, self.head.config.head_dim
+        keys = ref.new_zeros(len(rows), heads, width, dim)
+        values = torch.zeros_like(keys)
+        for b, r in enumerate(rows):
+            if r.cache is not None:
+                keys[b, :, : lengths[b]], values[b, :, : lengths[b]] = r.cache[0][0], r.cache[1][0]
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # [B, L]
+        tokens = torch.tensor([r.token for r in rows])
+        features = torch.stack([r.feature for r in rows])  # [B, 1, H]
+        positions = torch.tensor([r.position for r in rows])
+        cache, chains = (keys, values), []
+        for j in range(max(r.k for r in rows)):
+            out, cache, mask = self.head.step_rows(self.embed(tokens[:, None]), features, positions + j, cache, mask)
+            tokens = self.head.token_ids((out[:, -1] @ self._draft_weight.T).argmax(-1))  # [B]
+            chains.append(tokens.tolist())
+            features = out
+        by_row = [list(chain) for chain in zip(*chains, strict=True)]
+        return [row[: next((i for i, t in enumerate(row) if t >= self.vocab_size), len(row))] for row in by_row]
+
+
+@dataclass
+class ChainStart:
+    """Where one sequence's draft chain starts: its committed cache, the head position of its last committed
+    token x_n (n - 1), that token, its target feature f_{n-1} [1, H], and the K wanted."""
+
+    cache: tuple[torch.Tensor, torch.Tensor] | None
+    position: int
+    token: int
+    feature: torch.Tensor
+    k: int
 
 
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     from services.modeling.loading import load_model
 
-    head_dir = Path(config.model or "").expanduser()
+    from services.modeling.eagle_heads import shipped_head
+
+    head_dir = Path(config.model).expanduser() if config.model else shipped_head()
     if not (head_dir / "eagle_config.json").is_file():
         raise ValueError(f"method 'eagle' needs --model HEAD_DIR holding eagle_config.json; {head_dir} has none")
     head = EagleHead.load(head_dir)
