@@ -84,7 +84,7 @@ bench-draft-model: install
 # head is copied into the package. Resumable (run it again after an interruption); about 1.5 h on a 2-core CPU.
 EAGLE_OUT ?= $(HOME)/.cache/specserve/eagle-train
 EAGLE_PROMPTS ?= 2600
-EAGLE_PASSES ?= 3
+EAGLE_PASSES ?= 4
 eagle-head: fetch-model
 	$(BIN)/python -m pip install -q -e '.[train]'
 	$(BIN)/specserve train-eagle --model $(MODEL) --out $(EAGLE_OUT) --prompts $(EAGLE_PROMPTS) \

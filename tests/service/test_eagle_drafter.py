@@ -4,6 +4,8 @@ sampled output distributed as the target's (chi-square on the first tokens, as t
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 import pytest
 import torch
@@ -24,14 +26,20 @@ V = 12
 PROMPT = (1, 5, 2, 7, 1, 5)
 
 
-def eagle_for(target) -> EagleProposer:
+def eagle_for(target, draft_vocab: tuple[int, ...] = ()) -> EagleProposer:
+    """A random head; with `draft_vocab`, one that drafts from those tokens only (a reduced vocabulary)."""
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig.for_target(target.config)).eval()
+    config = EagleConfig.for_target(target.config)
+    if draft_vocab:
+        config = EagleConfig(**{**asdict(config), "draft_vocab_size": len(draft_vocab)})
+    head = EagleHead(config).eval()
+    if draft_vocab:
+        head.draft_vocab.copy_(torch.tensor(draft_vocab))
     return EagleProposer(head, target.get_input_embeddings(), target.get_output_embeddings(), V)
 
 
-async def with_eagle(target, run):
-    server, port = await serve(eagle_for(target), "127.0.0.1", 0, num_speculative_tokens=3)
+async def with_eagle(target, run, draft_vocab: tuple[int, ...] = ()):
+    server, port = await serve(eagle_for(target, draft_vocab), "127.0.0.1", 0, num_speculative_tokens=3)
     remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", V, step_timeout_s=None))
     assert remote.method == "eagle" and remote.needs_hidden_states
     try:
@@ -53,7 +61,8 @@ def target():
     return tiny_llama(seed=21, vocab_size=V)
 
 
-async def test_greedy_output_is_identical_with_the_eagle_drafter(target):
+@pytest.mark.parametrize("draft_vocab", [(), (1, 3, 4, 5, 6, 7, 9)], ids=["whole vocabulary", "reduced vocabulary"])
+async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab):
     prompts = [PROMPT, (3, 3, 4, 4, 5, 5, 6), tuple(range(1, 12))]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = await run_schedule(engine(target, {}), {0: [GenerationRequest(f"r{i}", p, params)
@@ -66,7 +75,7 @@ async def test_greedy_output_is_identical_with_the_eagle_drafter(target):
                                              for i, p in enumerate(prompts)]})
         return results, e.stats
 
-    results, stats = await with_eagle(target, run)
+    results, stats = await with_eagle(target, run, draft_vocab)
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == plain[f"r{i}"].tokens
     assert stats.num_draft_tokens > 0 and stats.num_fallbacks == 0
