@@ -29,7 +29,6 @@ import contextlib
 import gc
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,8 +40,9 @@ from pathlib import Path
 import torch
 
 from services.bench import available_cores, stderr_progress
+from services.bench.drafter_process import drafter_process
 from services.bench.hardware import describe_hardware
-from services.bench.http_runs import HttpClient, free_ports
+from services.bench.http_runs import HttpClient
 from services.bench.prompts import chat_token_ids, humaneval_messages
 from services.bench.report import (
     Check,
@@ -65,7 +65,6 @@ from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.soak.serve_process import ServeProcess, rss_bytes
-from services.supervision import stop_processes, wait_for_port
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
@@ -179,23 +178,11 @@ def measure_transformers(target, draft, prompts, settings: PairSettings, eos, pr
 
 
 @contextlib.contextmanager
-def drafter_process(settings: PairSettings, max_model_len: int, progress: Progress):
-    """`specserve drafter --method draft_model` on a free port; yields (address, pid), stops it afterwards."""
-    port, = free_ports(1)
-    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process; closed below
-        "w", prefix="specserve-bench-drafter-", suffix=".log", delete=False)
-    argv = [sys.executable, "-m", "services.cli", "drafter", "--method", "draft_model", "--model", settings.draft,
-            "--device", settings.device, "--dtype", settings.dtype, "--num-speculative-tokens", str(settings.max_k),
-            "--max-num-seqs", str(settings.concurrency), "--max-model-len", str(max_model_len),
-            "--port", str(port), "--metrics-port", "0"]
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port("127.0.0.1", port, process, 600)
-        progress(f"drafter process (pid {process.pid}) serving {settings.draft} on 127.0.0.1:{port}; log {log.name}")
-        yield f"127.0.0.1:{port}", process.pid
-    finally:
-        stop_processes([process])
-        log.close()
+def drafter_args(settings: PairSettings, max_model_len: int) -> list[str]:
+    """`specserve drafter --method draft_model` for the pair's draft model."""
+    return ["--method", "draft_model", "--model", settings.draft, "--device", settings.device, "--dtype",
+            settings.dtype, "--num-speculative-tokens", str(settings.max_k), "--max-num-seqs",
+            str(settings.concurrency), "--max-model-len", str(max_model_len)]
 
 
 async def measure_specserve(
@@ -246,7 +233,7 @@ def run_in_process(target, draft, prompts, settings: PairSettings, max_model_len
         worker = stack.enter_context(worker_thread())
         placement, timing = choose_compute_thread(settings.compute_thread, runner, worker)
         header["specserve compute thread"] = placement + (f" ({timing.describe()})" if timing else " (forced)")
-        address, drafter_pid = stack.enter_context(drafter_process(settings, max_model_len, progress))
+        address, drafter_pid = stack.enter_context(drafter_process(drafter_args(settings, max_model_len), progress))
         for number in range(settings.repeats):
             progress(f"round {number + 1}/{settings.repeats}: transformers")
             measurements = measure_transformers(target.model, draft.model, prompts, settings, eos, progress)

@@ -18,8 +18,6 @@ import argparse
 import contextlib
 import json
 import platform
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -29,8 +27,8 @@ from pathlib import Path
 import torch
 
 from services.bench import available_cores, stderr_progress
+from services.bench.drafter_process import drafter_process
 from services.bench.hardware import describe_hardware
-from services.bench.http_runs import free_ports
 from services.bench.report import Measurement, compare, format_checks, format_markdown, format_table, merge_rounds, summarize
 from services.bench.specserve_runs import RequestIds, generate_one, run_concurrent
 from services.common.main_thread_compute import run_with_compute, worker_thread
@@ -39,7 +37,6 @@ from services.modeling.loading import load_model
 from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
-from services.supervision import stop_processes, wait_for_port
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
@@ -96,23 +93,6 @@ def held_out_prompts(tokenizer, count: int) -> list[tuple[int, ...]]:
         if len(prompts) == count:
             break
     return prompts
-
-
-@contextlib.contextmanager
-def drafter_process(argv_tail: Sequence[str], progress: Progress):
-    """`specserve drafter ...` on a free port; yields its address, stops it afterwards."""
-    port, = free_ports(1)
-    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the process; closed below
-        "w", prefix="specserve-bench-drafter-", suffix=".log", delete=False)
-    argv = [sys.executable, "-m", "services.cli", "drafter", *argv_tail, "--port", str(port), "--metrics-port", "0"]
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for_port("127.0.0.1", port, process, 600)
-        progress(f"drafter process (pid {process.pid}) {' '.join(argv_tail)} on 127.0.0.1:{port}; log {log.name}")
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_processes([process])
-        log.close()
 
 
 async def measure_round(runner: ModelRunner, compute: Executor, prompts, settings: EagleBenchSettings, eos,
@@ -215,9 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         header["compute thread"] = placement + (f" ({timing.describe()})" if timing else " (forced)")
         addresses = {
             "eagle": stack.enter_context(drafter_process(
-                ["--method", "eagle", "--model", str(head), "--num-speculative-tokens", str(settings.max_k)], progress)),
+                ["--method", "eagle", "--model", str(head), "--num-speculative-tokens", str(settings.max_k)],
+                progress))[0],
             "ngram": stack.enter_context(drafter_process(
-                ["--method", "ngram", "--num-speculative-tokens", str(settings.max_k)], progress)),
+                ["--method", "ngram", "--num-speculative-tokens", str(settings.max_k)], progress))[0],
         }
         fingerprint = tokenizer_fingerprint(target.tokenizer)
         for number in range(settings.rounds):
