@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from services.modeling.converted_cache import complete_folder
 from services.modeling.gguf_tokenizer import load_gguf_tokenizer
 from services.modeling.model_source import resolve_model_source
 
@@ -19,6 +20,9 @@ def load_tokenizer(spec: str) -> Any:
     from transformers import AutoTokenizer
 
     source = resolve_model_source(spec)
+    converted = complete_folder(Path(source.path) / source.gguf_file) if source.kind == "registered" else None
+    if converted is not None:  # a verifier converted this model already: its folder loads in a fraction
+        return AutoTokenizer.from_pretrained(converted)
     if source.gguf_file is not None:  # transformers' own GGUF path imports torch
         return load_gguf_tokenizer(Path(source.path) / source.gguf_file)
     return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())

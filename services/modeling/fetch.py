@@ -93,7 +93,7 @@ def _sha256_of(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(lock_file: Path) -> Iterator[None]:
+def exclusive_lock(lock_file: Path) -> Iterator[None]:
     """flock is per open file description, so it serialises threads of one process as well as processes."""
     with lock_file.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -189,7 +189,7 @@ def fetch_registered_model(
         return final
 
     folder.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(folder / ".lock"):
+    with exclusive_lock(folder / ".lock"):
         if _is_verified(final, spec):  # another process finished while we waited for the lock
             return final
         marker_path(final).unlink(missing_ok=True)

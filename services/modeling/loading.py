@@ -21,6 +21,7 @@ from urllib.request import getproxies, proxy_bypass
 import torch
 
 from services.common.device import resolve_device, resolve_dtype
+from services.modeling.converted_cache import ensure_converted
 from services.modeling.model_source import ModelSource, resolve_model_source
 from services.modeling.registry import registered_model_names
 
@@ -152,6 +153,14 @@ def _load_from_hub(source: ModelSource, dtype: torch.dtype, trust_remote_code: b
     return _from_pretrained(source, dtype, trust_remote_code, **weights)
 
 
+def _converted_folder(source: ModelSource, trust_remote_code: bool) -> Path | None:
+    """A registered model's GGUF converted once into a folder that loads in seconds (converted_cache.py)."""
+    gguf_file = Path(source.path) / source.gguf_file
+    return ensure_converted(
+        gguf_file, lambda: _from_pretrained(source, torch.float32, trust_remote_code)
+    )
+
+
 def load_model(
     spec: str,
     *,
@@ -161,16 +170,21 @@ def load_model(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
 ) -> LoadedModel:
-    """Resolve `spec`, load model and tokenizer, move the model to the device in eval mode."""
+    """Resolve `spec`, load model and tokenizer, move the model to the device in eval mode. A registered model
+    loads from its converted folder (made at its first load), a .gguf file given by path from the file itself."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     source = resolve_model_source(spec, cache_dir)
     started = time.perf_counter()
+    converted = _converted_folder(source, trust_remote_code) if source.kind == "registered" else None
     if source.kind == "hub":
         model, tokenizer = _load_from_hub(source, torch_dtype, trust_remote_code, allow_pickle)
     elif source.kind == "folder":
         weights = _folder_weight_kwargs(Path(source.path), allow_pickle)
         model, tokenizer = _from_pretrained(source, torch_dtype, trust_remote_code, **weights)
+    elif converted is not None:
+        folder = ModelSource("folder", str(converted), source.model_id)
+        model, tokenizer = _from_pretrained(folder, torch_dtype, trust_remote_code, use_safetensors=True)
     else:
         model, tokenizer = _from_pretrained(source, torch_dtype, trust_remote_code)
     # from_pretrained already chose the dtype; a blanket .to(dtype) would also cast float32-by-design buffers
