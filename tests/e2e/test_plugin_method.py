@@ -12,8 +12,9 @@ import json
 import openai
 import pytest
 
-from services.soak.serve_process import ServeProcess
+from services.soak.serve_process import ServePorts, ServeProcess
 from tests.e2e.requests import EDIT, MODEL, NO_SPEC
+from tests.ports import free_ports
 from tests.plugins import THROWAWAY_METHOD, install_throwaway_method
 
 
@@ -23,7 +24,8 @@ def plugin_stack(tmp_path_factory):
     spec = json.dumps({"method": THROWAWAY_METHOD, "num_speculative_tokens": 4})
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(folder))
-        stack = ServeProcess(tmp_path_factory.mktemp("logs") / "serve.log", extra_flags=["--speculative-config", spec])
+        stack = ServeProcess(tmp_path_factory.mktemp("logs") / "serve.log", extra_flags=["--speculative-config", spec],
+                             ports=ServePorts(*free_ports(5)))
         try:
             yield stack.start()
         finally:
