@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test bench bench-sweep bench-grammar bench-draft-model bench-eagle eagle-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-sweep bench-grammar bench-draft-model bench-eagle eagle-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -40,9 +40,20 @@ run: fetch-model
 	$(BIN)/specserve serve --model $(MODEL)
 
 # The tests need a real Prometheus (the dashboard's queries run against it): Debian's package, unpacked into .venv/bin.
+# They run in parallel (pytest-xdist, one worker per core, at most TEST_MAX_WORKERS: every end-to-end module starts
+# processes of its own); each module stays on one worker (tests/conftest.py). PYTEST_ARGS adds pytest options.
+TEST_WORKERS ?= auto
+TEST_MAX_WORKERS ?= 4
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --maxprocesses $(TEST_MAX_WORKERS) --dist loadscope
 test: install
 	sh deploy/scripts/install-test-tools.sh $(BIN)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+
+# The inner loop: the unit, gateway, service and deployment tiers without the real-model, statistical and
+# whole-stack tests (markers slow and e2e), in under 2 minutes on 2 cores. `make test` runs everything.
+test-fast: install
+	sh deploy/scripts/install-test-tools.sh $(BIN)
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow and not e2e" $(PYTEST_ARGS)
 
 # The table (specserve vs transformers, drafter methods, HTTP API), then the concurrency sweep and the draft-model
 # pair below.

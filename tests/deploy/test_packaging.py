@@ -34,6 +34,8 @@ from services.modeling.fetch import fetch_registered_model
 from tests.deploy.dockerfiles import ROOT
 from tests.ports import free_port
 
+pytestmark = pytest.mark.slow  # builds the wheel and installs it into fresh virtualenvs: over a minute
+
 SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "proto", "services")
 PIP_TIMEOUT_S = 600
 

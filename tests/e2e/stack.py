@@ -18,6 +18,11 @@ from services.supervision import stop_processes, wait_for_port
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+# The modules that only send requests share one session-wide Stack (tests/e2e/conftest.py: shared_stack); under
+# pytest-xdist they are one unit of work, SHARED_STACK_GROUP, so one worker runs them all and starts it once.
+SHARED_STACK_MODULES = frozenset(f"tests/e2e/{name}.py" for name in
+                                 ("test_openai_stack", "test_prompt_scoring", "test_fuzz_schemathesis"))
+SHARED_STACK_GROUP = "shared-e2e-stack"
 
 
 @dataclass

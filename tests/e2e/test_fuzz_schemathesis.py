@@ -31,11 +31,9 @@ MAX_EXAMPLES = 30  # fuzzed cases per operation (the coverage phase adds its own
 CHECKS = "not_a_server_error,response_schema_conformance"
 
 
-@pytest.fixture(scope="module")
-def stack():
-    running = Stack().start()
-    yield running
-    running.stop()
+@pytest.fixture()
+def stack(shared_stack):
+    return shared_stack
 
 
 def fuzz_document(document: dict, model: str) -> dict:

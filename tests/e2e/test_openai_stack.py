@@ -13,16 +13,13 @@ import openai
 import pytest
 
 from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, wait_until_speculation_accepts
-from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def stack():
-    running = Stack().start()
-    yield running
-    running.stop()
+@pytest.fixture()
+def stack(shared_stack):
+    return shared_stack
 
 
 @pytest.fixture()
@@ -165,10 +162,12 @@ def test_drafter_death_costs_speed_not_correctness(stack, client):
     while len(received) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     stack.stop_drafter()  # mid-stream
-    reader.join(timeout=120)
-    assert "".join(received) == reference.choices[0].message.content
-    assert stack.verifier_metric("specserve_spec_decode_num_fallbacks_total") > fallbacks_before
-    stack.start_drafter()  # the verifier reconnects and re-opens sequences
+    try:
+        reader.join(timeout=120)
+        assert "".join(received) == reference.choices[0].message.content
+        assert stack.verifier_metric("specserve_spec_decode_num_fallbacks_total") > fallbacks_before
+    finally:
+        stack.start_drafter()  # the verifier reconnects and re-opens sequences (the stack is shared: always)
     assert wait_until_speculation_accepts(client, messages) > 0
     # the restarted drafter's own /metrics saw the steps it answered
     assert stack.drafter_metric("specserve_drafter_steps_total") > 0

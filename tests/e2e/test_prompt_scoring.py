@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.e2e.requests import MODEL
-from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.slow
 
@@ -22,11 +21,9 @@ PAIRS = [  # (context, continuation): likely and unlikely continuations, so both
 ]
 
 
-@pytest.fixture(scope="module")
-def stack():
-    running = Stack().start()
-    yield running
-    running.stop()
+@pytest.fixture()
+def stack(shared_stack):
+    return shared_stack
 
 
 @pytest.fixture()

@@ -13,6 +13,8 @@ from services.modeling.gguf_tokenizer import load_gguf_tokenizer
 from services.modeling.model_source import resolve_model_source
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
+pytestmark = pytest.mark.slow  # reads SmolLM2's real GGUF file through transformers: the real model
+
 TEXTS = [
     "Hello world",
     " leading space and  double  spaces",
