@@ -45,6 +45,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in long_modules)  # stable: the order within stays
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: without it installed, the suite runs serially
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Work units by module, the shared-stack modules as one (xdist's own `--dist loadgroup` would do this with
     marks, but it renames node ids in a way pytest 9.2 no longer reads)."""

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.modeling.fetch import exclusive_lock
+from services.modeling.fetch import exclusive_lock, marker_path
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,13 @@ def converted_folder(gguf_file: Path) -> Path:
 
 
 def _expected_marker(gguf_file: Path) -> dict[str, Any]:
-    return {"format": FORMAT_VERSION, "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size}
+    """What identifies the GGUF file a folder was made from: its name, size and the sha256 that fetch verified."""
+    try:
+        sha256 = marker_path(gguf_file).read_text().strip()
+    except OSError:
+        sha256 = None
+    return {"format": FORMAT_VERSION, "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size,
+            "gguf_sha256": sha256}
 
 
 def complete_folder(gguf_file: Path) -> Path | None:

@@ -18,6 +18,7 @@ from services.modeling.converted_cache import (
     converted_folder,
     ensure_converted,
 )
+from services.modeling.fetch import marker_path
 from services.modeling.loading import load_model
 from services.modeling.model_source import resolve_model_source
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
@@ -71,6 +72,9 @@ def test_a_folder_of_another_file_or_without_its_marker_is_converted_again(gguf_
     assert ensure_converted(gguf_file, tiny_loader) == folder and len(tiny_loader.calls) == 3
     assert not (folder / "stray").exists()
     assert json.loads((folder / COMPLETE_MARKER).read_text())["gguf_bytes"] == 84
+    marker_path(gguf_file).write_text("ab" * 32 + "\n")  # fetch verified other bytes of the same size
+    assert complete_folder(gguf_file) is None
+    assert ensure_converted(gguf_file, tiny_loader) == folder and len(tiny_loader.calls) == 4
 
 
 def test_a_cache_that_cannot_be_written_loads_from_the_gguf(gguf_file: Path, tiny_loader, caplog) -> None:
