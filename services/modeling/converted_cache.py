@@ -24,6 +24,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,14 @@ def converted_folder(gguf_file: Path) -> Path:
 
 
 def _expected_marker(gguf_file: Path) -> dict[str, Any]:
-    """What identifies the GGUF file a folder was made from: its name, size and the sha256 that fetch verified."""
+    """What a folder was made from: the GGUF file (name, size, the sha256 that fetch verified) and the transformers
+    version that read it (another version may dequantize or template differently: then it is converted again)."""
     try:
         sha256 = marker_path(gguf_file).read_text().strip()
     except OSError:
         sha256 = None
     return {"format": FORMAT_VERSION, "gguf_file": gguf_file.name, "gguf_bytes": gguf_file.stat().st_size,
-            "gguf_sha256": sha256}
+            "gguf_sha256": sha256, "transformers": version("transformers")}
 
 
 def complete_folder(gguf_file: Path) -> Path | None:

@@ -75,6 +75,9 @@ def test_a_folder_of_another_file_or_without_its_marker_is_converted_again(gguf_
     marker_path(gguf_file).write_text("ab" * 32 + "\n")  # fetch verified other bytes of the same size
     assert complete_folder(gguf_file) is None
     assert ensure_converted(gguf_file, tiny_loader) == folder and len(tiny_loader.calls) == 4
+    marker = json.loads((folder / COMPLETE_MARKER).read_text())
+    (folder / COMPLETE_MARKER).write_text(json.dumps({**marker, "transformers": "4.0.0"}))  # made by another version
+    assert complete_folder(gguf_file) is None
 
 
 def test_a_cache_that_cannot_be_written_loads_from_the_gguf(gguf_file: Path, tiny_loader, caplog) -> None:
