@@ -14,6 +14,8 @@ import os
 import socket
 from pathlib import Path
 
+from services.supervision import free_ports as free_ports_now
+
 _BAND_SIZE = 1000
 _LOWEST = 20000  # above the usual registered services, below Linux's ephemeral range (32768 by default)
 
@@ -32,14 +34,14 @@ def _worker_index() -> int:
 
 
 def _band() -> range:
+    """This worker's ports; empty where the machine's ephemeral range starts too low for bands."""
     start = _LOWEST + _worker_index() * _BAND_SIZE
-    if start + _BAND_SIZE > _ephemeral_start():
-        return range(0)  # this machine's ephemeral range starts too low for bands: fall back to bind(0)
-    return range(start, start + _BAND_SIZE)
+    return range(start, start + _BAND_SIZE) if start + _BAND_SIZE <= _ephemeral_start() else range(0)
 
 
-# Each test process walks its band once, in order; wrapping around reuses ports of servers long since stopped.
-_candidates = itertools.cycle(_band() or [0])
+# Each test process walks its band in order; wrapping around reuses ports of servers long since stopped.
+_BAND = _band()
+_candidates = itertools.cycle(_BAND)
 
 
 def _bindable(port: int) -> bool:
@@ -52,15 +54,13 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
-    for _ in range(_BAND_SIZE):
+    if not _BAND:  # no band here: a port the kernel picks, as before bands
+        return free_ports_now(1)[0]
+    for _ in _BAND:
         port = next(_candidates)
-        if port == 0:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                return sock.getsockname()[1]
         if _bindable(port):
             return port
-    raise RuntimeError(f"no free port in this worker's band {_band()}")
+    raise RuntimeError(f"no free port in this worker's band {_BAND}")
 
 
 def free_ports(count: int) -> list[int]:

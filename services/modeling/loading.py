@@ -176,13 +176,12 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     source = resolve_model_source(spec, cache_dir)
     started = time.perf_counter()
-    converted = _converted_folder(source, trust_remote_code) if source.kind == "registered" else None
     if source.kind == "hub":
         model, tokenizer = _load_from_hub(source, torch_dtype, trust_remote_code, allow_pickle)
     elif source.kind == "folder":
         weights = _folder_weight_kwargs(Path(source.path), allow_pickle)
         model, tokenizer = _from_pretrained(source, torch_dtype, trust_remote_code, **weights)
-    elif converted is not None:
+    elif source.kind == "registered" and (converted := _converted_folder(source, trust_remote_code)) is not None:
         folder = ModelSource("folder", str(converted), source.model_id)
         model, tokenizer = _from_pretrained(folder, torch_dtype, trust_remote_code, use_safetensors=True)
     else:

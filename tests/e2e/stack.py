@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 
 from services.supervision import stop_processes, wait_for_port
-from tests.ports import free_port
+from services.soak.serve_process import ServePorts
+from tests.ports import free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 # The modules that only send requests share one session-wide Stack (tests/e2e/conftest.py: shared_stack); under
@@ -23,6 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED_STACK_MODULES = frozenset(f"tests/e2e/{name}.py" for name in
                                  ("test_openai_stack", "test_prompt_scoring", "test_fuzz_schemathesis"))
 SHARED_STACK_GROUP = "shared-e2e-stack"
+
+
+def serve_ports() -> ServePorts:
+    """Ports for a `specserve serve` (ServeProcess) from this worker's band (tests/ports.py)."""
+    return ServePorts(*free_ports(5))
 
 
 @dataclass

@@ -12,9 +12,9 @@ import json
 import openai
 import pytest
 
-from services.soak.serve_process import ServePorts, ServeProcess
+from services.soak.serve_process import ServeProcess
 from tests.e2e.requests import MODEL, NO_SPEC
-from tests.ports import free_ports
+from tests.e2e.stack import serve_ports
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 
@@ -24,7 +24,7 @@ def draft_model_stack(tmp_path_factory):
     spec = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 4,
                        "draft_max_num_seqs": 4, "max_model_len": 1024})
     stack = ServeProcess(tmp_path_factory.mktemp("logs") / "serve.log", max_num_seqs=4,
-                         extra_flags=["--speculative-config", spec], ports=ServePorts(*free_ports(5)))
+                         extra_flags=["--speculative-config", spec], ports=serve_ports())
     try:
         yield stack.start()
     finally:

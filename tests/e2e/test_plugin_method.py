@@ -12,9 +12,9 @@ import json
 import openai
 import pytest
 
-from services.soak.serve_process import ServePorts, ServeProcess
+from services.soak.serve_process import ServeProcess
 from tests.e2e.requests import EDIT, MODEL, NO_SPEC
-from tests.ports import free_ports
+from tests.e2e.stack import serve_ports
 from tests.plugins import THROWAWAY_METHOD, install_throwaway_method
 
 
@@ -25,7 +25,7 @@ def plugin_stack(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(folder))
         stack = ServeProcess(tmp_path_factory.mktemp("logs") / "serve.log", extra_flags=["--speculative-config", spec],
-                             ports=ServePorts(*free_ports(5)))
+                             ports=serve_ports())
         try:
             yield stack.start()
         finally:

@@ -23,9 +23,10 @@ import pytest
 
 from services.dashboard.prometheus import PrometheusServer, PromQLError, finite_values, prometheus_binary
 from services.dashboard.render import load_dashboard, substitute
-from services.soak.serve_process import HOST, ServePorts, ServeProcess
+from services.soak.serve_process import HOST, ServeProcess
 from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC
-from tests.ports import free_port, free_ports
+from tests.e2e.stack import serve_ports
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,7 @@ def send_requests(base_url: str) -> dict[str, int]:
 def observed(tmp_path_factory):
     prometheus_binary()  # fail before minutes of model loading when there is none
     folder = tmp_path_factory.mktemp("prometheus")
-    serve = ServeProcess(folder / "serve.log", extra_flags=["--speculative-config", NGRAM], ports=ServePorts(*free_ports(5)))
+    serve = ServeProcess(folder / "serve.log", extra_flags=["--speculative-config", NGRAM], ports=serve_ports())
     ports = serve.ports
     prometheus = PrometheusServer({"gateway": f"{HOST}:{ports.gateway}",
                                    "verifier": f"{HOST}:{ports.verifier_metrics}",

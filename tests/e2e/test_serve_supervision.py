@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from services.soak.main import SoakSettings, soak
-from services.soak.serve_process import ServePorts, ServeProcess, service_name
+from services.soak.serve_process import ServeProcess, service_name
 from services.soak.traffic import TrafficSettings
-from tests.ports import free_ports
 from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, wait_until_speculation_accepts
+from tests.e2e.stack import serve_ports
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 def serve(tmp_path_factory):
     stack = ServeProcess(tmp_path_factory.mktemp("serve") / "serve.log",
                          extra_flags=["--restart-backoff-initial-s", "0.5", "--restart-backoff-max-s", "5"],
-                         ports=ServePorts(*free_ports(5)))
+                         ports=serve_ports())
     try:
         stack.start(timeout_s=300)
     except BaseException:
