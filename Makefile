@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 MODEL ?= smollm2-135m-instruct
 STAMP := $(VENV)/.installed
+# --no-compile: pip would byte-compile every module of every package (50 of the install's 120 s here); Python
+# compiles the ones a process imports on first use instead, once, into the same __pycache__ folders.
+PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
 # arctic-inference (pyproject extra `suffix`, the `--method suffix` drafter) is built from source, about 30 s, then
 # reused from pip's wheel cache: without build isolation, so that its build requirement on torch is met by the
 # torch above instead of a CUDA download, hence its build tools first. If it cannot build here, the install goes
@@ -24,11 +27,11 @@ proto: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
-	( $(BIN)/python -m pip install -q $(SUFFIX_BUILD_DEPS) \
-	  && PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pip install -q --no-build-isolation -e '.[suffix]' ) \
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) $(TORCH_SPEC)
+	$(PIP_INSTALL) -e '.[test,bench]'
+	( $(PIP_INSTALL) $(SUFFIX_BUILD_DEPS) \
+	  && PATH="$(CURDIR)/$(BIN):$$PATH" $(PIP_INSTALL) --no-build-isolation -e '.[suffix]' ) \
 	  || echo "WARNING: arctic-inference could not be built here: --method suffix is unavailable (every other" \
 	     "method works); set SPECSERVE_NO_SUFFIX=1 to skip its tests, 'make -B install' to retry." >&2
 	touch $(STAMP)
@@ -97,7 +100,7 @@ EAGLE_OUT ?= $(HOME)/.cache/specserve/eagle-train
 EAGLE_PROMPTS ?= 2600
 EAGLE_PASSES ?= 4
 eagle-head: fetch-model
-	$(BIN)/python -m pip install -q -e '.[train]'
+	$(PIP_INSTALL) -e '.[train]'
 	$(BIN)/specserve train-eagle --model $(MODEL) --out $(EAGLE_OUT) --prompts $(EAGLE_PROMPTS) \
 	  --passes $(EAGLE_PASSES) --eval-prompts 20
 	mkdir -p services/modeling/eagle_heads/$(MODEL)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.verifier.step_cost_cache import StepCostCache
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -22,6 +24,9 @@ class EngineConfig:
     # Time a few verify shapes at start-up so the first steps already know what width costs (step_cost.py);
     # without it the planner learns costs from the steps it runs, starting at full K.
     profile_step_cost: bool = True
+    # Reuse a stored profile measured on the same machine and setup, and store a new one (step_cost_cache.py);
+    # None: measure at every start.
+    step_cost_cache: StepCostCache | None = None
     # extract_hidden_states: write every finished request's token ids and target hidden states here
     # (hidden_state_files.py); None: off.
     extract_hidden_states_dir: Path | None = None

@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import TlsServerSettings
 from services.modeling.registry import DEFAULT_MODEL
+from services.verifier.step_cost_cache import default_measurement_dir
 
 
 def parse_drafter(spec: str) -> tuple[str, str]:
@@ -50,6 +51,8 @@ class VerifierSettings(TlsServerSettings):
     grace_s: float = Field(5.0, ge=0)  # then: time for calls in flight to finish
     drafter_tls_root_cert: str | None = None  # PEM root certificate: the links to drafters use TLS
     log_stats_interval_s: float = Field(10.0, ge=0)
+    # where the start-up step-cost profile is kept for the next start on this machine and setup; "": not kept
+    step_cost_cache_dir: str = Field(default_factory=lambda: str(default_measurement_dir()))
 
     @field_validator("speculative_config")
     @classmethod

@@ -93,6 +93,17 @@ class StepCostModel:
         if self._pending >= REFIT_EVERY or (self._coefficients is None and len(self._samples) >= MIN_SHAPES):
             self.fit()
 
+    def samples(self) -> list[tuple[int, int, int, list[float]]]:
+        """(rows, width, span, seconds) per observed shape: what step_cost_cache.py stores."""
+        return [(shape.rows, shape.width, shape.span, list(self._samples[key])) for key, shape in self._shapes.items()]
+
+    def restore(self, samples: list[tuple[int, int, int, list[float]]]) -> None:
+        """Observe stored samples (as a profile would have) and fit."""
+        for rows, width, span, seconds in samples:
+            for value in seconds:
+                self.observe(StepShape(rows, width, span), value)
+        self.fit()
+
     def fit(self) -> None:
         """Refit on the median of each shape. Until MIN_SHAPES shapes are known (from the start-up profile or from
         steps), there is no fit and predictions are 0: the planner then keeps every row's full K."""
