@@ -45,7 +45,8 @@ from services.gateway.verifier_client import VerifierClient, pb
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
 _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
-                   pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
+                   pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_DEGRADED: "degraded",
+                   pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 MODEL_ROUTE = "/v1/models/{model}"  # one metrics label for every model id asked for
 

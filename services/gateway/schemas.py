@@ -430,7 +430,7 @@ class DrafterHealth(BaseModel):
     name: str
     method: str
     address: str
-    state: Literal["serving", "disconnected", "refused", "unknown"]
+    state: Literal["serving", "degraded", "disconnected", "refused", "unknown"]
     detail: str
     num_fallbacks: int
 

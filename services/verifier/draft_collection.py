@@ -2,19 +2,22 @@
 
 Every proposer that running requests use is asked concurrently, each under its own deadline (draft_deadline.py:
 it follows what the proposer's calls take), with all of its rows at once; a proposer that is late, fails or answers malformed costs its rows K = 0 for this step (counted as a
-fallback, logged once per outage by proposer_outages.py), never the step. Nothing a proposer returns is trusted:
-drafts are clipped to K and checked against the vocabulary before the engine verifies them."""
+fallback, logged once per outage by proposer_outages.py), never the step. A proposer late or failing several
+calls in a row is not asked at all until a background probe answers in time (draft_breaker.py), so a hung drafter
+stops costing each step its deadline. Nothing a proposer returns is trusted: drafts are clipped to K and checked
+against the vocabulary before the engine verifies them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.common.proposer import Draft, DraftInput, Proposer
+from services.verifier.draft_breaker import DraftBreaker
 from services.verifier.draft_deadline import DraftDeadline
 from services.verifier.proposer_outages import ProposerOutageLog
 from services.verifier.request_state import RequestState
@@ -33,7 +36,7 @@ NO_DRAFT = ProposedDraft([], None)
 class DraftCollector:
     def __init__(
         self, proposers: Mapping[str, Proposer], vocab_size: int, draft_timeout_s: float,
-        max_draft_timeout_s: float | None = None,
+        max_draft_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`draft_timeout_s`: the shortest deadline; `max_draft_timeout_s` the longest (default: the shortest,
         i.e. a fixed deadline)."""
@@ -44,6 +47,9 @@ class DraftCollector:
         self.deadlines: dict[str, DraftDeadline] = {}
         self.stats_by_method: dict[str, SpecDecodeStats] = {}  # speculation counts per proposer
         self._outages = ProposerOutageLog()
+        self.breakers: dict[str, DraftBreaker] = {}
+        self._probes: set[asyncio.Task] = set()
+        self._clock = clock
 
     async def collect(self, decode: Sequence[RequestState], lengths: Sequence[int]) -> list[ProposedDraft]:
         """One draft per decoding request (NO_DRAFT where its K, `lengths[i]`, is 0 or its proposer failed)."""
@@ -54,30 +60,78 @@ class DraftCollector:
                 groups.setdefault(state.request.speculation.method, []).append((index, k))
 
         async def ask(method: str, members: list[tuple[int, int]]) -> None:
-            inputs = [DraftInput(decode[i].request_id, decode[i].token_ids, k, decode[i].hidden_states())
-                      for i, k in members]
-            deadline = self.deadline(method)
-            longest = max(k for _, k in members)
-            timeout = deadline.for_call(longest)
-            started = time.perf_counter()
-            try:
-                proposed = await asyncio.wait_for(self.proposers[method].propose(inputs), timeout=timeout)
-            except TimeoutError as error:  # the engine's deadline, or a proposer's own just inside it
-                self._fall_back(method, str(error) or f"missed the {timeout:.3f} s draft deadline", late=True)
+            breaker = self.breaker(method)
+            if breaker.is_open:
+                breaker.skip()
+                self._fall_back(method, "not asked while its circuit breaker is open")
+                if breaker.probe_due(self._clock()):
+                    self._start_probe(method, [self._input(decode[i], k, snapshot=True) for i, k in members])
                 return
-            except Exception as error:  # noqa: BLE001 - any proposer failure means K = 0, never a failed step
-                self._fall_back(method, error)
-                return
-            if len(proposed) != len(inputs):
-                self._fall_back(method, f"returned {len(proposed)} drafts for {len(inputs)} sequences")
-                return
-            deadline.answered(longest, time.perf_counter() - started)
-            self._outages.succeeded(method)
-            for (index, k), draft in zip(members, proposed, strict=True):
-                drafts[index] = self._sanitize(draft, k)
+            inputs = [self._input(decode[i], k) for i, k in members]
+            proposed = await self._call(method, inputs)
+            if proposed is not None:
+                for (index, k), draft in zip(members, proposed, strict=True):
+                    drafts[index] = self._sanitize(draft, k)
 
         await asyncio.gather(*(ask(method, members) for method, members in groups.items()))
         return drafts
+
+    async def _call(self, method: str, inputs: list[DraftInput], probe: bool = False) -> Sequence[Draft] | None:
+        """One call under the proposer's deadline; None (counted as a fallback unless `probe`) if it was late,
+        failed or malformed. Feeds the deadline's cost model and the breaker either way."""
+        deadline = self.deadline(method)
+        breaker = self.breaker(method)
+        longest = max(d.num_speculative_tokens for d in inputs)
+        timeout = deadline.for_call(longest)
+        started = time.perf_counter()
+        problem: BaseException | str | None = None
+        late = False
+        try:
+            proposed = await asyncio.wait_for(self.proposers[method].propose(inputs), timeout=timeout)
+        except TimeoutError as error:  # the engine's deadline, or a proposer's own just inside it
+            problem, late = str(error) or f"missed the {timeout:.3f} s draft deadline", True
+        except Exception as error:  # noqa: BLE001 - any proposer failure means K = 0, never a failed step
+            problem = error
+        else:
+            if len(proposed) != len(inputs):
+                problem = f"returned {len(proposed)} drafts for {len(inputs)} sequences"
+        if problem is not None:
+            if probe:
+                breaker.probe_failed(self._clock())
+            else:
+                self._fall_back(method, problem, late)
+                breaker.missed(self._clock(), str(problem) or type(problem).__name__)
+            return None
+        deadline.answered(longest, time.perf_counter() - started)
+        breaker.answered(self._clock())
+        self._outages.succeeded(method)
+        return proposed
+
+    def _start_probe(self, method: str, inputs: list[DraftInput]) -> None:
+        """Ask an open breaker's proposer in the background; its drafts are thrown away, its timing counts."""
+        task = asyncio.get_running_loop().create_task(self._call(method, inputs, probe=True),
+                                                      name=f"specserve-probe-{method}")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def cancel_probes(self) -> None:
+        """Stop the probes in flight (at shutdown: nothing of the engine may outlive it)."""
+        probes = list(self._probes)
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+
+    @staticmethod
+    def _input(state: RequestState, k: int, snapshot: bool = False) -> DraftInput:
+        """`snapshot`: a copy of the token ids, for a call that outlives the step (the engine appends to them)."""
+        token_ids = list(state.token_ids) if snapshot else state.token_ids
+        return DraftInput(state.request_id, token_ids, k, state.hidden_states())
+
+    def breaker(self, method: str) -> DraftBreaker:
+        found = self.breakers.get(method)
+        if found is None:
+            found = self.breakers[method] = DraftBreaker(method)
+        return found
 
     def deadline(self, method: str) -> DraftDeadline:
         found = self.deadlines.get(method)

@@ -27,6 +27,7 @@ from services.verifier.wire import DrafterReport, verifier_pb2
 SERVING = verifier_pb2.DRAFTER_STATE_SERVING
 DISCONNECTED = verifier_pb2.DRAFTER_STATE_DISCONNECTED
 REFUSED = verifier_pb2.DRAFTER_STATE_REFUSED
+DEGRADED = verifier_pb2.DRAFTER_STATE_DEGRADED
 
 
 class TrackedProposer:
@@ -97,14 +98,18 @@ class TrackedProposer:
             self._watcher = None
         await self.proposer.close()
 
-    def report(self, num_fallbacks: int = 0) -> DrafterReport:
-        """State as observed here; `num_fallbacks` comes from the engine, which counts every lost step."""
+    def report(self, num_fallbacks: int = 0, degraded: bool = False) -> DrafterReport:
+        """State as observed here; `num_fallbacks` comes from the engine, which counts every lost step, and
+        `degraded` from its circuit breaker (draft_breaker.py): a link that is up but whose answers come late."""
+        state, detail = self._state, self._detail
+        if degraded and state == SERVING:
+            state, detail = DEGRADED, "late or failing several calls in a row: not waited for while probed"
         return DrafterReport(
             name=self.name,
             method=self.proposer.method if self._reached else "",
             address=self.proposer.config.target,
-            state=self._state,
-            detail="" if self._state == SERVING else self._detail,
+            state=state,
+            detail="" if state == SERVING else detail,
             num_fallbacks=num_fallbacks,
         )
 
@@ -121,5 +126,7 @@ class TrackedProposer:
             self._detail = str(error) or type(error).__name__
         if isinstance(error, IncompatibleDrafterError):
             self._state = REFUSED
+        elif isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self._state = DEGRADED  # reachable, but silent past the deadline (hung, paused, overloaded)
         elif not isinstance(error, DrafterLateError):  # late: the link is up, only this step is lost
             self._state = DISCONNECTED

@@ -43,6 +43,7 @@ from services.verifier.sampling_params import GenerationRequest
 from services.verifier.spec_stats import PeriodicStatsLogger, SpecDecodeStats
 from services.verifier.speculation_planner import SpeculationPlanner
 from services.verifier.step_cost import StepCostModel, profile_step_cost
+from services.verifier.step_cost_cache import load_profile, save_profile
 from services.verifier.step_execution import SampledRow, StepResult, execute_isolating_faults
 from services.verifier.step_planning import PrefillChunk, plan_prefill, speculation_cap
 from services.verifier.structured_output import GrammarCompiler, build_constraint
@@ -117,10 +118,16 @@ class Engine:
         if self._cost_profiled or not (self.config.adaptive_speculation and self.config.profile_step_cost):
             return
         self._cost_profiled = True
+        rows = min(self.runner.max_num_seqs, PROFILE_MAX_ROWS)
+        cache = self.config.step_cost_cache
+        identity = cache.identity(self.runner, rows, PROFILE_MAX_WIDTH) if cache else {}
+        if cache and load_profile(cache.path(identity), identity, self.planner.cost):
+            return
         await asyncio.get_running_loop().run_in_executor(
-            self._executor, profile_step_cost, self.runner, self.planner.cost,
-            min(self.runner.max_num_seqs, PROFILE_MAX_ROWS), PROFILE_MAX_WIDTH,
+            self._executor, profile_step_cost, self.runner, self.planner.cost, rows, PROFILE_MAX_WIDTH,
         )
+        if cache and self.planner.cost.fitted:
+            save_profile(cache.path(identity), identity, self.planner.cost)
 
     async def shutdown(self) -> None:
         """Abort every request and stop after the step in flight (a forward is never cut in half)."""
@@ -128,6 +135,7 @@ class Engine:
             self.abort(request_id)
         self._closing = True
         self._wakeup.set()
+        await self.drafts.cancel_probes()
         if self._task is not None:
             await self._task
             self._task = None
@@ -156,6 +164,11 @@ class Engine:
     def stats(self) -> SpecDecodeStats:
         """Engine-wide counts: the sum over proposers."""
         return self.drafts.stats
+
+    def is_degraded(self, method: str) -> bool:
+        """Whether `method`'s circuit breaker is open: its rows run at K = 0 unasked while it is probed."""
+        breaker = self.drafts.breakers.get(method)
+        return breaker is not None and breaker.is_open
 
     def num_fallbacks(self, method: str) -> int:
         """Steps in which `method`'s proposal was late, failed or malformed (its rows ran with K = 0)."""

@@ -74,7 +74,29 @@ class EngineCollector(Collector):
         for method, value in generated.items():
             tokens.add_metric([self.model_name, method], value)
         yield tokens
+        yield from self._breaker_metrics(by_method)
         yield from self._slot_gauges()
+
+    def _breaker_metrics(self, methods: Iterable[str]) -> Iterable[Metric]:
+        """Each drafter's circuit breaker (draft_breaker.py): open now, and how often it opened."""
+        breakers = dict(self.engine.drafts.breakers)
+        labels = ["model_name", "method"]
+        degraded = GaugeMetricFamily(
+            f"{PREFIX}_drafter_degraded", "1 while a drafter's circuit breaker is open: its calls were late or "
+            "failed several times in a row, so its requests run with K = 0 without waiting while it is probed.",
+            labels=labels,
+        )
+        openings = CounterMetricFamily(
+            f"{PREFIX}_drafter_degraded_episodes", "Times a drafter's circuit breaker opened.", labels=labels,
+        )
+        for method in methods:
+            if method == "none":
+                continue
+            breaker = breakers.get(method)
+            degraded.add_metric([self.model_name, method], float(breaker is not None and breaker.is_open))
+            openings.add_metric([self.model_name, method], breaker.num_openings if breaker else 0)
+        yield degraded
+        yield openings
 
     def _slot_gauges(self) -> Iterable[Metric]:
         runner = self.engine.runner

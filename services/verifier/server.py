@@ -34,6 +34,7 @@ from services.verifier.metrics import EngineCollector, TimedRunner, create_metri
 from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig
 from services.verifier.servicer import VerifierServicer, status_for
 from services.verifier.settings import VerifierSettings, add_engine_flags
+from services.verifier.step_cost_cache import StepCostCache
 from services.verifier.structured_output import GrammarCompiler, grammar_compiler_for
 from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2, verifier_pb2_grpc
 
@@ -138,11 +139,13 @@ async def start_verifier(
     runner: ModelRunner | None = None,
     compute: Executor | None = None,
     grammars: GrammarCompiler | None = None,
+    step_cost_cache: StepCostCache | None = None,
 ) -> RunningVerifier:
     """Build runner (unless given), drafter links and engine around `model` and start serving (port 0: a free
     port). `tokenizer_fingerprint` (of the model's tokenizer) is published in Info and checked against drafters;
     `compute` is the executor for the engine's forwards (default: a worker thread of the engine's own);
-    `grammars` compiles structured_output for the model's tokenizer (without it such requests are refused)."""
+    `grammars` compiles structured_output for the model's tokenizer (without it such requests are refused);
+    `step_cost_cache` keeps the start-up cost profile for the next start (None: measured every start)."""
     credentials = settings.server_credentials()
     max_model_len = resolve_max_model_len(model, settings.max_model_len)
     metrics = create_metrics()
@@ -160,6 +163,7 @@ async def start_verifier(
             log_stats_interval_s=settings.log_stats_interval_s,
             adaptive_speculation=settings.adaptive_speculation,
             extract_hidden_states_dir=extract_dir(settings),
+            step_cost_cache=step_cost_cache,
         ),
         {d.name: d for d in drafters},
         eos_token_ids,
@@ -172,7 +176,7 @@ async def start_verifier(
         tokenizer_fingerprint,
     )
     servicer = VerifierServicer(
-        engine, facts, default, lambda: [d.report(engine.num_fallbacks(d.name)) for d in drafters]
+        engine, facts, default, lambda: [d.report(engine.num_fallbacks(d.name), engine.is_degraded(d.name)) for d in drafters]
     )
     await engine.start()
     for drafter in drafters:
@@ -196,12 +200,24 @@ async def start_verifier(
     return running
 
 
-async def serve(settings: VerifierSettings, loaded: LoadedModel, runner: ModelRunner, compute: Executor) -> int:
+def step_cost_cache_for(settings: VerifierSettings, loaded: LoadedModel, placement: str) -> StepCostCache | None:
+    if not settings.step_cost_cache_dir:
+        return None
+    return StepCostCache(
+        Path(settings.step_cost_cache_dir).expanduser(), loaded.model_id, loaded.model.config.to_json_string(),
+        str(loaded.model.dtype), placement,
+    )
+
+
+async def serve(
+    settings: VerifierSettings, loaded: LoadedModel, runner: ModelRunner, compute: Executor, placement: str
+) -> int:
     """Serve the loaded model until SIGTERM/SIGINT, then stop gracefully."""
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
     grammars = grammar_compiler_for(loaded.tokenizer, runner.vocab_size)
     running = await start_verifier(
-        loaded.model, loaded.model_id, settings, loaded.eos_token_ids, fingerprint, runner, compute, grammars
+        loaded.model, loaded.model_id, settings, loaded.eos_token_ids, fingerprint, runner, compute, grammars,
+        step_cost_cache_for(settings, loaded, placement),
     )
     install_sigterm_handler(lambda: running.stop(settings.drain_s, settings.grace_s))
     scheme = "grpcs" if settings.tls_enabled else "grpc"
@@ -225,7 +241,7 @@ def run(settings: VerifierSettings) -> int:
     worker = worker_thread()
     try:
         placement, _ = choose_compute_thread(settings.compute_thread, runner, worker)
-        return run_with_compute(placement, worker, lambda compute: serve(settings, loaded, runner, compute))
+        return run_with_compute(placement, worker, lambda compute: serve(settings, loaded, runner, compute, placement))
     finally:
         worker.shutdown(wait=True)
 
@@ -254,6 +270,9 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-seconds", dest="grace_s", type=float, default=s)
     parser.add_argument("--tls-cert-file", dest="tls_cert_file", default=s)
     parser.add_argument("--tls-key-file", dest="tls_key_file", default=s)
+    parser.add_argument("--step-cost-cache-dir", dest="step_cost_cache_dir", default=s,
+                        help="reuse the start-up step-cost profile measured on this machine with this model and "
+                        "setup, kept here (default ~/.cache/specserve/measurements; '' measures at every start)")
     parser.add_argument("--drafter-tls-root-cert", dest="drafter_tls_root_cert", default=s,
                         help="PEM root certificate: connect to drafters over TLS")
 

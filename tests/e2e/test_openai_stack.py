@@ -4,7 +4,9 @@ and by raw HTTP, as users drive it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import signal
 import threading
 import time
 
@@ -172,6 +174,42 @@ def test_drafter_death_costs_speed_not_correctness(stack, client):
     # the restarted drafter's own /metrics saw the steps it answered
     assert stack.drafter_metric("specserve_drafter_steps_total") > 0
     assert stack.drafter_metric("specserve_drafter_proposed_tokens_total") > 0
+
+
+def drafter_state(stack) -> str:
+    return httpx.get(f"{stack.base_url}/health", timeout=5).json()["drafters"][0]["state"]
+
+
+def test_a_hung_drafter_is_not_waited_for_and_drafts_again_when_it_resumes(stack, client):
+    """SIGSTOP: the link stays up but nothing answers. After a few missed deadlines the verifier's breaker stops
+    waiting (the late calls stop counting up while requests keep running), /health and the metric say degraded,
+    the output is unchanged; after SIGCONT a probe re-admits the drafter and its drafts are accepted again."""
+    messages = [{"role": "user", "content": EDIT}]
+    reference = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                               extra_body=NO_SPEC).choices[0].message.content
+    drafter = stack.processes["drafter"]
+    late_before = stack.verifier_metric("specserve_spec_decode_num_late_proposals_total")
+    drafter.send_signal(signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            outputs = list(pool.map(lambda _: client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=60, temperature=0).choices[0].message.content, range(4)))
+        assert outputs == [reference] * 4
+        assert drafter_state(stack) == "degraded"
+        assert stack.verifier_metric("specserve_drafter_degraded") == 1
+        late_during = stack.verifier_metric("specserve_spec_decode_num_late_proposals_total") - late_before
+        # more requests while it is still stopped: none of their steps waits for it
+        again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
+        assert again.choices[0].message.content == reference
+        assert again.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
+        assert stack.verifier_metric("specserve_spec_decode_num_late_proposals_total") - late_before == late_during
+        assert late_during <= 3  # the breaker opened after three late calls (draft_breaker.OPEN_AFTER)
+    finally:
+        drafter.send_signal(signal.SIGCONT)
+    assert wait_until_speculation_accepts(client, messages) > 0
+    assert drafter_state(stack) == "serving"
+    assert stack.verifier_metric("specserve_drafter_degraded") == 0
+    assert stack.verifier_metric("specserve_drafter_degraded_episodes_total") >= 1
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},

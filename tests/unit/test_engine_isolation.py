@@ -14,6 +14,7 @@ from services.common.proposer import Draft
 from services.common.sampling_rules import LOGPROB_FLOOR
 from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.draft_breaker import OPEN_AFTER
 from services.verifier.engine import Engine, RequestFailedError
 from services.verifier.engine_config import EngineConfig
 from services.verifier.random_streams import seed_to_int64
@@ -164,16 +165,21 @@ async def test_a_drafter_outage_is_logged_once_when_it_starts_and_once_when_it_e
     spec = SpeculationParams("remote", 3)
     caplog.set_level(logging.INFO, logger="services.verifier.engine")
     await run_schedule(engine, {0: [GenerationRequest("x", PROMPTS["a"], SamplingParams(max_tokens=10, temperature=0), spec)]})
-    assert failing.calls >= 5
+    assert failing.calls == OPEN_AFTER  # then its breaker opens: not asked again until a probe is due
+    assert engine.num_fallbacks("remote") > failing.calls  # every decode step ran at K = 0
 
     async def propose(inputs):  # the drafter is back (with nothing to propose)
         return [Draft(()) for _ in inputs]
 
     failing.propose = propose
+    engine.drafts.breakers["remote"].next_probe_at = 0.0  # the backoff has passed
     await run_schedule(engine, {0: [GenerationRequest("y", PROMPTS["b"], SamplingParams(max_tokens=4, temperature=0), spec)]})
-    lines = [r.getMessage() for r in caplog.records if "proposer 'remote'" in r.getMessage()]
-    assert len(lines) == 2, lines
+    lines = [r.getMessage() for r in caplog.records if "'remote'" in r.getMessage()]
+    assert len(lines) == 4, lines
     assert "unavailable: drafter unavailable" in lines[0]
-    assert "is back after" in lines[1] and f"{failing.calls} steps ran with K = 0" in lines[1]
+    assert "degraded: 3 calls in a row late or failed" in lines[1]
+    assert "answers in time again" in lines[2]
+    assert "is back after" in lines[3]
     assert not any(r.exc_info for r in caplog.records)  # an expected outage carries no traceback
-    assert engine.num_fallbacks("remote") == failing.calls
+    assert f"{engine.num_fallbacks('remote')} steps ran with K = 0" in lines[3]
+    assert not engine.drafts.breakers["remote"].is_open
