@@ -17,7 +17,7 @@ PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test test-fast bench bench-sweep bench-grammar bench-draft-model bench-eagle eagle-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-stall bench-sweep bench-grammar bench-draft-model bench-eagle eagle-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -71,6 +71,12 @@ bench: fetch-model
 # 1 and 4 requests, both drafters as gRPC processes; exit 1 if a speculative output differs (EAGLE_BENCH_ARGS).
 bench-eagle: fetch-model
 	$(BIN)/python -m services.bench.eagle_bench --model $(MODEL) $(EAGLE_BENCH_ARGS)
+
+# A drafter SIGSTOPped for 20 s under 8 concurrent streaming chats: the median inter-token gap before, during and
+# after the stall against no speculation, when /health says degraded and when drafts are accepted again; exit 1 if
+# a request fails or an output differs (STALL_BENCH_ARGS, e.g. --stall-s 10).
+bench-stall: fetch-model
+	$(BIN)/python -m services.bench.drafter_stall --model $(MODEL) $(STALL_BENCH_ARGS)
 
 # JSON-schema requests with ngram speculation vs without (tok/s, acceptance; exit 1 if outputs differ), the grammar
 # mask's cost per verify step and the share of tokens the grammar forces.

@@ -13,6 +13,7 @@ import uuid
 
 from services import launcher
 from services.common.speculative_config import SpeculativeConfig
+from services.modeling.model_source import ModelUnavailableError
 from services.verifier.settings import add_engine_flags
 
 LOCAL_ENGINE_FLAGS = (
@@ -89,6 +90,9 @@ def _delegate(command: str, argv: list[str]) -> int:
     except ValueError as error:  # settings validation (pydantic's errors are ValueErrors) and bad files
         print(f"specserve {command}: error: {error}", file=sys.stderr)
         return 2
+    except ModelUnavailableError as error:  # not on disk, not fetchable: what to do, not a traceback
+        print(f"specserve {command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"specserve: error: {error}", file=sys.stderr)
         return 2
+    except ModelUnavailableError as error:
+        print(f"specserve {args.command}: error: {error}", file=sys.stderr)
+        return 1
     return 1
 
 

@@ -42,6 +42,7 @@ from services.gateway.tools.output import StreamedChoice, ToolOutput
 from services.gateway.tools.parsers import tool_call_format
 from services.gateway.tools.template import render_inputs, template_knows_tools
 from services.gateway.verifier_client import VerifierClient, pb
+from services.modeling.model_source import ModelUnavailableError
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
 _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
@@ -62,6 +63,7 @@ class GatewayState:
     client: VerifierClient
     metrics: GatewayMetrics
     tokenizer: Any = None
+    tokenizer_problem: str | None = None  # why the tokenizer cannot be had (then the gateway is not ready)
     info: Any = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -79,13 +81,39 @@ class GatewayState:
         return self.info
 
     async def get_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            spec = self.settings.model or (await self.model_info()).model_id
-            tokenizer = await run_in_threadpool(load_tokenizer, spec)
-            if self.info is not None:
-                await self._check_tokenizer(self.info, tokenizer)
-            self.tokenizer = self.tokenizer or tokenizer
-        return self.tokenizer
+        """The tokenizer, for a request: never loaded (nor its model fetched) here. Until prepare() has it, a
+        503 that says why: the verifier is unreachable, the tokenizer is loading, or it cannot be had."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.tokenizer_problem is not None:
+            raise ApiError(503, self.tokenizer_problem, code="model_unavailable")
+        await self.model_info()  # the verifier's own 503 while it is unreachable
+        raise ApiError(503, "the gateway is starting: its tokenizer is loading; retry in a few seconds",
+                       code="not_ready")
+
+    async def prepare(self, retry_s: float = 0.5) -> None:
+        """Load the tokenizer once, at start-up: the --model one, else that of the model the verifier serves
+        (asked until it answers). A model that cannot be found or fetched leaves `tokenizer_problem` set: the
+        gateway stays up, not ready, and says why on /health and in every 503."""
+        while self.tokenizer is None:
+            try:
+                spec = self.settings.model or (await self.model_info()).model_id
+            except ApiError:  # the verifier is not up yet: the gateway may start first
+                await asyncio.sleep(retry_s)
+                continue
+            try:
+                tokenizer = await run_in_threadpool(load_tokenizer, spec)
+                if self.info is not None:
+                    await self._check_tokenizer(self.info, tokenizer)
+            except ModelUnavailableError as error:
+                self.tokenizer_problem = str(error)
+                logger.error("gateway not ready: %s", error)
+                return
+            except ApiError as error:  # tokenizer_mismatch
+                self.tokenizer_problem = error.message
+                logger.error("gateway not ready: %s", error.message)
+                return
+            self.tokenizer = tokenizer
 
     async def _check_tokenizer(self, info: Any, tokenizer: Any) -> None:
         """Ids from a tokenizer with another vocabulary would mean other tokens to the verifier's model."""
@@ -114,12 +142,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        try:
-            await state.get_tokenizer()  # fail early on a bad --model; tolerate a verifier not up yet
-        except ApiError as error:
-            if error.code == "tokenizer_mismatch":
-                raise RuntimeError(error.message) from error
+        preparing = asyncio.create_task(state.prepare(), name="specserve-gateway-prepare")
         yield
+        preparing.cancel()
         await client.close()
 
     app = FastAPI(title="specserve gateway", lifespan=lifespan)
@@ -164,9 +189,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     async def health() -> JSONResponse:
         """Open even with an API key (load balancers probe it), so then it tells the status only: the
         verifier's and drafters' addresses and error details are for operators, on the metrics and logs."""
-        report = await _health(client)
+        report = await _health(client, state)
         body = s.Health(status=report.status) if settings.api_key is not None else report
-        return JSONResponse(body.public(), status_code=503 if report.status == "unavailable" else 200)
+        return JSONResponse(body.public(), status_code=200 if report.status in ("ok", "degraded") else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -244,11 +269,17 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     return app
 
 
-async def _health(client: VerifierClient) -> s.Health:
+async def _health(client: VerifierClient, state: GatewayState) -> s.Health:
+    """Ready (200: ok or degraded) only with the tokenizer loaded and the verifier answering."""
+    if state.tokenizer_problem is not None:
+        return s.Health(status="unavailable", verifier=client.address, error=state.tokenizer_problem)
     try:
         info = await client.info()
     except grpc.RpcError as exc:
         return s.Health(status="unavailable", verifier=client.address, error=from_grpc(exc).message)
+    if state.tokenizer is None:
+        return s.Health(status="starting", model=info.model_id, verifier=client.address,
+                        error="loading the tokenizer")
     drafters = [s.DrafterHealth(name=d.name, method=d.method, address=d.address,
                                 state=_DRAFTER_STATES.get(d.state, "unknown"), detail=d.detail,
                                 num_fallbacks=d.num_fallbacks) for d in info.drafters]

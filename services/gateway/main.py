@@ -32,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     from services.gateway.app import create_app
 
     settings = parse_args(argv)
-    app = create_app(settings)
+    tokenizer = None
+    if settings.model:  # known now: a model that cannot be found or fetched fails the start (cli.py: exit 1)
+        from services.gateway.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(settings.model)
+    app = create_app(settings, tokenizer=tokenizer)
     base = f"http://{settings.host}:{settings.port}"
     print(f"specserve gateway -> verifier {settings.verifier}", file=sys.stderr)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):

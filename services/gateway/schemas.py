@@ -438,7 +438,7 @@ class DrafterHealth(BaseModel):
 class Health(BaseModel):
     """`GET /health`. With an API key set, only `status`: the endpoint is open, the addresses are not."""
 
-    status: Literal["ok", "degraded", "unavailable"]
+    status: Literal["ok", "degraded", "starting", "unavailable"]
     model: str | None = None
     verifier: str | None = None
     num_running: int | None = None

@@ -13,19 +13,24 @@ from typing import Any
 
 from services.modeling.converted_cache import complete_folder
 from services.modeling.gguf_tokenizer import load_gguf_tokenizer
-from services.modeling.model_source import resolve_model_source
+from services.modeling.model_source import ModelUnavailableError, resolve_model_source
 
 
 def load_tokenizer(spec: str) -> Any:
+    """The tokenizer `spec` names (fetching a registered model that is not in the cache yet); a model that
+    cannot be had raises ModelUnavailableError saying why and what to do."""
     from transformers import AutoTokenizer
 
     source = resolve_model_source(spec)
     converted = complete_folder(Path(source.path) / source.gguf_file) if source.kind == "registered" else None
-    if converted is not None:  # a verifier converted this model already: its folder loads in a fraction
-        return AutoTokenizer.from_pretrained(converted)
-    if source.gguf_file is not None:  # transformers' own GGUF path imports torch
-        return load_gguf_tokenizer(Path(source.path) / source.gguf_file)
-    return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+    try:
+        if converted is not None:  # a verifier converted this model already: its folder loads in a fraction
+            return AutoTokenizer.from_pretrained(converted)
+        if source.gguf_file is not None:  # transformers' own GGUF path imports torch
+            return load_gguf_tokenizer(Path(source.path) / source.gguf_file)
+        return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+    except OSError as error:  # a hub id without a reachable hub, a folder without tokenizer files
+        raise ModelUnavailableError(f"the tokenizer of model {spec!r} could not be loaded: {error}") from error
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:

@@ -22,17 +22,13 @@ import torch
 
 from services.common.device import resolve_device, resolve_dtype
 from services.modeling.converted_cache import ensure_converted
-from services.modeling.model_source import ModelSource, resolve_model_source
+from services.modeling.model_source import ModelSource, ModelUnavailableError, resolve_model_source
 from services.modeling.registry import registered_model_names
 
 logger = logging.getLogger(__name__)
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HUB_PROBE_TIMEOUT_S = 3.0
-
-
-class ModelUnavailableError(RuntimeError):
-    """`--model` names nothing that can be loaded from here; the message says what would work."""
 
 
 @dataclass(frozen=True, eq=False)

