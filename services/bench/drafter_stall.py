@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             ("stall, first 2 s", (stopped, stopped + 2)), ("stall, after 2 s", (stopped + 2, stopped + args.stall_s)),
             ("whole stall", (stopped, stopped + args.stall_s)), ("resume, first 2 s", (resumed, resumed + 2)),
             ("resume, 2-5 s", (resumed + 2, resumed + 5))]
-    print(f"\n{args.concurrency} concurrent streaming greedy chats, {args.model}, drafter SIGSTOPped {args.stall_s:.0f} s")
+    print(f"\n{args.concurrency} concurrent streaming greedy chats, {args.model}, "
+          f"drafter SIGSTOPped {args.stall_s:.0f} s")
     print("| phase | median inter-token gap (ms) | vs no speculation |\n|---|---:|---:|")
     for name, window in rows:
         gap = load.median_gap(*window)

@@ -176,7 +176,8 @@ async def start_verifier(
         tokenizer_fingerprint,
     )
     servicer = VerifierServicer(
-        engine, facts, default, lambda: [d.report(engine.num_fallbacks(d.name), engine.is_degraded(d.name)) for d in drafters]
+        engine, facts, default,
+        lambda: [d.report(engine.num_fallbacks(d.name), engine.is_degraded(d.name)) for d in drafters],
     )
     await engine.start()
     for drafter in drafters:

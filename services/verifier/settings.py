@@ -5,6 +5,8 @@ overridden by command-line flags (server.main), so the same process is configure
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -13,7 +15,13 @@ from pydantic_settings import SettingsConfigDict
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import TlsServerSettings
 from services.modeling.registry import DEFAULT_MODEL
-from services.verifier.step_cost_cache import default_measurement_dir
+
+
+def default_measurement_dir() -> Path:
+    """Where step_cost_cache.py keeps start-up profiles: `$XDG_CACHE_HOME/specserve/measurements` (default
+    `~/.cache/...`), beside the models, not among them. Here, not there: settings import no torch."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specserve" / "measurements"
 
 
 def parse_drafter(spec: str) -> tuple[str, str]:

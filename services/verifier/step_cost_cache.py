@@ -37,12 +37,6 @@ FORMAT = 1
 MAX_AGE_S = 7 * 24 * 3600  # a week: drift (a kernel update, a BIOS setting) is caught without a version bump
 
 
-def default_measurement_dir() -> Path:
-    """`$XDG_CACHE_HOME/specserve/measurements` (default `~/.cache/...`): beside the models, not among them."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specserve" / "measurements"
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
