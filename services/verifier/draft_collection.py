@@ -127,6 +127,13 @@ class DraftCollector:
         token_ids = list(state.token_ids) if snapshot else state.token_ids
         return DraftInput(state.request_id, token_ids, k, state.hidden_states())
 
+    def readmit(self, method: str) -> None:
+        """Close `method`'s breaker on outside evidence that it answers in time (a health probe)."""
+        breaker = self.breakers.get(method)
+        if breaker is not None and breaker.is_open:
+            breaker.answered(self._clock())
+            self._outages.succeeded(method)
+
     def breaker(self, method: str) -> DraftBreaker:
         found = self.breakers.get(method)
         if found is None:

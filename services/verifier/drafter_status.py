@@ -64,16 +64,21 @@ class TrackedProposer:
         else:
             self._record_success()
 
-    def start_watching(self, interval_s: float) -> None:
-        """Probe every `interval_s` in which no step succeeded (0: never); stopped by close()."""
+    def start_watching(self, interval_s: float, answered: Callable[[], None] = lambda: None) -> None:
+        """Probe every `interval_s` in which no step succeeded (0: never); stopped by close(). `answered` runs
+        after each probe answered in time: the engine re-admits a drafter its breaker had stopped asking, which
+        matters when no request is running to send the breaker's own probes."""
         if interval_s > 0 and self._watcher is None:
-            self._watcher = asyncio.create_task(self._watch(interval_s), name=f"specserve-watch-{self.name}")
+            self._watcher = asyncio.create_task(self._watch(interval_s, answered),
+                                                name=f"specserve-watch-{self.name}")
 
-    async def _watch(self, interval_s: float) -> None:
+    async def _watch(self, interval_s: float, answered: Callable[[], None]) -> None:
         while True:
             await asyncio.sleep(interval_s)
             if time.monotonic() - self._last_success >= interval_s:
                 await self.probe()
+                if self._state == SERVING:
+                    answered()
 
     async def propose(self, inputs: Sequence[DraftInput]) -> Sequence[Draft]:
         started = time.perf_counter()

@@ -170,6 +170,11 @@ class Engine:
         breaker = self.drafts.breakers.get(method)
         return breaker is not None and breaker.is_open
 
+    def readmit(self, method: str) -> None:
+        """`method`'s drafter answered a health probe in time: ask it again from the next step (if its calls
+        are still late, its breaker opens again after a few)."""
+        self.drafts.readmit(method)
+
     def num_fallbacks(self, method: str) -> int:
         """Steps in which `method`'s proposal was late, failed or malformed (its rows ran with K = 0)."""
         return self.drafts.num_fallbacks(method)

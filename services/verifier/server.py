@@ -8,6 +8,7 @@ Prometheus metrics on their own HTTP port.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
@@ -181,7 +182,7 @@ async def start_verifier(
     )
     await engine.start()
     for drafter in drafters:
-        drafter.start_watching(settings.drafter_health_interval_s)
+        drafter.start_watching(settings.drafter_health_interval_s, functools.partial(engine.readmit, drafter.name))
     try:
         server = await start_grpc_server(
             lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),

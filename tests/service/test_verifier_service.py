@@ -222,6 +222,32 @@ async def test_info_reports_model_facts_and_drafter_states(model, ngram_drafter)
         assert gone.state == verifier_pb2.DRAFTER_STATE_DISCONNECTED and gone.num_fallbacks > 0
 
 
+async def state_becomes(stub, wanted) -> None:
+    async with asyncio.timeout(10):
+        while (await info(stub)).drafters[0].state != wanted:
+            await asyncio.sleep(0.05)
+
+
+async def test_a_drafter_back_while_no_request_runs_is_readmitted_by_the_health_probe(model):
+    """Its breaker opened while a request ran (the drafter was down); then it comes back with nothing running,
+    so no step sends the breaker's own probes: the health watcher's answer re-admits it, and Info says serving."""
+    from services.drafter.methods.ngram import NgramProposer
+    from services.drafter.server import serve
+
+    port = free_port()
+    overrides = {"drafters": [f"late=127.0.0.1:{port}"], "drafter_health_interval_s": 0.1}
+    async with verifier(model, **overrides) as (running, stub):
+        messages = await collect(stub, greedy("g", [1, 2, 3, 1, 2, 3], 8, method="late"))
+        assert sum(len(m.token_ids) for m in messages) == 8
+        assert running.engine.is_degraded("late")
+        server, _ = await serve(NgramProposer(), "127.0.0.1", port)
+        try:
+            await state_becomes(stub, verifier_pb2.DRAFTER_STATE_SERVING)
+            assert not running.engine.is_degraded("late")
+        finally:
+            await server.server.stop(0)
+
+
 async def test_idle_drafters_states_follow_the_drafter_coming_and_going(model):
     """No request uses the drafter: the health watcher alone notices it start, then stop."""
     from services.drafter.methods.ngram import NgramProposer
@@ -229,11 +255,6 @@ async def test_idle_drafters_states_follow_the_drafter_coming_and_going(model):
 
     port = free_port()
     overrides = {"drafters": [f"late=127.0.0.1:{port}"], "drafter_health_interval_s": 0.1}
-
-    async def state_becomes(stub, wanted) -> None:
-        async with asyncio.timeout(10):
-            while (await info(stub)).drafters[0].state != wanted:
-                await asyncio.sleep(0.05)
 
     async with verifier(model, **overrides) as (_running, stub):
         assert (await info(stub)).drafters[0].state == verifier_pb2.DRAFTER_STATE_DISCONNECTED
