@@ -7,13 +7,15 @@ import argparse
 import asyncio
 import importlib
 import logging
+import os
 import sys
 import time
 import uuid
 
 from services import launcher
 from services.common.speculative_config import SpeculativeConfig
-from services.modeling.model_source import ModelUnavailableError
+from services.modeling.model_source import ModelUnavailableError, resolve_model_source
+from services.modeling.registry import DEFAULT_MODEL
 from services.verifier.settings import add_engine_flags
 
 LOCAL_ENGINE_FLAGS = (
@@ -83,7 +85,25 @@ DELEGATED = {
 }
 
 
+def _check_verifier_model(argv: list[str]) -> None:
+    """Resolve (and, the first time, fetch) the verifier's model before its module imports torch and transformers
+    (~7 s on 2 cores): a model that is neither on disk nor fetchable then fails the start in about a second. The
+    flag wins over SPECSERVE_VERIFIER_MODEL, which wins over the default, as in VerifierSettings."""
+    if {"-h", "--help"} & set(argv):
+        return
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model")
+    model = parser.parse_known_args(argv)[0].model or os.environ.get("SPECSERVE_VERIFIER_MODEL") or DEFAULT_MODEL
+    resolve_model_source(model)
+
+
 def _delegate(command: str, argv: list[str]) -> int:
+    try:
+        if command == "verifier":
+            _check_verifier_model(argv)
+    except ModelUnavailableError as error:
+        print(f"specserve {command}: error: {error}", file=sys.stderr)
+        return 1
     module = importlib.import_module(DELEGATED[command])
     try:
         return module.main(argv)

@@ -43,7 +43,6 @@ from services.verifier.sampling_params import GenerationRequest
 from services.verifier.spec_stats import PeriodicStatsLogger, SpecDecodeStats
 from services.verifier.speculation_planner import SpeculationPlanner
 from services.verifier.step_cost import StepCostModel, profile_step_cost
-from services.verifier.step_cost_cache import load_profile, save_profile
 from services.verifier.step_execution import SampledRow, StepResult, execute_isolating_faults
 from services.verifier.step_planning import PrefillChunk, plan_prefill, speculation_cap
 from services.verifier.structured_output import GrammarCompiler, build_constraint
@@ -120,14 +119,14 @@ class Engine:
         self._cost_profiled = True
         rows = min(self.runner.max_num_seqs, PROFILE_MAX_ROWS)
         cache = self.config.step_cost_cache
-        identity = cache.identity(self.runner, rows, PROFILE_MAX_WIDTH) if cache else {}
-        if cache and load_profile(cache.path(identity), identity, self.planner.cost):
+        identity = cache.identity(rows, PROFILE_MAX_WIDTH) if cache else {}
+        if cache and cache.load(identity, self.planner.cost):
             return
         await asyncio.get_running_loop().run_in_executor(
             self._executor, profile_step_cost, self.runner, self.planner.cost, rows, PROFILE_MAX_WIDTH,
         )
         if cache and self.planner.cost.fitted:
-            save_profile(cache.path(identity), identity, self.planner.cost)
+            cache.save(identity, self.planner.cost)
 
     async def shutdown(self) -> None:
         """Abort every request and stop after the step in flight (a forward is never cut in half)."""

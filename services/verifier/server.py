@@ -31,6 +31,7 @@ from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.drafter_status import TrackedProposer
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
+from services.verifier.measurement_store import MeasurementStore, setup_identity
 from services.verifier.metrics import EngineCollector, TimedRunner, create_metrics
 from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig
 from services.verifier.servicer import VerifierServicer, status_for
@@ -40,6 +41,7 @@ from services.verifier.structured_output import GrammarCompiler, grammar_compile
 from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2, verifier_pb2_grpc
 
 logger = logging.getLogger(__name__)
+PLACEMENT = "placement"  # the measurement store's kind for the forwards' thread
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name  # "specserve.v1.Verifier"
 
@@ -202,24 +204,39 @@ async def start_verifier(
     return running
 
 
-def step_cost_cache_for(settings: VerifierSettings, loaded: LoadedModel, placement: str) -> StepCostCache | None:
-    if not settings.step_cost_cache_dir:
-        return None
-    return StepCostCache(
-        Path(settings.step_cost_cache_dir).expanduser(), loaded.model_id, loaded.model.config.to_json_string(),
-        str(loaded.model.dtype), placement,
-    )
+def measurement_store(settings: VerifierSettings) -> MeasurementStore | None:
+    folder = settings.measurement_cache_dir
+    return MeasurementStore(Path(folder).expanduser()) if folder else None
+
+
+def place_forwards(
+    settings: VerifierSettings, runner: ModelRunner, worker: Executor, store: MeasurementStore | None,
+    setup: dict,
+) -> str:
+    """The thread for the forwards: as asked, or for "auto" as measured at an earlier start with this setup
+    (measurement_store.py), or measured now (and kept)."""
+    found = store.load(PLACEMENT, setup) if settings.compute_thread == "auto" and store is not None else None
+    if found is not None and isinstance(found[0], dict) and found[0].get("thread") in ("main", "worker"):
+        (stored, age) = found
+        logger.info("model forwards run on the %s thread: %s (measured %.1f h ago, %s)", stored["thread"],
+                    stored.get("timing"), age / 3600, store.path(PLACEMENT, setup))
+        return stored["thread"]
+    placement, timing = choose_compute_thread(settings.compute_thread, runner, worker)
+    if timing is not None and store is not None:
+        store.save(PLACEMENT, setup, {"thread": placement, "timing": timing.describe()})
+    return placement
 
 
 async def serve(
-    settings: VerifierSettings, loaded: LoadedModel, runner: ModelRunner, compute: Executor, placement: str
+    settings: VerifierSettings, loaded: LoadedModel, runner: ModelRunner, compute: Executor,
+    step_cost_cache: StepCostCache | None = None,
 ) -> int:
     """Serve the loaded model until SIGTERM/SIGINT, then stop gracefully."""
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
     grammars = grammar_compiler_for(loaded.tokenizer, runner.vocab_size)
     running = await start_verifier(
         loaded.model, loaded.model_id, settings, loaded.eos_token_ids, fingerprint, runner, compute, grammars,
-        step_cost_cache_for(settings, loaded, placement),
+        step_cost_cache,
     )
     install_sigterm_handler(lambda: running.stop(settings.drain_s, settings.grace_s))
     scheme = "grpcs" if settings.tls_enabled else "grpc"
@@ -241,9 +258,13 @@ def run(settings: VerifierSettings) -> int:
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len)
     worker = worker_thread()
+    store = measurement_store(settings)
+    setup = setup_identity(loaded.model_id, loaded.model.config.to_json_string(), str(loaded.model.dtype),
+                           runner.device)
     try:
-        placement, _ = choose_compute_thread(settings.compute_thread, runner, worker)
-        return run_with_compute(placement, worker, lambda compute: serve(settings, loaded, runner, compute, placement))
+        placement = place_forwards(settings, runner, worker, store, setup)
+        costs = StepCostCache(store, setup, placement) if store is not None else None
+        return run_with_compute(placement, worker, lambda compute: serve(settings, loaded, runner, compute, costs))
     finally:
         worker.shutdown(wait=True)
 
@@ -272,9 +293,10 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-seconds", dest="grace_s", type=float, default=s)
     parser.add_argument("--tls-cert-file", dest="tls_cert_file", default=s)
     parser.add_argument("--tls-key-file", dest="tls_key_file", default=s)
-    parser.add_argument("--step-cost-cache-dir", dest="step_cost_cache_dir", default=s,
-                        help="reuse the start-up step-cost profile measured on this machine with this model and "
-                        "setup, kept here (default ~/.cache/specserve/measurements; '' measures at every start)")
+    parser.add_argument("--measurement-cache-dir", dest="measurement_cache_dir", default=s,
+                        help="reuse the start-up measurements (thread placement, step-cost profile) taken on this "
+                        "machine with this model and setup, kept here (default ~/.cache/specserve/measurements; '' "
+                        "measures at every start)")
     parser.add_argument("--drafter-tls-root-cert", dest="drafter_tls_root_cert", default=s,
                         help="PEM root certificate: connect to drafters over TLS")
 

@@ -18,7 +18,7 @@ from services.modeling.registry import DEFAULT_MODEL
 
 
 def default_measurement_dir() -> Path:
-    """Where step_cost_cache.py keeps start-up profiles: `$XDG_CACHE_HOME/specserve/measurements` (default
+    """Where measurement_store.py keeps start-up measurements: `$XDG_CACHE_HOME/specserve/measurements` (default
     `~/.cache/...`), beside the models, not among them. Here, not there: settings import no torch."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "specserve" / "measurements"
@@ -59,8 +59,9 @@ class VerifierSettings(TlsServerSettings):
     grace_s: float = Field(5.0, ge=0)  # then: time for calls in flight to finish
     drafter_tls_root_cert: str | None = None  # PEM root certificate: the links to drafters use TLS
     log_stats_interval_s: float = Field(10.0, ge=0)
-    # where the start-up step-cost profile is kept for the next start on this machine and setup; "": not kept
-    step_cost_cache_dir: str = Field(default_factory=lambda: str(default_measurement_dir()))
+    # where start-up measurements (thread placement, step-cost profile) are kept for the next start on this
+    # machine and setup (measurement_store.py); "": measured at every start
+    measurement_cache_dir: str = Field(default_factory=lambda: str(default_measurement_dir()))
 
     @field_validator("speculative_config")
     @classmethod

@@ -186,21 +186,22 @@ def test_a_hung_drafter_is_not_waited_for_and_drafts_again_when_it_resumes(stack
     waiting (the late calls stop counting up while requests keep running), /health and the metric say degraded,
     the output is unchanged; after SIGCONT a probe re-admits the drafter and its drafts are accepted again."""
     messages = [{"role": "user", "content": EDIT}]
-    reference = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+    tokens = 24  # enough steps for the breaker to open, then to skip the drafter
+    reference = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=tokens, temperature=0,
                                                extra_body=NO_SPEC).choices[0].message.content
     drafter = stack.processes["drafter"]
     late_before = stack.verifier_metric("specserve_spec_decode_num_late_proposals_total")
     drafter.send_signal(signal.SIGSTOP)
     try:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
             outputs = list(pool.map(lambda _: client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=60, temperature=0).choices[0].message.content, range(4)))
-        assert outputs == [reference] * 4
+                model=MODEL, messages=messages, max_tokens=tokens, temperature=0).choices[0].message.content, range(3)))
+        assert outputs == [reference] * 3
         assert drafter_state(stack) == "degraded"
         assert stack.verifier_metric("specserve_drafter_degraded") == 1
         late_during = stack.verifier_metric("specserve_spec_decode_num_late_proposals_total") - late_before
         # more requests while it is still stopped: none of their steps waits for it
-        again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
+        again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=tokens, temperature=0)
         assert again.choices[0].message.content == reference
         assert again.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
         assert stack.verifier_metric("specserve_spec_decode_num_late_proposals_total") - late_before == late_during

@@ -1,5 +1,6 @@
-"""The stored step-cost profile: a second start with the same identity runs no profile forward and plans with the
-same costs; another identity, an old, corrupt or foreign file, or an unwritable folder means measuring again."""
+"""Start-up measurements kept for the next start (measurement_store.py): a second start with the same identity
+runs no profile forward and plans with the same costs, and places its forwards without timing them; another
+identity, an old, corrupt or foreign file, or an unwritable folder means measuring again."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import json
 import logging
 import time
 
+import torch
+
+from services.common.main_thread_compute import worker_thread
 from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier import server
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
+from services.verifier.measurement_store import MAX_AGE_S, MeasurementStore, setup_identity
+from services.verifier.settings import VerifierSettings
 from services.verifier.step_cost import StepShape
-from services.verifier.step_cost_cache import MAX_AGE_S, StepCostCache, load_profile
+from services.verifier.step_cost_cache import StepCostCache
 from tests.tiny_models import tiny_llama
 
 
@@ -30,8 +37,12 @@ class CountingRunner:
         return getattr(self._runner, name)
 
 
+def setup(model_config="{}") -> dict:
+    return setup_identity("tiny-llama", model_config, "torch.float32", torch.device("cpu"))
+
+
 def cache_in(directory, model_config="{}", compute_thread="worker") -> StepCostCache:
-    return StepCostCache(directory, "tiny-llama", model_config, "torch.float32", compute_thread)
+    return StepCostCache(MeasurementStore(directory), setup(model_config), compute_thread)
 
 
 async def started_engine(model, cache, max_num_seqs=4) -> tuple[Engine, CountingRunner]:
@@ -81,24 +92,12 @@ async def test_an_old_corrupt_or_foreign_file_is_measured_over(tmp_path, caplog)
     _, runner = await started_engine(model, cache_in(tmp_path))
     assert runner.forwards > 10
 
-    path.write_text('{"identity": ')
-    with caplog.at_level(logging.WARNING):
-        _, runner = await started_engine(model, cache_in(tmp_path))
-    assert runner.forwards > 10 and "ignoring the stored step-cost profile" in caplog.text
-
-
-def test_a_file_for_this_identity_loads_and_nothing_else_does(tmp_path):
-    from services.verifier.step_cost import StepCostModel
-
-    identity = {"model": "m", "hardware": "x"}
-    path = tmp_path / "p.json"
-    samples = [{"rows": r, "width": w, "span": 64 * r, "seconds": [0.01 * r * w]} for r in (1, 2, 4) for w in (1, 9)]
-    path.write_text(json.dumps({"identity": identity, "measured_at": time.time(), "samples": samples}))
-    loaded = StepCostModel()
-    assert load_profile(path, identity, loaded) and loaded.fitted
-    assert loaded.predict(StepShape(4, 9, 256)) > loaded.predict(StepShape(1, 1, 64)) > 0
-    assert not load_profile(path, {**identity, "hardware": "y"}, StepCostModel())
-    assert not load_profile(tmp_path / "absent.json", identity, StepCostModel())
+    for corrupt in ('{"identity": ', json.dumps({**stored, "result": [{"rows": "many"}]})):
+        path.write_text(corrupt)
+        with caplog.at_level(logging.WARNING):
+            _, runner = await started_engine(model, cache_in(tmp_path))
+        assert runner.forwards > 10
+    assert "ignoring the stored step-cost" in caplog.text
 
 
 async def test_an_unwritable_folder_costs_a_warning_not_the_start(tmp_path, caplog):
@@ -107,5 +106,24 @@ async def test_an_unwritable_folder_costs_a_warning_not_the_start(tmp_path, capl
     with caplog.at_level(logging.WARNING):
         engine, runner = await started_engine(tiny_llama(seed=1), cache_in(blocker / "measurements"))
     assert runner.forwards > 10 and engine.planner.cost.fitted
-    assert "could not store the step-cost profile" in caplog.text
+    assert "could not store the step-cost measurement" in caplog.text
     assert list(tmp_path.iterdir()) == [blocker]
+
+
+def test_the_forwards_thread_is_measured_once_per_setup(tmp_path, monkeypatch):
+    runner = LlamaFamilyRunner(tiny_llama(seed=1), max_num_seqs=2, max_model_len=300)
+    store, settings, worker = MeasurementStore(tmp_path), VerifierSettings(), worker_thread()
+    try:
+        measured = server.place_forwards(settings, runner, worker, store, setup())
+        assert measured in ("main", "worker") and len(list(tmp_path.glob("placement-*.json"))) == 1
+
+        def no_measuring(*args):
+            raise AssertionError("measured again")
+
+        monkeypatch.setattr(server, "choose_compute_thread", no_measuring)
+        assert server.place_forwards(settings, runner, worker, store, setup()) == measured
+        monkeypatch.undo()
+        other = server.place_forwards(settings, runner, worker, store, setup('{"other": 1}'))
+        assert other in ("main", "worker") and len(list(tmp_path.glob("placement-*.json"))) == 2
+    finally:
+        worker.shutdown(wait=True)
