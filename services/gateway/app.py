@@ -113,6 +113,10 @@ class GatewayState:
                 self.tokenizer_problem = error.message
                 logger.error("gateway not ready: %s", error.message)
                 return
+            except Exception as error:  # noqa: BLE001 - a bad file or folder: not ready, and why, not a dead task
+                self.tokenizer_problem = f"the tokenizer of model {spec!r} could not be loaded: {error}"
+                logger.exception("gateway not ready: %s", self.tokenizer_problem)
+                return
             self.tokenizer = tokenizer
 
     async def _check_tokenizer(self, info: Any, tokenizer: Any) -> None:

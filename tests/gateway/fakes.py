@@ -70,6 +70,7 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
     logprob: float = -0.5
     drafters: list = field(default_factory=list)
     tokenizer_fingerprint: str = ""
+    model_id: str = "tiny-test"
     requests: list = field(default_factory=list)
     cancelled: list = field(default_factory=list)
     completed: list = field(default_factory=list)
@@ -78,7 +79,7 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
         self.__init__()  # type: ignore[misc]
 
     def Info(self, request, context):
-        return pb.InfoResponse(model_id="tiny-test", max_model_len=self.max_model_len, vocab_size=257,
+        return pb.InfoResponse(model_id=self.model_id, max_model_len=self.max_model_len, vocab_size=257,
                                eos_token_ids=[EOS], drafters=self.drafters, max_num_seqs=4,
                                default_speculative_method="ngram", default_num_speculative_tokens=3,
                                tokenizer_fingerprint=self.tokenizer_fingerprint)

@@ -160,3 +160,47 @@ async def test_prompt_too_long(client):
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_gateway_without_its_tokenizer_is_not_ready_and_answers_503s(scripted, verifier, tmp_path):
+    """No --model: the tokenizer is the verifier's model's, loaded at start-up in the background, never in a
+    request. One that cannot be had leaves the gateway up but not ready, saying why; no request is a 500."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from services.gateway.app import create_app
+    from services.gateway.settings import GatewaySettings
+    from tests.ports import free_port
+
+    verifier.model_id = str(tmp_path / "gone" / "model.gguf")
+    app = create_app(GatewaySettings(verifier=scripted[1]))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 20
+        while True:
+            try:
+                health = httpx.get(f"{base}/health", timeout=5)
+                if health.json()["status"] != "starting":
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the gateway never finished starting"
+            time.sleep(0.05)
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        assert "does not exist" in health.json()["error"] and "model.gguf" in health.json()["error"]
+        for path, body in (("/v1/completions", {"model": verifier.model_id, "prompt": "hi", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"model": verifier.model_id, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "hi"}]})):
+            response = httpx.post(f"{base}{path}", json=body, timeout=10)
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "model_unavailable"
+        assert not verifier.requests  # nothing reached the verifier
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
