@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import importlib
 import logging
-import os
 import sys
 import time
 import uuid
@@ -15,8 +14,7 @@ import uuid
 from services import launcher
 from services.common.speculative_config import SpeculativeConfig
 from services.modeling.model_source import ModelUnavailableError, resolve_model_source
-from services.modeling.registry import DEFAULT_MODEL
-from services.verifier.settings import add_engine_flags
+from services.verifier.settings import VerifierSettings, add_engine_flags
 
 LOCAL_ENGINE_FLAGS = (
     "model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "adaptive_speculation"
@@ -88,12 +86,17 @@ DELEGATED = {
 def _check_verifier_model(argv: list[str]) -> None:
     """Resolve (and, the first time, fetch) the verifier's model before its module imports torch and transformers
     (~7 s on 2 cores): a model that is neither on disk nor fetchable then fails the start in about a second. The
-    flag wins over SPECSERVE_VERIFIER_MODEL, which wins over the default, as in VerifierSettings."""
+    model is the one VerifierSettings picks (the flag, else SPECSERVE_VERIFIER_MODEL, else the default); settings
+    it cannot read are left to the verifier's own parser to report."""
     if {"-h", "--help"} & set(argv):
         return
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model")
-    model = parser.parse_known_args(argv)[0].model or os.environ.get("SPECSERVE_VERIFIER_MODEL") or DEFAULT_MODEL
+    given = parser.parse_known_args(argv)[0].model
+    try:
+        model = VerifierSettings(**({"model": given} if given else {})).model
+    except ValueError:
+        return
     resolve_model_source(model)
 
 
