@@ -18,7 +18,7 @@ PIP_INSTALL := $(BIN)/python -m pip install -q
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test test-fast bench bench-stall bench-sweep bench-grammar bench-draft-model bench-eagle eagle-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-eagle eagle-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -78,6 +78,11 @@ bench-eagle: fetch-model
 # a request fails or an output differs (STALL_BENCH_ARGS, e.g. --stall-s 10).
 bench-stall: fetch-model
 	$(BIN)/python -m services.bench.drafter_stall --model $(MODEL) $(STALL_BENCH_ARGS)
+
+# The paged KV cache: a 4-turn chat's and a shared 1,000-token system prompt's time to first token with prefix
+# caching on vs off (exit 1 if an answer differs), and a 6,000-token prompt answered with the default flags.
+bench-prefix: fetch-model
+	$(BIN)/python -m services.bench.prefix_cache --model $(MODEL) $(PREFIX_BENCH_ARGS)
 
 # JSON-schema requests with ngram speculation vs without (tok/s, acceptance; exit 1 if outputs differ), the grammar
 # mask's cost per verify step and the share of tokens the grammar forces.

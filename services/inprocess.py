@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from services.common.drafter_methods import build_proposer
 from services.common.proposer import Proposer, declared_vocabulary, vocabulary_mismatch
 from services.common.speculative_config import SpeculativeConfig
+from services.common.byte_size import parse_bytes
 from services.modeling.context_length import resolve_max_model_len
+from services.modeling.kv_budget import KVCacheConfig
+from services.modeling.paged_kv_cache import DEFAULT_BLOCK_SIZE
 from services.modeling.loading import LoadedModel, load_model
 from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner_factory import create_runner
@@ -30,9 +33,12 @@ class LocalEngineOptions:
     model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
-    max_num_seqs: int = 8
-    max_model_len: int | None = None  # None: the model's context, capped (modeling/context_length.py)
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's whole context (modeling/context_length.py)
     max_num_batched_tokens: int = 512
+    kv_cache_memory_bytes: str | None = None  # None: kv_budget.py's default share of available memory
+    block_size: int = DEFAULT_BLOCK_SIZE
+    enable_prefix_caching: bool = True
     adaptive_speculation: bool = True
     speculative_config: SpeculativeConfig = field(
         default_factory=lambda: SpeculativeConfig(method="none", num_speculative_tokens=0)
@@ -70,7 +76,9 @@ def default_speculation(config: SpeculativeConfig) -> SpeculationParams:
 def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None = None) -> tuple[Engine, LoadedModel]:
     loaded = loaded or load_model(options.model, device=options.device, dtype=options.dtype)
     max_model_len = resolve_max_model_len(loaded.model, options.max_model_len)
-    runner = create_runner(loaded.model, options.max_num_seqs, max_model_len)
+    memory = parse_bytes(options.kv_cache_memory_bytes) if options.kv_cache_memory_bytes is not None else None
+    kv_cache = KVCacheConfig(memory, options.block_size, options.enable_prefix_caching)
+    runner = create_runner(loaded.model, options.max_num_seqs, max_model_len, kv_cache)
     engine = Engine(
         runner,
         EngineConfig(

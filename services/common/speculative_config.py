@@ -18,7 +18,7 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
     # draft_model / eagle: vLLM's `model` (the draft model) and `max_model_len` (its positions per sequence;
-    # None: the model's context, capped as for the target); the rest are specserve's, named like vLLM's
+    # None: the model's whole context, as for the target); the rest are specserve's, named like vLLM's
     # draft_tensor_parallel_size: where the draft model runs and how many sequences keep a KV slot in it.
     # eagle without a model: the head that ships for the target (services/modeling/eagle_heads/)
     model: str | None = None

@@ -33,6 +33,7 @@ class ChoiceEvent:
     completion_tokens: int  # tokens generated so far by this choice
     speculation: Any  # pb.SpeculationStats, cumulative
     prompt_logprobs: list[Any] = field(default_factory=list)  # pb.TokenLogprob per prompt token after the first
+    cached_tokens: int = 0  # prompt tokens the verifier found in its prefix cache
 
 
 @dataclass
@@ -71,7 +72,7 @@ async def run_choice(client: VerifierClient, request: Any, index: int, decode: C
                 text += tail if stopped else tail + matcher.flush()
                 finish = "stop" if stopped else _FINISH.get(response.finish_reason, "stop")
             yield ChoiceEvent(index, text, list(response.logprobs), finish, generated, response.speculation,
-                              list(response.prompt_logprobs))
+                              list(response.prompt_logprobs), response.usage.cached_tokens)
             if finish is not None:
                 return  # leaving the `async with` cancels the call when a stop string ended it early
     raise ApiError(503, "the verifier ended a generation without finishing it", code="incomplete_stream")

@@ -72,8 +72,11 @@ class Accounting:
 
     def usage(self) -> s.Usage:
         completion = sum(e.completion_tokens for e in self.finished.values())
+        # the prompt counts once for all choices, and its cached tokens as the fewest any choice found
+        cached = min((e.cached_tokens for e in self.finished.values()), default=0)
         return s.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                       total_tokens=self.prompt_tokens + completion)
+                       total_tokens=self.prompt_tokens + completion,
+                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached))
 
     def speculation(self) -> SpecTotals:
         totals = SpecTotals()

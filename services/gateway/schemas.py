@@ -284,10 +284,15 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
 # ---- responses ----------------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpeculativeDecoding(BaseModel):

@@ -1,4 +1,4 @@
-"""Attention over the KV slots for a batch of rows with per-row masks and grouped-query heads.
+"""Attention over the paged KV cache for a batch of rows with per-row masks and grouped-query heads.
 
 Written as two matmuls instead of calling scaled_dot_product_attention: on CPU, torch's flash kernel with an
 explicit mask and GQA took ~6.6 ms per layer for one decode token over 600 cached positions (about 90% of a
@@ -13,26 +13,28 @@ import torch
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, L, T] bool (True = may attend) -> [B, 1, 1, L, T] with 0 / -inf, broadcastable over heads."""
+    """[B, L, T] bool (True = may attend) -> [B, 1, L, T] with 0 / -inf, broadcastable over [Hkv, B, G, L, T]."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, float("-inf"))[:, None, None]
+    return mask.masked_fill_(~allowed, float("-inf"))[:, None]
 
 
 def grouped_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [B, L, Hq, D]; keys/values [B, Hkv, T, D] (views into the cache); mask [B, 1, 1, L, T] additive.
+    """q [B, L, Hq, D]; keys/values [Hkv, B, T, D] (a view of the paged pool, or the batch's gathered
+    positions); mask [B, 1, L, T] additive.
 
     Returns [B, L, Hq * D]. Query head h attends with KV head h // (Hq / Hkv), as transformers' repeat_kv does.
+    KV heads lead so that both the pool's view and its gather are contiguous batches of [T, D] matrices.
     """
     batch, length, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
+    num_kv_heads = keys.shape[0]
     groups = num_heads // num_kv_heads
-    q = q.view(batch, length, num_kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, L, D]
-    q = q.reshape(batch, num_kv_heads, groups * length, head_dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G*L, T]
-    scores = scores.view(batch, num_kv_heads, groups, length, -1) + mask  # [B, Hkv, G, L, T]
-    probs = scores.softmax(dim=-1).to(values.dtype).view(batch, num_kv_heads, groups * length, -1)
-    out = torch.matmul(probs, values)  # [B, Hkv, G*L, D]
-    out = out.view(batch, num_kv_heads, groups, length, head_dim).permute(0, 3, 1, 2, 4)  # [B, L, Hkv, G, D]
+    q = q.view(batch, length, num_kv_heads, groups, head_dim).permute(2, 0, 3, 1, 4)  # [Hkv, B, G, L, D]
+    q = q.reshape(num_kv_heads, batch, groups * length, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [Hkv, B, G*L, T]
+    scores = scores.view(num_kv_heads, batch, groups, length, -1) + mask  # [Hkv, B, G, L, T]
+    probs = scores.softmax(dim=-1).to(values.dtype).view(num_kv_heads, batch, groups * length, -1)
+    out = torch.matmul(probs, values)  # [Hkv, B, G*L, D]
+    out = out.view(num_kv_heads, batch, groups, length, head_dim).permute(1, 3, 0, 2, 4)  # [B, L, Hkv, G, D]
     return out.reshape(batch, length, num_heads * head_dim)

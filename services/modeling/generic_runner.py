@@ -1,7 +1,8 @@
 """Fallback runner for any transformers causal LM: one sequence at a time, a DynamicCache per sequence.
 
 Slower than the llama-family runner (no batching across rows) but it lets every architecture transformers can
-run serve, speculation included: rollback is DynamicCache.crop.
+run serve, speculation included: rollback is DynamicCache.crop. Its caches grow as transformers grows them, with
+no pool and no prefix caching: it reports every KV need as met.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from transformers import DynamicCache
 
-from services.modeling.runner import ForwardOutput, RowInput
+from services.modeling.block_pool import PrefixCacheStats
+from services.modeling.runner import ForwardOutput, KVUsage, RowInput
 
 
 class GenericRunner:
@@ -23,14 +25,17 @@ class GenericRunner:
         self.max_model_len = max_model_len
         self._caches: dict[Hashable, DynamicCache] = {}
         self._lengths: dict[Hashable, int] = {}
+        self._prefix_stats = PrefixCacheStats()
 
-    def add_sequence(self, seq_id: Hashable) -> None:
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
         if seq_id in self._caches:
             raise ValueError(f"sequence {seq_id!r} already added")
         if len(self._caches) >= self.max_num_seqs:
             raise RuntimeError(f"no free slot (max_num_seqs={self.max_num_seqs})")
         self._caches[seq_id] = DynamicCache(config=self.model.config)
         self._lengths[seq_id] = 0
+        self._prefix_stats.queries += len(prompt)
+        return 0
 
     def remove_sequence(self, seq_id: Hashable) -> None:
         del self._caches[seq_id]
@@ -48,6 +53,19 @@ class GenericRunner:
         if length < self._lengths[seq_id]:
             self._caches[seq_id].crop(length - self._lengths[seq_id])  # negative: tokens to drop
         self._lengths[seq_id] = length
+
+    def kv_blocks_needed(self, seq_id: Hashable | None, length: int) -> int:
+        return 0
+
+    def kv_blocks_available(self) -> int:
+        return 0
+
+    def reserve(self, seq_id: Hashable, length: int) -> None:
+        pass
+
+    @property
+    def kv_usage(self) -> KVUsage:
+        return KVUsage(0, 0, 0, 1, self._prefix_stats)
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:

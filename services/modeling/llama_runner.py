@@ -1,8 +1,8 @@
-"""Own forward for the llama / qwen2 / qwen3 / mistral family over pre-allocated KV slots.
+"""Own forward for the llama / qwen2 / qwen3 / mistral family over a paged KV cache.
 
 The weights and the per-token modules (embedding, RMSNorm, q/k/v/o projections with optional bias, q/k norms,
 SwiGLU MLP, rotary tables) are the transformers model's own modules, called directly; only what decides speed
-and batching is ours: a batch of rows, each fed at its own offset into its own KV slot, attention through
+and batching is ours: a batch of rows, each fed at its own offset into its own KV blocks, attention through
 two matmuls with per-row masks (attention.py), logits only for the positions asked.
 """
 
@@ -15,10 +15,12 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from services.modeling.attention import additive_mask, grouped_attention
+from services.modeling.attention_paths import AttentionPaths
 from services.modeling.cpu_linear import LinearFn
 from services.modeling.kernel_choice import KernelChooser, Site
-from services.modeling.kv_cache import SlotKVCache
-from services.modeling.runner import ForwardOutput, RowInput
+from services.modeling.kv_budget import KVCacheConfig
+from services.modeling.paged_kv_cache import PagedKVCache
+from services.modeling.runner import ForwardOutput, KVUsage, RowInput
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -75,11 +77,13 @@ class LlamaFamilyRunner:
         max_model_len: int,
         pack_weights: bool = True,
         kernel_chooser: KernelChooser | None = None,
+        kv_cache: KVCacheConfig | None = None,
     ) -> None:
         """pack_weights: let each linear run oneDNN-packed weights (cpu_linear.py) at the token-row counts
         where a start-up measurement found them faster than F.linear (kernel_choice.py); a shape packed at
         some M keeps one more copy of its weights. False: the plain modules only, nothing measured.
-        kernel_chooser: how that choice is measured (tests pass one with fake timings)."""
+        kernel_chooser: how that choice is measured (tests pass one with fake timings).
+        kv_cache: the paged KV pool's memory budget, block size and prefix caching (kv_budget.py)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a llama-family model this runner supports")
         config = model.config
@@ -103,8 +107,13 @@ class LlamaFamilyRunner:
             self._kernels = [LayerKernels.build(layer, linears[4 * i : 4 * i + 4]) for i, layer in enumerate(layers)]
             self._lm_head = linears[-1] or head
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
-        self.cache = SlotKVCache(
-            len(layers), max_num_seqs, self.num_kv_heads, max_model_len, self.head_dim, self.dtype, self.device
+        self.attention_paths = AttentionPaths.for_device(self.device)
+        kv_cache = kv_cache or KVCacheConfig()
+        bytes_per_token = PagedKVCache.bytes_per_token(len(layers), self.num_kv_heads, self.head_dim, self.dtype)
+        num_blocks = kv_cache.num_blocks(bytes_per_token, max_model_len, max_num_seqs, self.device)
+        self.cache = PagedKVCache(
+            len(layers), self.num_kv_heads, self.head_dim, num_blocks, kv_cache.block_size, self.dtype, self.device,
+            kv_cache.enable_prefix_caching,
         )
 
     @property
@@ -149,14 +158,16 @@ class LlamaFamilyRunner:
         return kernels.down_proj(mlp.act_fn(gate) * up)
 
     # -- sequence bookkeeping -------------------------------------------------------------------------------
-    def add_sequence(self, seq_id: Hashable) -> None:
-        self.cache.add(seq_id)
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
+        if len(self.cache) >= self.max_num_seqs:
+            raise RuntimeError(f"no free sequence slot (max_num_seqs={self.max_num_seqs})")
+        return self.cache.add(seq_id, prompt)
 
     def remove_sequence(self, seq_id: Hashable) -> None:
         self.cache.remove(seq_id)
 
     def num_free_slots(self) -> int:
-        return self.cache.num_free()
+        return self.max_num_seqs - len(self.cache)
 
     def length(self, seq_id: Hashable) -> int:
         return self.cache.length(seq_id)
@@ -164,16 +175,28 @@ class LlamaFamilyRunner:
     def truncate(self, seq_id: Hashable, length: int) -> None:
         if length > self.cache.length(seq_id):
             raise ValueError("truncate can only shorten a sequence")
-        self.cache.set_length(seq_id, length)
+        self.cache.truncate(seq_id, length)
+
+    def kv_blocks_needed(self, seq_id: Hashable | None, length: int) -> int:
+        return self.cache.blocks_needed(seq_id, length)
+
+    def kv_blocks_available(self) -> int:
+        return self.cache.num_available_blocks()
+
+    def reserve(self, seq_id: Hashable, length: int) -> None:
+        self.cache.reserve(seq_id, length)
+
+    @property
+    def kv_usage(self) -> KVUsage:
+        pool = self.cache.pool
+        return KVUsage(pool.capacity_blocks, pool.capacity_blocks - pool.num_available(), pool.num_cached(),
+                       pool.block_size, pool.stats)
 
     # -- forward --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         if not rows:
             raise ValueError("forward needs at least one row")
-        ordered = sorted(range(len(rows)), key=lambda i: self.cache.slot(rows[i].seq_id))
-        rows = [rows[i] for i in ordered]  # slot order keeps the KV read a view
-        slots = [self.cache.slot(r.seq_id) for r in rows]
         starts = [self.cache.length(r.seq_id) for r in rows]
         lengths = [len(r.token_ids) for r in rows]
         for row, start, n in zip(rows, starts, lengths, strict=True):
@@ -190,19 +213,32 @@ class LlamaFamilyRunner:
         )  # [B, L]
         start_t = torch.tensor(starts, device=device)
         positions = start_t[:, None] + torch.arange(width, device=device)[None, :]  # [B, L]
+        for row, start, n in zip(rows, starts, lengths, strict=True):
+            self.cache.reserve(row.seq_id, start + n)
         row_of = [b for b, n in enumerate(lengths) for _ in range(n)]
         col_of = [j for n in lengths for j in range(n)]
         write_rows = torch.tensor(row_of, device=device)  # [N]
         write_cols = torch.tensor(col_of, device=device)
-        write_slots = torch.tensor([slots[b] for b in row_of], device=device)
-        write_positions = positions[write_rows, write_cols]
+        write_slots = torch.tensor(
+            [slot for r, s, n in zip(rows, starts, lengths, strict=True) for slot in self.cache.slots(r.seq_id, s, s + n)],
+            device=device,
+        )  # [N] pool positions
+        ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+        if self.attention_paths.row_by_row(batch, sum(ends) / batch):
+            reads = [(self.cache.row_read(r.seq_id, end), end) for r, end in zip(rows, ends, strict=True)]
+            batch_read = None
+        else:
+            reads, batch_read = [], self.cache.batch_read([r.seq_id for r in rows], span, ends)
+            shape = (self.num_kv_heads, batch * span, self.head_dim)  # one buffer per forward, not per layer
+            gathered = (torch.empty(shape, dtype=self.dtype, device=device),
+                        torch.empty(shape, dtype=self.dtype, device=device))
 
         key_positions = torch.arange(span, device=device)
         causal = key_positions[None, None, :] <= positions[:, :, None]  # [B, L, T]
         masks: dict[int | None, torch.Tensor] = {}
         for window in set(self._windows):
             mask = causal if window is None else causal & (key_positions[None, None, :] > positions[:, :, None] - window)
-            masks[window] = additive_mask(mask, torch.float32)  # [B, 1, 1, L, T]
+            masks[window] = additive_mask(mask, torch.float32)  # [B, 1, L, T]
 
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids)  # [B, L, H]
@@ -216,18 +252,28 @@ class LlamaFamilyRunner:
             if hasattr(attention, "q_norm"):  # qwen3
                 q, k = attention.q_norm(q), attention.k_norm(k)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-            layer_keys, layer_values = self.cache.keys[index], self.cache.values[index]
-            layer_keys[write_slots, :, write_positions] = k[write_rows, write_cols]  # [N, Hkv, D]
-            layer_values[write_slots, :, write_positions] = v[write_rows, write_cols]
-            keys, values = self.cache.layer_view(index, slots, span)  # [B, Hkv, T, D]
-            attended = grouped_attention(q, keys, values, masks[self._windows[index]], attention.scaling)
+            layer_keys, layer_values = self.cache.keys[index], self.cache.values[index]  # [Hkv, slots, D]
+            layer_keys[:, write_slots] = k[write_rows, write_cols].transpose(0, 1)  # [Hkv, N, D]
+            layer_values[:, write_slots] = v[write_rows, write_cols].transpose(0, 1)
+            mask = masks[self._windows[index]]
+            if batch_read is not None:
+                keys = read_layer(layer_keys, batch_read, batch, span, gathered[0])
+                values = read_layer(layer_values, batch_read, batch, span, gathered[1])
+                attended = grouped_attention(q, keys, values, mask, attention.scaling)
+            else:  # each row over its own positions, unpadded
+                attended = torch.cat([
+                    grouped_attention(q[b : b + 1], read_layer(layer_keys, read, 1, end),
+                                      read_layer(layer_values, read, 1, end), mask[b : b + 1, :, :, :end],
+                                      attention.scaling)
+                    for b, (read, end) in enumerate(reads)
+                ])
             hidden = residual + self._o_proj(index, attention, attended)  # attended: [B, L, Hq*D]
             residual = hidden
             hidden = residual + self._mlp(index, layer.mlp, layer.post_attention_layernorm(hidden))
         hidden = inner.norm(hidden)  # [B, L, H]
 
-        for row, start, n in zip(rows, starts, lengths, strict=True):
-            self.cache.set_length(row.seq_id, start + n)
+        for row in rows:
+            self.cache.append_tokens(row.seq_id, row.token_ids)
 
         num_selected = max(r.num_logits for r in rows)
         select = torch.tensor(
@@ -238,8 +284,14 @@ class LlamaFamilyRunner:
         ).reshape(batch, num_selected)  # [B, M]
         selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
         logits = self._lm_head(selected).float()  # [B, M, V]
+        return ForwardOutput(logits=logits, hidden_states=hidden)
 
-        if ordered == sorted(ordered):
-            return ForwardOutput(logits=logits, hidden_states=hidden)
-        restore = torch.tensor(sorted(range(batch), key=lambda i: ordered[i]), device=device)
-        return ForwardOutput(logits=logits[restore], hidden_states=hidden[restore])
+
+def read_layer(
+    layer: torch.Tensor, read: torch.Tensor | slice, batch: int, span: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One layer's K or V ([Hkv, slots, D]) for the batch: [Hkv, B, span, D], a view or a gather
+    (PagedKVCache.row_read / batch_read) into `out` ([Hkv, B * span, D]) when given."""
+    if isinstance(read, slice):
+        return layer[:, read][:, None]
+    return torch.index_select(layer, 1, read, out=out).view(layer.shape[0], batch, span, layer.shape[-1])

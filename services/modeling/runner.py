@@ -1,8 +1,10 @@
 """The model-runner contract shared by the verifier and by model-based drafters.
 
-A runner owns the KV memory of up to `max_num_seqs` sequences. Each forward feeds some new tokens per sequence,
+A runner holds the KV memory of up to `max_num_seqs` sequences. Each forward feeds some new tokens per sequence,
 writes their K/V at the sequence's current length and advances it; `truncate` rolls a sequence back after
-rejected drafts by setting its length (no copy, the stale entries are masked and later overwritten).
+rejected drafts. The llama-family runner keeps K/V in a paged pool (paged_kv_cache.py): memory is taken as
+tokens arrive, `reserve` takes it ahead of a forward so that a scheduler can check it fits, and a new sequence
+reuses the cached blocks of its prompt's longest cached prefix.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from services.modeling.block_pool import PrefixCacheStats
 
 
 @dataclass(frozen=True)
@@ -29,14 +33,31 @@ class ForwardOutput:
     hidden_states: torch.Tensor  # [B, L, H] final (normed) hidden states of the fed tokens; row b valid in [:len_b]
 
 
+@dataclass(frozen=True)
+class KVUsage:
+    """The KV pool now: blocks in all, held by sequences, cached by content; prefix-cache counters."""
+
+    total_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    block_size: int
+    prefix_cache: PrefixCacheStats
+
+    @property
+    def fraction_used(self) -> float:
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
 class ModelRunner(Protocol):
     vocab_size: int
     max_num_seqs: int
     max_model_len: int
     device: torch.device
 
-    def add_sequence(self, seq_id: Hashable) -> None:
-        """Reserve KV memory for a new sequence (length 0). Raises RuntimeError when no slot is free."""
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
+        """Start a sequence. Given its prompt, it starts with the longest cached prefix of it in the cache and
+        the number of those tokens is returned (0 without prefix caching). RuntimeError when max_num_seqs
+        sequences are running."""
 
     def remove_sequence(self, seq_id: Hashable) -> None:
         """Free the sequence's KV memory."""
@@ -48,6 +69,18 @@ class ModelRunner(Protocol):
 
     def truncate(self, seq_id: Hashable, length: int) -> None:
         """Roll back to `length` tokens (drop rejected drafts)."""
+
+    def kv_blocks_needed(self, seq_id: Hashable | None, length: int) -> int:
+        """KV blocks a sequence (None: a new one) still needs to hold `length` tokens."""
+
+    def kv_blocks_available(self) -> int:
+        """KV blocks that can be taken now."""
+
+    def reserve(self, seq_id: Hashable, length: int) -> None:
+        """Take the KV memory for `length` tokens now; KVCacheFullError (nothing taken) when it is not there."""
+
+    @property
+    def kv_usage(self) -> KVUsage: ...
 
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         """Feed each row's tokens at its current length and advance it; rows must name distinct sequences."""

@@ -8,18 +8,30 @@ import torch
 
 from services.modeling import llama_runner
 from services.modeling.generic_runner import GenericRunner
+from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def create_runner(model: torch.nn.Module, max_num_seqs: int, max_model_len: int) -> ModelRunner:
+def create_runner(
+    model: torch.nn.Module, max_num_seqs: int, max_model_len: int, kv_cache: KVCacheConfig | None = None
+) -> ModelRunner:
     if llama_runner.supports(model):
-        runner = llama_runner.LlamaFamilyRunner(model, max_num_seqs, max_model_len)
+        runner = llama_runner.LlamaFamilyRunner(model, max_num_seqs, max_model_len, kv_cache=kv_cache)
         logger.info(
             "model runner: batched llama-family runner, %s (kernel measurement took %.2f s)",
             runner.kernels,
             runner.kernel_measurement_s,
+        )
+        usage = runner.kv_usage
+        pool_bytes = runner.cache.keys.nbytes + runner.cache.values.nbytes
+        logger.info(
+            "KV cache: %d tokens (%d blocks of %d, %.2f GiB), prefix caching %s; max_model_len=%d, max_num_seqs=%d; "
+            "attention: %s",
+            usage.total_blocks * usage.block_size, usage.total_blocks, usage.block_size, pool_bytes / 2**30,
+            "on" if runner.cache.pool.enable_prefix_caching else "off", max_model_len, max_num_seqs,
+            runner.attention_paths.describe(),
         )
         return runner
     logger.warning(

@@ -32,6 +32,7 @@ import torch
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Proposer
 from services.modeling.runner import ModelRunner
+from services.verifier import kv_scheduling
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.engine_config import EngineConfig
 from services.verifier.hidden_state_files import write_request_states
@@ -92,6 +93,7 @@ class Engine:
         # Output tokens committed, by the method that drafted them ("none": speculation off); with the accepted
         # draft tokens this gives the share of the output that drafts produced.
         self.generated_tokens: dict[str, int] = {}
+        self.num_preemptions = 0  # requests whose KV blocks were taken back for others (kv_scheduling.py)
         self._states: dict[str, RequestState] = {}
         self._waiting: deque[RequestState] = deque()
         self._running: list[RequestState] = []
@@ -286,8 +288,12 @@ class Engine:
         started = time.perf_counter()
         self._reap()
         self._admit()
+        max_model_len = self.runner.max_model_len
+        kv_scheduling.reserve_decode(
+            self.runner, self._running, lambda s: len(s.token_ids) + speculation_cap(s, max_model_len), self._preempt
+        )
         decode = [s for s in self._running if not s.prefilling]
-        caps = [speculation_cap(s, self.runner.max_model_len) for s in decode]
+        caps = [speculation_cap(s, max_model_len) for s in decode]
         asks = self.planner.draft_requests(decode, caps)
         decode_tokens = sum(1 + k for k in asks)
         prefill = plan_prefill(self._running, decode_tokens, self.config.max_num_batched_tokens)
@@ -328,10 +334,16 @@ class Engine:
             self._stats_logger.maybe_log(self.stats)
 
     def _admit(self) -> None:
+        """Waiting requests start, in order, while a sequence slot and the KV blocks of their prefill are free
+        (kv_scheduling.py); a request resuming after a preemption keeps what it had."""
         while self._waiting and self.runner.num_free_slots() > 0:
-            state = self._waiting.popleft()
-            self.runner.add_sequence(state.request_id)
-            state.has_slot = True
+            state = self._waiting[0]
+            if not kv_scheduling.admit(self.runner, state, others_running=bool(self._running)):
+                return
+            self._waiting.popleft()
+            self._running.append(state)
+            if state.num_preemptions:
+                continue
             if state.request.speculation.enabled:
                 state.speculation = self.planner.start(state.request.speculation.method)
             if state.request.sampling.uses_penalties:
@@ -339,7 +351,13 @@ class Engine:
                 state.output_counts = torch.zeros(vocab, dtype=torch.float32, device=device)
                 state.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
                 state.prompt_mask[torch.tensor(state.request.prompt_token_ids, device=device)] = True
-            self._running.append(state)
+
+    def _preempt(self, state: RequestState) -> None:
+        """Take the request's KV blocks back for the others; it waits at the head of the queue and recomputes."""
+        kv_scheduling.release_for_recompute(self.runner, state)
+        self._running.remove(state)
+        self._waiting.appendleft(state)
+        self.num_preemptions += 1
 
     def _reap(self) -> None:
         """Free the slots of finished (and aborted) requests; only called while no forward is in flight."""
@@ -446,6 +464,7 @@ class Engine:
                 finish_reason=reason,
                 num_prompt_tokens=state.num_prompt_tokens,
                 num_output_tokens=state.num_output_tokens,
+                num_cached_tokens=state.num_cached_tokens,
                 spec=SpecDecodeCounts(
                     state.spec.num_drafts, state.spec.num_draft_tokens, state.spec.num_accepted_tokens
                 ),

@@ -99,21 +99,33 @@ class EngineCollector(Collector):
         yield openings
 
     def _slot_gauges(self) -> Iterable[Metric]:
-        runner = self.engine.runner
-        total = runner.max_num_seqs
-        used = total - runner.num_free_slots()
+        usage = self.engine.runner.kv_usage
         for name, value, doc in (
-            ("num_requests_running", self.engine.num_running, "Requests holding a KV slot."),
-            ("num_requests_waiting", self.engine.num_waiting, "Requests queued for a KV slot."),
-            ("kv_slots_used", used,
-             "KV slots held by requests (one per running request, max_model_len positions each)."),
-            ("kv_slots_total", total, "KV slots (--max-num-seqs)."),
-            ("kv_cache_usage_perc", used / total if total else 0.0,
-             "Fraction of the KV cache held by requests, 0 to 1 (slots used / slots; vLLM's name)."),
+            ("num_requests_running", self.engine.num_running, "Requests running (holding KV blocks)."),
+            ("num_requests_waiting", self.engine.num_waiting,
+             "Requests queued for a sequence slot (--max-num-seqs) or for KV blocks."),
+            ("kv_cache_blocks_used", usage.used_blocks, "KV cache blocks held by running requests."),
+            ("kv_cache_blocks_total", usage.total_blocks,
+             f"KV cache blocks in the pool ({usage.block_size} tokens each; --kv-cache-memory-bytes)."),
+            ("kv_cache_blocks_cached", usage.cached_blocks,
+             "KV cache blocks findable by content for prefix caching (held or not)."),
+            ("kv_cache_usage_perc", usage.fraction_used,
+             "Fraction of the KV cache held by running requests, 0 to 1 (vLLM's name)."),
         ):
             gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge
+        for name, value, doc in (
+            ("prefix_cache_queries", usage.prefix_cache.queries,
+             "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)."),
+            ("prefix_cache_hits", usage.prefix_cache.hits,
+             "Prompt tokens found in the prefix cache, whose prefill was skipped (vLLM's prefix_cache_hits)."),
+            ("num_preemptions", self.engine.num_preemptions,
+             "Requests whose KV blocks were taken back for others; they recompute when resumed (vLLM's name)."),
+        ):
+            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
 
 
 @dataclass(frozen=True)

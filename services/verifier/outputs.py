@@ -48,6 +48,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     # SamplingParams.prompt_logprobs asked: one entry per prompt token after the first, on the first output only
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None

@@ -20,6 +20,8 @@ class RequestState:
     token_ids: list[int]  # prompt + committed output
     outputs: asyncio.Queue[RequestOutput]
     num_computed: int = 0  # tokens whose K/V are in the runner's cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (usage's cached_tokens)
+    num_preemptions: int = 0  # times its KV blocks were taken back for others (kv_scheduling.py)
     finish_reason: FinishReason | None = None
     output_counts: torch.Tensor | None = None  # [V] float32, penalties only
     prompt_mask: torch.Tensor | None = None  # [V] bool, penalties only
@@ -56,9 +58,15 @@ class RequestState:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def prefill_target(self) -> int:
+        """Tokens whose K/V must be in the cache before the request decodes: its prompt, or, resuming after a
+        preemption with output committed, every token but the last (the decode row feeds that one)."""
+        return len(self.token_ids) - 1 if self.num_output_tokens else self.num_prompt_tokens
+
+    @property
     def prefilling(self) -> bool:
-        """The prompt is not fully in the cache yet (decode rows always hold len(token_ids) - 1 tokens)."""
-        return self.num_computed < self.num_prompt_tokens
+        """The prefill target is not fully in the cache yet (decode rows always hold len(token_ids) - 1 tokens)."""
+        return self.num_computed < self.prefill_target
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.byte_size import parse_bytes
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import TlsServerSettings
 from services.modeling.registry import DEFAULT_MODEL
@@ -41,8 +42,13 @@ class VerifierSettings(TlsServerSettings):
     model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
-    max_num_seqs: int = Field(8, ge=1)
-    max_model_len: int | None = Field(None, ge=2)  # None: the model's context, capped at 2048
+    max_num_seqs: int = Field(64, ge=1)  # a scheduling limit; KV memory is the pool's (kv_cache_memory_bytes)
+    max_model_len: int | None = Field(None, ge=2)  # None: the model's whole context
+    # the paged KV pool's size, as vLLM's --kv-cache-memory-bytes ("4GiB", "512M" or bytes); None: a share of
+    # the memory available at start-up (services/modeling/kv_budget.py)
+    kv_cache_memory_bytes: str | None = None
+    block_size: int = Field(16, ge=1, le=1024)  # tokens per KV block
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM's APC)
     max_num_batched_tokens: int = Field(512, ge=1)
     max_waiting_requests: int = Field(256, ge=0)
     compute_thread: Literal["auto", "main", "worker"] = "auto"  # thread for the forwards; auto: measured
@@ -77,6 +83,21 @@ class VerifierSettings(TlsServerSettings):
             raise ValueError(f"drafter names must be unique, got {names}")
         return value
 
+    @field_validator("kv_cache_memory_bytes")
+    @classmethod
+    def _valid_kv_cache_memory_bytes(cls, value: str | None) -> str | None:
+        if value is not None and parse_bytes(value) <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        return value
+
+    @property
+    def kv_cache(self):
+        """The runner's KVCacheConfig (imported here: these settings are read before torch is imported)."""
+        from services.modeling.kv_budget import KVCacheConfig
+
+        memory = parse_bytes(self.kv_cache_memory_bytes) if self.kv_cache_memory_bytes is not None else None
+        return KVCacheConfig(memory, self.block_size, self.enable_prefix_caching)
+
     @property
     def speculation(self) -> SpeculativeConfig:
         return SpeculativeConfig.parse(self.speculative_config)
@@ -94,7 +115,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
 
     def shown(name: str) -> str:
         value = fields[name].default
-        return "the model's context, capped at 2048" if value is None else str(value)
+        defaults = {"max_model_len": "the model's whole context",
+                    "kv_cache_memory_bytes": "40%% of the memory available at start, at most 4GiB"}
+        return defaults.get(name, "none") if value is None else str(value)
 
     parser.add_argument("--model", default=default,
                         help=f"registered name, transformers folder, .gguf file or hub id (default {shown('model')})")
@@ -102,9 +125,17 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
                         help=f"auto | cpu | cuda | cuda:N | npu | npu:N (default {shown('device')})")
     parser.add_argument("--dtype", default=default, help=f"auto | float32 | bfloat16 | float16 (default {shown('dtype')})")
     parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=default,
-                        help=f"KV slots: requests running at once (default {shown('max_num_seqs')})")
+                        help=f"requests running at once; more wait (default {shown('max_num_seqs')})")
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=default,
-                        help=f"positions per KV slot (default {shown('max_model_len')})")
+                        help=f"most tokens of one request, prompt and output (default {shown('max_model_len')})")
+    parser.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", default=default,
+                        help="memory for the paged KV cache, e.g. 4GiB, 512M or bytes "
+                        f"(default {shown('kv_cache_memory_bytes')})")
+    parser.add_argument("--block-size", dest="block_size", type=int, default=default,
+                        help=f"tokens per KV cache block (default {shown('block_size')})")
+    parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                        action=argparse.BooleanOptionalAction, default=default,
+                        help="reuse the KV cache of a prompt's cached prefix (default on)")
     parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=default,
                         help=f"prompt tokens prefilled per step (default {shown('max_num_batched_tokens')})")
     parser.add_argument("--adaptive-speculation", dest="adaptive_speculation", action=argparse.BooleanOptionalAction,

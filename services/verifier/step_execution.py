@@ -98,14 +98,15 @@ def prefill_chunks(
     so they neither pay for scoring nor see their batch change because of it."""
     first_token_logits: list[tuple[RequestState, torch.Tensor]] = []
     for scoring in (False, True):
-        part = [c for c in prefill if (c.state.request.sampling.prompt_logprobs is not None) == scoring]
+        part = [c for c in prefill if is_scored(c) == scoring]
         for group in group_by_length([len(c.tokens) for c in part]):
             chunks = [part[i] for i in group]
-            rows = [RowInput(c.state.request_id, c.tokens, len(c.tokens) if scoring else int(c.final)) for c in chunks]
+            rows = [RowInput(c.state.request_id, c.tokens, len(c.tokens) if scoring else int(c.samples))
+                    for c in chunks]
             output = runner.forward(rows)
             logits = output.logits  # [B, max num_logits, V]
             for b, (chunk, row) in enumerate(zip(chunks, rows, strict=True)):
-                if chunk.state.hidden is not None and hidden is not None:
+                if chunk.state.hidden is not None and hidden is not None and not chunk.resumes:
                     hidden.append((chunk.state, output.hidden_states[b, : len(chunk.tokens)].detach().cpu()))
                 if scoring:
                     prompt = chunk.state.request.prompt_token_ids
@@ -114,10 +115,15 @@ def prefill_chunks(
                                               chunk.state.request.sampling.prompt_logprobs)
                     if scores is not None:
                         scores.append((chunk.state, entries))
-                if chunk.final and chunk.state.request.sampling.max_tokens > 0:
+                if chunk.samples:
                     last = row.num_logits - 1
                     first_token_logits.append((chunk.state, logits[b, last : last + 1].clone()))  # [1, V]
     return first_token_logits
+
+def is_scored(chunk: PrefillChunk) -> bool:
+    """The chunk's prompt positions are scored (prompt_logprobs), which a resumed request did before."""
+    return chunk.state.request.sampling.prompt_logprobs is not None and not chunk.resumes
+
 
 def execute(
     runner: ModelRunner,

@@ -14,8 +14,16 @@ from services.verifier.request_state import RequestState
 class PrefillChunk:
     state: RequestState
     tokens: list[int]
-    final: bool  # the last chunk samples the first output token
-    start: int  # prompt position of tokens[0]
+    final: bool  # the last chunk of the prefill
+    start: int  # position of tokens[0]
+    # A request resuming after a preemption recomputes its committed tokens: it samples, scores and keeps
+    # nothing from these chunks (its decode row feeds its last token next).
+    resumes: bool = False
+
+    @property
+    def samples(self) -> bool:
+        """The chunk gives the request's first output token."""
+        return self.final and not self.resumes and self.state.request.sampling.max_tokens > 0
 
 
 def group_by_length(lengths: Sequence[int], max_padding: float = 0.25) -> list[list[int]]:
@@ -54,9 +62,10 @@ def plan_prefill(running: Sequence[RequestState], decode_tokens: int, max_num_ba
     for state in running:
         if not state.prefilling or budget == 0:
             continue
-        start = state.num_computed
-        n = min(state.num_prompt_tokens - start, budget)
+        start, target = state.num_computed, state.prefill_target
+        n = min(target - start, budget)
         budget -= n
-        tokens = list(state.request.prompt_token_ids[start : start + n])
-        chunks.append(PrefillChunk(state, tokens, final=start + n == state.num_prompt_tokens, start=start))
+        tokens = state.token_ids[start : start + n]
+        chunks.append(PrefillChunk(state, tokens, final=start + n == target, start=start,
+                                   resumes=state.num_output_tokens > 0))
     return chunks

@@ -112,7 +112,8 @@ def output_to_proto(output: RequestOutput, method: str):
         token_ids=output.token_ids,
         logprobs=[logprob_to_proto(item) for item in output.logprobs or ()],
         finish_reason=_FINISH_REASONS[output.finish_reason],
-        usage=verifier_pb2.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens),
+        usage=verifier_pb2.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
+                                 cached_tokens=output.num_cached_tokens),
         speculation=verifier_pb2.SpeculationStats(
             method=method,
             num_drafts=output.spec.num_drafts,

@@ -268,7 +268,8 @@ def test_the_dashboard_configmap_is_labelled_for_grafanas_sidecar():
 def test_settings_values_reach_the_processes():
     chart = rendered("gpu-two-drafters-values.yaml")
     verifier = process_settings(chart, _deployment(chart, "verifier"))
-    assert (verifier.draft_timeout_s, verifier.max_num_seqs, verifier.dtype) == (0.3, 16, "bfloat16")
+    assert (verifier.draft_timeout_s, verifier.max_num_seqs, verifier.dtype) == (0.3, 128, "bfloat16")
+    assert verifier.kv_cache.memory_bytes == 40 << 30  # kvCacheMemoryBytes: 40GiB
     assert verifier.speculation.method == "suffix" and verifier.drain_s == 5
     suffix = process_settings(chart, _deployment(chart, "drafter", "suffix"))
     assert suffix.speculation.suffix_decoding_max_tree_depth == 32

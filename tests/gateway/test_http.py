@@ -27,7 +27,8 @@ async def test_completion(client, verifier):
     assert body["choices"][0]["text"] == REPLY
     assert body["choices"][0]["finish_reason"] == "stop"
     n_out = len(REPLY.encode()) + 1  # + EOS
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": n_out, "total_tokens": 2 + n_out}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": n_out, "total_tokens": 2 + n_out,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     spec = body["speculative_decoding"]
     assert spec["method"] == "ngram" and spec["num_drafts"] > 0
     assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])

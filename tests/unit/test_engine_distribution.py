@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.drafter.methods.ngram import NgramProposer
+from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
@@ -47,12 +48,12 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-async def sample_pairs(model, params, spec, proposers, planner=None) -> np.ndarray:
+async def sample_pairs(model, params, spec, proposers, planner=None, kv_cache=None) -> np.ndarray:
     """With `planner`, the engine verifies the draft positions it chooses (tests.schedules.RandomSchedulePlanner:
     any cut, 0 included); without, every row verifies its whole draft (adaptive speculation off: whether drafting
     pays for a tiny model depends on the machine's timings, and these tests must verify drafts)."""
     engine = Engine(
-        LlamaFamilyRunner(model, max_num_seqs=500, max_model_len=16),
+        LlamaFamilyRunner(model, max_num_seqs=500, max_model_len=16, kv_cache=kv_cache),
         EngineConfig(max_num_batched_tokens=4096, max_waiting_requests=SAMPLES, log_stats_interval_s=0,
                      adaptive_speculation=planner is not None),
         proposers,
@@ -67,7 +68,7 @@ async def sample_pairs(model, params, spec, proposers, planner=None) -> np.ndarr
     joint = np.zeros((V, V))
     for result in results.values():
         joint[result.tokens[1], result.tokens[2]] += 1
-    return joint, engine.stats
+    return joint, engine
 
 
 CASES = {
@@ -86,7 +87,8 @@ async def test_engine_samples_follow_the_target(target, case):
     else:
         draft_model = target if drafter == "same" else tiny_llama(seed=99, vocab_size=V)
         proposer = ModelSamplingProposer(draft_model, params.temperature, send_q, seed=5, method="sampler")
-    joint, stats = await sample_pairs(target, params, SpeculationParams(proposer.method, 2), {proposer.method: proposer})
+    joint, engine = await sample_pairs(target, params, SpeculationParams(proposer.method, 2), {proposer.method: proposer})
+    stats = engine.stats
     assert stats.num_drafts > 0
     expected = exact_joint(target, params)
     assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
@@ -101,8 +103,21 @@ async def test_samples_follow_the_target_whatever_positions_each_step_verifies(t
     params = SamplingParams(temperature=0.8)
     proposer = ModelSamplingProposer(tiny_llama(seed=99, vocab_size=V), 0.8, True, seed=7, method="sampler")
     planner = RandomSchedulePlanner(seed=11)
-    joint, stats = await sample_pairs(target, params, SpeculationParams("sampler", 2), {"sampler": proposer}, planner)
+    joint, engine = await sample_pairs(target, params, SpeculationParams("sampler", 2), {"sampler": proposer}, planner)
+    stats = engine.stats
     assert planner.lengths_used == {0, 1, 2} and stats.num_drafts > 0
+    expected = exact_joint(target, params)
+    assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
+
+
+async def test_samples_follow_the_target_with_prompts_from_the_prefix_cache(target):
+    """Blocks of 2 tokens: every request after the first wave finds 4 of its 6 prompt tokens cached (and drafts
+    are verified over K/V that earlier requests computed); the distribution does not move."""
+    params = SamplingParams(temperature=1.0)
+    proposer = ModelSamplingProposer(tiny_llama(seed=99, vocab_size=V), 1.0, True, seed=9, method="sampler")
+    joint, engine = await sample_pairs(target, params, SpeculationParams("sampler", 2), {"sampler": proposer},
+                                       kv_cache=KVCacheConfig(block_size=2))
+    assert engine.runner.kv_usage.prefix_cache.hits >= 4 * (SAMPLES - 500) and engine.stats.num_drafts > 0
     expected = exact_joint(target, params)
     assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
 

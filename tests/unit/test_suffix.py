@@ -295,7 +295,8 @@ async def test_sampled_output_follows_the_target_with_suffix_drafts():
     params = SamplingParams(temperature=1.0)
     suffix = proposer()
     every_draft = SpeculationPlanner(StepCostModel(), adaptive=False)  # the count below must not hang on timing
-    joint, stats = await sample_pairs(target, params, SpeculationParams("suffix", 2), {"suffix": suffix}, every_draft)
+    joint, engine = await sample_pairs(target, params, SpeculationParams("suffix", 2), {"suffix": suffix}, every_draft)
+    stats = engine.stats
     assert stats.num_fallbacks == 0
     assert stats.num_drafts > 1000 and stats.num_accepted_tokens > 0
     expected = exact_joint(target, params)

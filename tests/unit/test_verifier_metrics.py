@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.proposer import Draft, DraftInput
 from services.drafter.methods.ngram import NgramProposer
+from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.draft_breaker import OPEN_AFTER
 from services.verifier.engine import Engine
@@ -58,7 +59,7 @@ def request(request_id: str, method: str | None) -> GenerationRequest:
 
 def engine_with(model, proposers) -> tuple[Engine, CollectorRegistry]:
     engine = Engine(
-        LlamaFamilyRunner(model, max_num_seqs=8, max_model_len=64),
+        LlamaFamilyRunner(model, max_num_seqs=8, max_model_len=64, kv_cache=KVCacheConfig(block_size=4)),
         EngineConfig(draft_timeout_s=0.05, log_stats_interval_s=0, adaptive_speculation=False),
         proposers,
     )
@@ -67,18 +68,28 @@ def engine_with(model, proposers) -> tuple[Engine, CollectorRegistry]:
     return engine, registry
 
 
-async def test_kv_slot_use_follows_running_requests(model):
+async def test_kv_block_use_and_prefix_cache_counters_follow_the_requests(model):
     engine, registry = engine_with(model, {"ngram": NgramProposer()})
-    assert (sample(registry, "specserve_kv_slots_total"), sample(registry, "specserve_kv_slots_used")) == (8, 0)
+    block_size = engine.runner.kv_usage.block_size
+    total = sample(registry, "specserve_kv_cache_blocks_total")
+    assert total == engine.runner.kv_usage.total_blocks > 0 and sample(registry, "specserve_kv_cache_blocks_used") == 0
     engine.add_request(request("a", "ngram"))
     engine.add_request(request("b", None))
     engine.add_request(request("c", None))
-    await engine.step()  # admitted and prefilled: they hold their slots until they finish
-    assert sample(registry, "specserve_kv_slots_used") == sample(registry, "specserve_num_requests_running") == 3
-    assert sample(registry, "specserve_kv_cache_usage_perc") == 3 / 8
+    await engine.step()  # admitted and prefilled: they hold their prompts' blocks until they finish
+    assert sample(registry, "specserve_num_requests_running") == 3
+    used = sample(registry, "specserve_kv_cache_blocks_used")
+    assert used == 3 * -(-len(PROMPT) // block_size)  # admitted together: nothing was cached yet
+    assert sample(registry, "specserve_kv_cache_usage_perc") == used / total
+    assert sample(registry, "specserve_prefix_cache_queries_total") == 3 * len(PROMPT)
     while engine.num_running:
         await engine.step()
-    assert sample(registry, "specserve_kv_slots_used") == sample(registry, "specserve_kv_cache_usage_perc") == 0
+    assert sample(registry, "specserve_kv_cache_blocks_used") == sample(registry, "specserve_kv_cache_usage_perc") == 0
+    assert sample(registry, "specserve_kv_cache_blocks_cached") >= len(PROMPT) // block_size
+    engine.add_request(request("d", None))  # the same prompt again: its full blocks but the last come from the cache
+    await engine.step()
+    assert sample(registry, "specserve_prefix_cache_hits_total") == (len(PROMPT) - 1) // block_size * block_size
+    assert sample(registry, "specserve_num_preemptions_total") == 0
 
 
 async def test_tokens_positions_and_late_proposals_per_method(model):

@@ -54,7 +54,7 @@ class DraftModelSettings:
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = 16
-    max_model_len: int | None = None  # None: the model's context, capped (services/modeling/context_length.py)
+    max_model_len: int | None = None  # None: the model's whole context (services/modeling/context_length.py)
 
     def __post_init__(self) -> None:
         if not self.model:

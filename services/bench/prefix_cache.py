@@ -1,0 +1,117 @@
+"""What the paged KV cache and prefix caching buy, measured side by side in one run on the in-process engine.
+
+- A 4-turn chat, each turn quoting the conversation so far: time to first token of turns 2-4 with prefix caching
+  on and off (greedy; the answers must be identical).
+- A shared system prompt of about SYSTEM_TOKENS tokens across REQUESTS requests, sent one after another: mean
+  time to first token with caching on and off.
+- A long prompt (LONG_TOKENS) with the default flags: answered, with its time to first token.
+Prints the hardware, the KV pool and the ratios; exits 1 if an answer differs between caching on and off.
+
+    python -m services.bench.prefix_cache [--model smollm2-135m-instruct] [--long-tokens 6000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+from services.bench.hardware import describe_hardware
+from services.inprocess import LocalEngineOptions, build_local_engine
+from services.modeling.loading import load_model
+from services.verifier.sampling_params import GenerationRequest, SamplingParams
+
+SYSTEM_TOKENS = 1000
+REQUESTS = 16
+LONG_TOKENS = 6000
+TURNS = 4
+ANSWER_TOKENS = 16
+
+
+def filler(tokenizer, tokens: int, seed: int) -> list[int]:
+    """About `tokens` tokens of varied English, so that nothing is cached by accident."""
+    words = "the river carried stone and light past towns whose names the maps forgot while traders argued".split()
+    text, ids = [], []
+    index = seed
+    while len(ids) < tokens:
+        text.append(words[index % len(words)] + str(index % 97))
+        index = index * 7 + 3
+        if len(text) % 50 == 0:
+            ids = tokenizer.encode(" ".join(text))
+    return tokenizer.encode(" ".join(text))[:tokens]
+
+
+async def first_token(engine, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
+    """(seconds to the first token, the tokens, cached prompt tokens)."""
+    started = time.perf_counter()
+    ttft, tokens, cached = None, [], 0
+    request = GenerationRequest(request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    async for output in engine.generate(request):
+        if ttft is None and output.token_ids:
+            ttft = time.perf_counter() - started
+        tokens.extend(output.token_ids)
+        cached = output.num_cached_tokens
+    return ttft, tokens, cached
+
+
+async def run(options: LocalEngineOptions, loaded, long_tokens: int) -> dict:
+    tokenizer = loaded.tokenizer
+    engine, _ = build_local_engine(options, loaded)
+    await engine.start()
+    try:
+        chat, turns = [], []
+        for turn in range(TURNS):
+            chat += filler(tokenizer, 300, seed=turn + 1)
+            ttft, answer, cached = await first_token(engine, f"turn{turn}", chat, ANSWER_TOKENS)
+            turns.append({"ttft_s": ttft, "cached": cached, "answer": answer})
+            chat += answer
+        system = filler(tokenizer, SYSTEM_TOKENS, seed=99)
+        shared = []
+        for index in range(REQUESTS):
+            ttft, answer, cached = await first_token(engine, f"shared{index}", system + filler(tokenizer, 20, index),
+                                                     ANSWER_TOKENS)
+            shared.append({"ttft_s": ttft, "cached": cached, "answer": answer})
+        long = None
+        if long_tokens:
+            ttft, answer, cached = await first_token(engine, "long", filler(tokenizer, long_tokens, seed=7), 8)
+            long = {"ttft_s": ttft, "tokens": long_tokens, "answer": answer}
+        usage = engine.runner.kv_usage
+        return {"turns": turns, "shared": shared, "long": long,
+                "pool_tokens": usage.total_blocks * usage.block_size}
+    finally:
+        await engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS)
+    args = parser.parse_args(argv)
+    print(json.dumps(describe_hardware()))
+    loaded = load_model(args.model, device="cpu", dtype="float32")
+    results = {}
+    for caching in (False, True):
+        options = LocalEngineOptions(model=args.model, enable_prefix_caching=caching)
+        results[caching] = asyncio.run(run(options, loaded, args.long_tokens if caching else 0))
+    on, off = results[True], results[False]
+    later_on = statistics.median(t["ttft_s"] for t in on["turns"][1:])
+    later_off = statistics.median(t["ttft_s"] for t in off["turns"][1:])
+    shared_on = statistics.mean(r["ttft_s"] for r in on["shared"][1:])
+    shared_off = statistics.mean(r["ttft_s"] for r in off["shared"][1:])
+    print(f"KV pool: {on['pool_tokens']} tokens")
+    print(f"chat turns 2-{TURNS}: median TTFT {later_off * 1e3:.0f} ms without prefix caching, "
+          f"{later_on * 1e3:.0f} ms with ({later_off / later_on:.1f}x); cached tokens per turn "
+          f"{[t['cached'] for t in on['turns']]}")
+    print(f"shared {SYSTEM_TOKENS}-token system prompt, requests 2-{REQUESTS}: mean TTFT {shared_off * 1e3:.0f} ms "
+          f"without, {shared_on * 1e3:.0f} ms with ({shared_off / shared_on:.1f}x)")
+    if on["long"]:
+        print(f"a {on['long']['tokens']}-token prompt: answered, first token after {on['long']['ttft_s']:.1f} s")
+    same = all(a["answer"] == b["answer"] for part in ("turns", "shared") for a, b in zip(on[part], off[part]))
+    print("answers identical with and without prefix caching:", same)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""A paged KV cache: one pool of fixed-size blocks shared by every sequence, a block table per sequence.
+
+Memory is proportional to the tokens held, not to max_num_seqs x max_model_len: blocks are taken as tokens
+arrive, freed when a sequence ends, and a rollback after rejected drafts gives back whole blocks past the new
+length. Full blocks are published by content (block_pool.py), so a new sequence whose prompt starts with a
+cached prefix takes those blocks instead of computing them again.
+
+Layout: keys and values are [layers, kv_heads, num_blocks * block_size, head_dim], so a layer's cache is one
+tensor whose positions (slots) are rows of head_dim values. A sequence whose blocks lie in order (the pool keeps
+them so where it can) is read as a view, without a copy; a batch can also be read by gathering every row's
+positions into one padded [kv_heads, rows, T, head_dim] buffer (the runner picks, attention_paths.py). The pool is allocated uninitialised (pages become resident as blocks are first written) except the null
+block, which padded positions read: it stays zero, so a masked score is never NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.modeling.block_pool import NULL_BLOCK, BlockPool, KVCacheFullError
+
+DEFAULT_BLOCK_SIZE = 16
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "KVCacheFullError", "PagedKVCache"]
+
+
+@dataclass
+class _Sequence:
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the tokens whose K/V are held, in order
+    published: int = 0  # leading full blocks already published by content
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        null = slice(NULL_BLOCK * block_size, (NULL_BLOCK + 1) * block_size)
+        self.keys[:, :, null].zero_()
+        self.values[:, :, null].zero_()
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self._seqs: dict[Hashable, _Sequence] = {}
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V of one position in every layer."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity_blocks * self.block_size
+
+    # -- sequences ------------------------------------------------------------------------------------------
+    def add(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
+        """Start a sequence; with its prompt, take the cached blocks of the prompt's longest cached prefix and
+        return how many tokens they hold (a multiple of the block size, and always less than the prompt: its
+        last token is computed, so that the forward gives its logits)."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has KV blocks")
+        seq = _Sequence()
+        if prompt:
+            seq.blocks = self.pool.match(prompt, (len(prompt) - 1) // self.block_size)
+            seq.tokens = list(prompt[: len(seq.blocks) * self.block_size])
+            seq.published = len(seq.blocks)
+        self._seqs[seq_id] = seq
+        return len(seq.tokens)
+
+    def remove(self, seq_id: Hashable) -> None:
+        for block in self._seqs.pop(seq_id).blocks:
+            self.pool.release(block)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def length(self, seq_id: Hashable) -> int:
+        return len(self._seqs[seq_id].tokens)
+
+    def blocks_needed(self, seq_id: Hashable | None, length: int) -> int:
+        """New blocks a sequence (None: a new one) needs to hold `length` tokens."""
+        held = len(self._seqs[seq_id].blocks) if seq_id is not None else 0
+        return max(0, -(-length // self.block_size) - held)
+
+    def num_available_blocks(self) -> int:
+        return self.pool.num_available()
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        """Keep the first `length` tokens; whole blocks past them go back to the pool. A kept full block that
+        is published stops being findable (it will be overwritten) or, when another sequence shares it, is
+        copied first."""
+        seq = self._seqs[seq_id]
+        if not 0 <= length <= len(seq.tokens):
+            raise ValueError(f"length {length} outside [0, {len(seq.tokens)}]")
+        del seq.tokens[length:]
+        keep = -(-length // self.block_size)
+        for block in seq.blocks[keep:]:
+            self.pool.release(block)
+        del seq.blocks[keep:]
+        partial = length // self.block_size  # index of the block that now ends mid-way, if any
+        if length % self.block_size and partial < seq.published:
+            self._make_writable(seq, partial)
+        seq.published = min(seq.published, length // self.block_size)
+
+    def _make_writable(self, seq: _Sequence, index: int) -> None:
+        block = seq.blocks[index]
+        if self.pool.holders(block) == 1:
+            self.pool.unpublish(block)
+            return
+        copy = self.pool.allocate()
+        size = self.block_size
+        source, target = slice(block * size, (block + 1) * size), slice(copy * size, (copy + 1) * size)
+        self.keys[:, :, target] = self.keys[:, :, source]
+        self.values[:, :, target] = self.values[:, :, source]
+        self.pool.release(block)
+        seq.blocks[index] = copy
+
+    # -- a forward ------------------------------------------------------------------------------------------
+    def reserve(self, seq_id: Hashable, length: int) -> None:
+        """Blocks for positions up to `length`; KVCacheFullError (nothing taken) when the pool lacks them."""
+        seq = self._seqs[seq_id]
+        needed = self.blocks_needed(seq_id, length)
+        if needed > self.pool.num_available():
+            raise KVCacheFullError(
+                f"the KV cache is full: {needed} more blocks needed, {self.pool.num_available()} available "
+                f"of {self.pool.capacity_blocks} ({self.block_size} tokens each)"
+            )
+        for _ in range(needed):
+            seq.blocks.append(self.pool.allocate(after=seq.blocks[-1] if seq.blocks else None))
+
+    def slots(self, seq_id: Hashable, start: int, stop: int) -> list[int]:
+        """Pool positions of the sequence's positions [start, stop) (their blocks reserved)."""
+        blocks, size = self._seqs[seq_id].blocks, self.block_size
+        return [blocks[p // size] * size + p % size for p in range(start, stop)]
+
+    def append_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """The forward wrote `tokens` at the sequence's end; publish the blocks they filled."""
+        seq = self._seqs[seq_id]
+        seq.tokens.extend(tokens)
+        size = self.block_size
+        while seq.published < len(seq.tokens) // size:
+            index = seq.published
+            previous = seq.blocks[index - 1] if index else None
+            self.pool.publish(seq.blocks[index], self.pool.key(previous, seq.tokens[index * size : (index + 1) * size]))
+            seq.published += 1
+
+    def row_read(self, seq_id: Hashable, span: int) -> torch.Tensor | slice:
+        """Where to read the sequence's positions [0, span): a slice of the pool when its blocks lie in order
+        (the usual case, see BlockPool.allocate), else an index of pool positions."""
+        size = self.block_size
+        blocks = self._seqs[seq_id].blocks[: -(-span // size)]
+        if blocks[-1] - blocks[0] == len(blocks) - 1:
+            return slice(blocks[0] * size, blocks[0] * size + span)
+        positions = torch.arange(span)
+        index = torch.tensor(blocks, dtype=torch.int64)[positions // size] * size + positions % size
+        return index.to(self.keys.device)
+
+    def batch_read(self, seq_ids: Sequence[Hashable], span: int, lengths: Sequence[int]) -> torch.Tensor:
+        """A [rows * span] index of pool positions for reading positions [0, span) of every sequence into one
+        padded buffer; positions at or past a row's length point at the null block."""
+        size = self.block_size
+        num_blocks = -(-span // size)
+        table = torch.full((len(seq_ids), num_blocks), NULL_BLOCK, dtype=torch.int64)
+        for row, seq_id in enumerate(seq_ids):
+            blocks = self._seqs[seq_id].blocks[:num_blocks]
+            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        positions = torch.arange(span)
+        index = table[:, positions // size] * size + positions % size  # [rows, span]
+        past = positions[None, :] >= torch.tensor(lengths)[:, None]
+        index[past] = NULL_BLOCK * size
+        return index.reshape(-1).to(self.keys.device)
