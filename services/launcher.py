@@ -175,7 +175,8 @@ def serve(children: Sequence[Child], policy: RestartPolicy, *, start_timeout_s: 
             process = spawn(child)
             started.append(process)
             try:
-                wait_for_port(child.host, child.port, process, start_timeout_s, cancelled=lambda: stopping)
+                wait_for_port(child.host, child.port, process, start_timeout_s, cancelled=lambda: stopping,
+                              while_busy=True)
             except (RuntimeError, TimeoutError) as error:  # name the service that failed to start
                 raise type(error)(f"{child.name} did not start: {error}") from error
             print(f"{child.name} is listening on {child.host}:{child.port} (pid {process.pid})", flush=True)
@@ -244,7 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-root-cert", default=None, help="PEM root the gRPC clients trust (default: the cert)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--start-timeout-s", type=float, default=300.0,
-                        help="at start-up, how long each service may take to listen before serve gives up")
+                        help="at start-up, how long each service may go without working (using CPU) and without "
+                        "listening before serve gives up; a service that keeps loading is waited for")
     defaults = RestartPolicy()
     parser.add_argument("--restart-backoff-initial-s", type=float, default=defaults.initial_backoff_s,
                         help="delay before restarting a service that exited (doubles with each crash in a row)")

@@ -51,11 +51,23 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.bind((host, 0))
         return [sock.getsockname()[1] for sock in sockets]
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time the process has used so far (Linux /proc), None where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: float,
-                  cancelled: Callable[[], bool] = lambda: False) -> None:
+                  cancelled: Callable[[], bool] = lambda: False, while_busy: bool = False) -> None:
     """Block until something accepts connections on host:port; fail early if the process died, and give up at
-    once when `cancelled()` turns true (a Ctrl-C during a long model load must not wait for it)."""
+    once when `cancelled()` turns true (a Ctrl-C during a long model load must not wait for it). With
+    `while_busy`, `timeout_s` counts from the last time the process was seen working (its CPU time grew): a
+    large model that loads and measures for minutes is waited for, a process stuck doing nothing is not."""
     deadline = time.monotonic() + timeout_s
+    busy = cpu_seconds(process.pid) if while_busy else None
     while time.monotonic() < deadline:
         if cancelled():
             raise StartInterrupted(f"stopped while waiting for {host}:{port}")
@@ -64,7 +76,12 @@ def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: fl
         if port_is_open(host, port):
             return
         time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s")
+        if busy is not None:
+            now = cpu_seconds(process.pid)
+            if now is not None and now > busy + 0.1:
+                busy, deadline = now, time.monotonic() + timeout_s
+    idle = " idle" if while_busy else ""
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s{idle}")
 
 
 def stop_processes(processes: Sequence[subprocess.Popen], timeout_s: float = 20.0) -> list[subprocess.Popen]:

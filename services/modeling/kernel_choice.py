@@ -81,6 +81,14 @@ class KernelChoice:
     def uses(self, name: str) -> bool:
         return name in self.chosen
 
+    def one_kernel(self, margin: float = DEFAULT_MARGIN) -> KernelChoice:
+        """The same decision with one kernel at every M: the one with the least time summed over the measured
+        M (the first unless another is faster by more than `margin`), so that one layout of the weights is
+        kept."""
+        totals = tuple(sum(per_m[i] for per_m in self.seconds) for i in range(len(self.names)))
+        name = self.names[_pick(totals, margin)]
+        return KernelChoice(self.names, self.rows, (name,) * len(self.rows), self.seconds)
+
     def describe(self) -> str:
         """e.g. 'plain at M=1, packed at M>=2' or 'packed at all M'."""
         groups: list[tuple[int, int, str]] = []  # (first M, last measured M, kernel)
@@ -214,7 +222,11 @@ class KernelChooser:
         measure: Measure = time_call,
         rows: Sequence[int] = DEFAULT_ROWS,
         budget_s: float = DEFAULT_BUDGET_S,
+        one_layout: bool = False,
     ) -> None:
+        """one_layout: one kernel per shape at every M (KernelChoice.one_kernel), so that a process that owns its
+        model keeps one copy of each weight (the runner frees the plain one where packed is chosen)."""
+        self.one_layout = one_layout
         self._measure = measure
         self._rows = tuple(rows)
         self._budget_s = budget_s
@@ -259,7 +271,7 @@ class KernelChooser:
                 instances, key[1], key[2], rows=self._rows, measure=self._measure, budget_s=self._budget_s
             )
             self.measure_seconds += time.perf_counter() - start
-            self._choices[key] = choice
+            self._choices[key] = choice.one_kernel() if self.one_layout else choice
             logger.debug("linear kernels for %s: %s %s", _shape(key), choice.describe(), choice.seconds)
         return [
             None if plan is None else DispatchLinear(plan[1], self._choices[plan[0]], plan[0][1])

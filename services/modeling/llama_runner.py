@@ -21,6 +21,7 @@ from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
 from services.modeling.runner import ForwardOutput, KVUsage, RowInput
+from services.modeling.weight_release import release_mapped
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -78,12 +79,16 @@ class LlamaFamilyRunner:
         pack_weights: bool = True,
         kernel_chooser: KernelChooser | None = None,
         kv_cache: KVCacheConfig | None = None,
+        owns_model: bool = False,
     ) -> None:
         """pack_weights: let each linear run oneDNN-packed weights (cpu_linear.py) at the token-row counts
         where a start-up measurement found them faster than F.linear (kernel_choice.py); a shape packed at
         some M keeps one more copy of its weights. False: the plain modules only, nothing measured.
         kernel_chooser: how that choice is measured (tests pass one with fake timings).
-        kv_cache: the paged KV pool's memory budget, block size and prefix caching (kv_budget.py)."""
+        kv_cache: the paged KV pool's memory budget, block size and prefix caching (kv_budget.py).
+        owns_model: nothing but this runner calls the model's decoder layers (a verifier or drafter process), so
+        each linear keeps one layout: one kernel per shape at every M, and the modules' own weights are freed
+        where the packed copy was chosen (the one-copy rule: the weights are not twice in memory)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a llama-family model this runner supports")
         config = model.config
@@ -97,7 +102,8 @@ class LlamaFamilyRunner:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         layers = model.model.layers
-        self._chooser = (kernel_chooser or KernelChooser()) if pack_weights else None
+        self.freed_weight_bytes = 0  # the modules' weights freed because only their packed copy runs
+        self._chooser = (kernel_chooser or KernelChooser(one_layout=owns_model)) if pack_weights else None
         self._kernels: list[LayerKernels | None] = [None] * len(layers)
         self._lm_head = model.lm_head
         if self._chooser is not None:
@@ -106,6 +112,8 @@ class LlamaFamilyRunner:
             linears = self._chooser.choose([*sites, ("lm_head", [head.weight], [head.bias])])
             self._kernels = [LayerKernels.build(layer, linears[4 * i : 4 * i + 4]) for i, layer in enumerate(layers)]
             self._lm_head = linears[-1] or head
+            if owns_model:
+                self.freed_weight_bytes = free_packed_modules(layers, linears[:-1])
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
         self.attention_paths = AttentionPaths.for_device(self.device)
         kv_cache = kv_cache or KVCacheConfig()
@@ -285,6 +293,26 @@ class LlamaFamilyRunner:
         selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
         logits = self._lm_head(selected).float()  # [B, M, V]
         return ForwardOutput(logits=logits, hidden_states=hidden)
+
+
+def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[LinearFn | None]) -> int:
+    """Free the module weights of every decoder-layer linear that runs packed at every M (linears: the
+    chooser's, 4 per layer in LayerKernels.sites order); returns the bytes freed. A freed module is left with
+    an empty weight, so calling it fails loudly instead of computing with nothing."""
+    freed: list[torch.Tensor] = []
+    for index, layer in enumerate(layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        groups = ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
+                  (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
+        for modules, linear in zip(groups, linears[4 * index : 4 * index + 4], strict=True):
+            choice = getattr(linear, "choice", None)
+            if choice is None or set(choice.chosen) != {"packed"}:
+                continue
+            for module in modules:
+                freed.append(module.weight.detach())
+                module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    release_mapped(freed)  # a weight in a memory-mapped checkpoint is not freed by dropping it alone
+    return sum(weight.nbytes for weight in freed)
 
 
 def read_layer(

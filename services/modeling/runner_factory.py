@@ -15,14 +15,21 @@ logger = logging.getLogger(__name__)
 
 
 def create_runner(
-    model: torch.nn.Module, max_num_seqs: int, max_model_len: int, kv_cache: KVCacheConfig | None = None
+    model: torch.nn.Module, max_num_seqs: int, max_model_len: int, kv_cache: KVCacheConfig | None = None,
+    owns_model: bool = False,
 ) -> ModelRunner:
+    """owns_model: only the runner will call the model (a service process): one copy of each weight is kept
+    (LlamaFamilyRunner). False where the same model object also runs elsewhere (transformers' generate in the
+    bench, a test's shared fixture)."""
     if llama_runner.supports(model):
-        runner = llama_runner.LlamaFamilyRunner(model, max_num_seqs, max_model_len, kv_cache=kv_cache)
+        runner = llama_runner.LlamaFamilyRunner(model, max_num_seqs, max_model_len, kv_cache=kv_cache,
+                                                owns_model=owns_model)
         logger.info(
-            "model runner: batched llama-family runner, %s (kernel measurement took %.2f s)",
+            "model runner: batched llama-family runner, %s (kernel measurement took %.2f s; %.2f GiB of module "
+            "weights freed: they run packed only)",
             runner.kernels,
             runner.kernel_measurement_s,
+            runner.freed_weight_bytes / 2**30,
         )
         usage = runner.kv_usage
         pool_bytes = runner.cache.keys.nbytes + runner.cache.values.nbytes

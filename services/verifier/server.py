@@ -256,7 +256,7 @@ def run(settings: VerifierSettings) -> int:
 
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
-    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, settings.kv_cache)
+    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, settings.kv_cache, owns_model=True)
     worker = worker_thread()
     store = measurement_store(settings)
     setup = setup_identity(loaded.model_id, loaded.model.config.to_json_string(), str(loaded.model.dtype),

@@ -221,3 +221,31 @@ def test_packed_copies_of_a_shape_that_never_wins_are_freed(monkeypatch):
     alive = {shape: sum(ref() is not None for ref in refs) for shape, refs in packed_kernels.items()}
     assert alive == {(128, 64): 0, (64, 64): 0, (256, 64): 0, (64, 128): 2, (96, 64): 0}, "only down_proj's kept"
     assert "o_proj [64x64] plain at all M" in runner.kernels and "down_proj [64x128] packed at all M" in runner.kernels
+
+
+def test_a_runner_that_owns_its_model_keeps_one_layout_of_each_weight():
+    """owns_model: one kernel per shape at every M (the one with the least summed time), the modules' weights
+    freed where packed runs, and the same logits as the plain modules."""
+    model, reference_model = tiny_llama(), tiny_llama()
+
+    def measure(name, kernel, x):  # packed wins only for the [64x128] down_proj, and only summed over M
+        kernel(x)
+        if name == "plain":
+            return 1e-6 if x.shape[0] <= 4 else 4e-6
+        return (0.5e-6 if x.shape[0] <= 4 else 1e-6) if x.shape[1] == 128 else 5e-6
+
+    chooser = KernelChooser(measure, one_layout=True)
+    runner = LlamaFamilyRunner(model, max_num_seqs=1, max_model_len=64, kernel_chooser=chooser, owns_model=True)
+    assert "down_proj [64x128] packed at all M" in runner.kernels and "o_proj [64x64] plain at all M" in runner.kernels
+    down = [layer.mlp.down_proj.weight for layer in model.model.layers]
+    assert all(w.numel() == 0 for w in down) and runner.freed_weight_bytes == sum(64 * 128 * 4 for _ in down)
+    assert all(layer.self_attn.o_proj.weight.numel() == 64 * 64 for layer in model.model.layers)
+    choice = KernelChoice(("plain", "packed"), (1, 8), ("plain", "packed"), ((1.0, 3.0), (4.0, 1.0)))
+    assert choice.one_kernel().chosen == ("packed", "packed")  # 5 s summed against 4
+
+    reference = LlamaFamilyRunner(reference_model, max_num_seqs=1, max_model_len=64, pack_weights=False)
+    tokens = torch.randint(0, model.config.vocab_size, (20,)).tolist()
+    for r in (runner, reference):
+        r.add_sequence("a")
+    torch.testing.assert_close(runner.forward([RowInput("a", tokens, 3)]).logits,
+                               reference.forward([RowInput("a", tokens, 3)]).logits, atol=1e-4, rtol=1e-4)

@@ -233,3 +233,28 @@ def test_children_start_cleanly_while_grpc_threads_are_busy_in_the_launcher():
             thread.join()
         server.stop(grace=None)
     assert codes == [3] * 40
+
+
+def test_the_start_wait_counts_from_the_last_work_so_a_long_load_is_waited_for_and_a_stuck_one_is_not():
+    """A child that computes for 2.5 s before listening outlasts a 1 s timeout only when the timeout counts from
+    its last CPU use (the launcher's while_busy); one that sleeps without listening fails after the timeout."""
+    port = supervision.free_ports(1)[0]
+    busy_then_listen = (
+        "import socket, time\n"
+        "end = time.monotonic() + 2.5\n"
+        "while time.monotonic() < end: sum(range(10000))\n"
+        f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)\n"
+    )
+    for while_busy, script in ((True, busy_then_listen), (False, busy_then_listen), (True, "import time; time.sleep(30)")):
+        process = subprocess.Popen([sys.executable, "-c", script])
+        started = time.monotonic()
+        try:
+            if while_busy and script == busy_then_listen:
+                supervision.wait_for_port("127.0.0.1", port, process, 1.0, while_busy=True)
+                assert time.monotonic() - started > 2.0
+            else:
+                with pytest.raises(TimeoutError, match="after 1 s"):
+                    supervision.wait_for_port("127.0.0.1", port, process, 1.0, while_busy=while_busy)
+                assert time.monotonic() - started < 2.0
+        finally:
+            supervision.stop_processes([process])

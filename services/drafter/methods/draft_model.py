@@ -142,12 +142,12 @@ def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:
     settings = DraftModelSettings.from_config(config)
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
-    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len)
+    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, owns_model=True)
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
     proposer = DraftModelProposer(runner, fingerprint)
     proposer.measure_catch_up()
     logger.info(
-        "draft model %s: vocabulary %d (tokenizer %s), %d KV slots of %d positions; prefills fed in chunks of "
+        "draft model %s: vocabulary %d (tokenizer %s), %d sequences of up to %d positions; prefills fed in chunks of "
         "up to %d tokens per call", loaded.model_id, runner.vocab_size, fingerprint[:12] or "unknown",
         settings.max_num_seqs, max_model_len, proposer.catch_up_limit(),
     )
