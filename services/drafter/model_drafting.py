@@ -3,7 +3,9 @@
 Everything here runs on one thread (the proposer's compute thread) and is neither async nor thread-safe; the
 proposer (methods/draft_model.py) owns that thread. One call drafts every sequence of an engine step together:
 
-1. each sequence gets a KV slot in the runner (sequence_slots.py: least recently used eviction);
+1. each sequence gets a KV slot in the runner (sequence_slots.py: least recently used eviction); a new one
+   starts with the cached blocks of its tokens' longest cached prefix (the runner's prefix caching), so a prompt
+   that starts like an earlier one (a chat's next turn, a shared system prompt) is not fed again;
 2. its slot is truncated to the longest common prefix of the tokens it holds and the committed tokens ("set
    the length"), keeping at least one committed token to feed, since the last one's logits give the first draft;
 3. one catch-up forward feeds every sequence's remaining committed tokens (usually the bonus token, or the last
@@ -119,8 +121,12 @@ class ModelDrafter:
         assignment = self.slots.assign([requests[i].seq_id for i in chosen])
         for seq_id in assignment.evicted:
             self.runner.remove_sequence(seq_id)
-        for seq_id in assignment.admitted:
-            self.runner.add_sequence(seq_id)
+        by_id = {requests[i].seq_id: requests[i] for i in chosen}
+        for seq_id in assignment.admitted:  # from the longest cached prefix of its tokens (prefix caching)
+            tokens = by_id[seq_id].token_ids
+            cached = self.runner.add_sequence(seq_id, tokens.tolist())
+            if cached:
+                self.slots.set_tokens(seq_id, tokens[:cached])
         refused = set(assignment.refused)
         rows = [i for i in chosen if requests[i].seq_id not in refused]
         if not rows:

@@ -38,6 +38,9 @@ REFIT_EVERY = 16  # observations between fits
 MIN_SHAPES = 4  # distinct shapes before the fit is trusted (four coefficients)
 PROFILE_REPEATS = 3
 PROFILE_CONTEXT = 128
+# Seconds the start-up profile may take: past it (with MIN_SHAPES shapes timed), no further shape is profiled (a
+# large model on a small CPU, 0.5 s a forward, would otherwise take minutes); the model keeps learning from steps.
+PROFILE_BUDGET_S = 5.0
 PROFILE_SEQUENCE_PREFIX = "specserve-cost-profile-"
 
 
@@ -155,12 +158,23 @@ def profile_step_cost(
     vocab = runner.vocab_size
     for seq_id in ids:
         runner.add_sequence(seq_id)
+    started_profile = clock()
+
+    def out_of_time() -> bool:
+        return len(model.samples()) >= MIN_SHAPES and clock() - started_profile > PROFILE_BUDGET_S
+
     try:
         for length in sorted({max(1, context // 4), context}):
+            if out_of_time():
+                break
             for seq_id in ids:
                 runner.truncate(seq_id, 0)
                 runner.forward([RowInput(seq_id, [(7 * i + 1) % vocab for i in range(length)], 1)])
             for num_rows, width in profile_shapes(rows, max_width):
+                if out_of_time():
+                    logger.info("step-cost profile cut at %.1f s (the rest is learned while serving)",
+                                clock() - started_profile)
+                    break
                 batch = [RowInput(s, [(3 + i) % vocab for i in range(width)], width) for s in ids[:num_rows]]
                 for repeat in range(PROFILE_REPEATS + 1):
                     started = clock()

@@ -49,7 +49,7 @@ def test_serve_drafts_with_the_draft_model_and_greedy_output_is_unchanged(draft_
     assert plain.model_extra["speculative_decoding"]["num_drafts"] == 0
     log = draft_model_stack.log()
     assert "drafter (draft_model) listening" in log
-    assert "draft model" in log and "KV slots" in log  # the drafter loaded its own model and runner
+    assert "draft model" in log and "sequences of up to" in log  # the drafter loaded its own model and runner
     assert log.count("model forwards run on the") == 2  # verifier and drafter each placed their forwards
 
 

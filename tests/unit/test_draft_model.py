@@ -347,3 +347,20 @@ def test_the_registry_builds_it_from_a_model_folder_and_it_declares_its_vocabula
     local_proposers(config, (VOCAB + 64, fingerprint))["draft_model"].close()  # same tokenizer, padded table
     with pytest.raises(IncompatibleProposerError, match="different tokenizer"):
         local_proposers(config, (VOCAB, "another tokenizer"))
+
+
+async def test_a_prompt_that_starts_like_an_earlier_one_is_fed_from_the_prefix_cache(draft_model):
+    """A second sequence sharing a 40-token prefix with a first one takes its cached blocks (only the rest is
+    fed) and drafts exactly what a fresh drafter does."""
+    rng = random.Random(12)
+    shared = list(repetitive_prompt(rng, 40))
+    proposer = proposer_for(draft_model)
+    try:
+        await proposer.propose([DraftInput("first", shared + [5, 6, 7], 3)])
+        second = shared + [9, 8]
+        draft = (await proposer.propose([DraftInput("second", second, 4)]))[0]
+        assert tuple(draft.token_ids) == await fresh_draft(draft_model, second, 4)
+        usage = proposer.runner.kv_usage
+        assert usage.prefix_cache.hits == (len(second) - 1) // usage.block_size * usage.block_size > 0
+    finally:
+        proposer.close()
