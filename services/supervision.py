@@ -81,7 +81,7 @@ def wait_for_port(host: str, port: int, process: subprocess.Popen, timeout_s: fl
             if now is not None and now > busy + 0.1:
                 busy, deadline = now, time.monotonic() + timeout_s
     idle = " idle" if while_busy else ""
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f} s{idle}")
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:g} s{idle}")
 
 
 def stop_processes(processes: Sequence[subprocess.Popen], timeout_s: float = 20.0) -> list[subprocess.Popen]:

@@ -50,8 +50,9 @@ def reserve_decode(
 ) -> None:
     """Blocks for every decoding row's step, oldest request first; while the pool is short, `preempt` the newest
     running request (possibly the row itself, which then waits)."""
+    preempted: set[str] = set()
     for state in list(running):
-        if state.prefilling or state not in running:
+        if state.prefilling or state.request_id in preempted:
             continue
         while True:
             try:
@@ -60,6 +61,7 @@ def reserve_decode(
             except KVCacheFullError:
                 victim = running[-1]
                 preempt(victim)
+                preempted.add(victim.request_id)
                 if victim is state:
                     break
 

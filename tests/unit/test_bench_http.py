@@ -70,6 +70,7 @@ def test_http_ratios_against_the_in_process_rows():
     assert math.isclose(off.value, 0.95) and off.met
 
 
+@pytest.mark.slow  # real processes: a drafter starts, the verifier fails
 def test_a_stack_that_cannot_start_fails_with_its_log_and_leaves_nothing_running():
     args = http_runs.launcher_args(target("no-such-model-anywhere", start_timeout_s=120), 3, 1, 3, 2, 256)
     messages: list[str] = []

@@ -30,6 +30,7 @@ from tests.tiny_models import tiny_llama
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # fresh interpreters that import the verifier and the gateway (torch, transformers)
 def test_importing_the_verifier_or_the_gateway_loads_no_drafter_code():
     """Each service is its own process; what two share lives in services/common or services/modeling."""
     code = (

@@ -199,6 +199,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # real child processes of a launcher
 def test_children_start_cleanly_while_grpc_threads_are_busy_in_the_launcher():
     """A preexec_fn made subprocess fork() with gRPC threads alive, and gRPC's fork handlers crashed about one
     child in seven before exec (exit -11 or -6 instead of the child's own code). The exec shim avoids fork."""
@@ -236,12 +237,12 @@ def test_children_start_cleanly_while_grpc_threads_are_busy_in_the_launcher():
 
 
 def test_the_start_wait_counts_from_the_last_work_so_a_long_load_is_waited_for_and_a_stuck_one_is_not():
-    """A child that computes for 2.5 s before listening outlasts a 1 s timeout only when the timeout counts from
+    """A child that computes for 1.5 s before listening outlasts a 0.5 s timeout only when the timeout counts from
     its last CPU use (the launcher's while_busy); one that sleeps without listening fails after the timeout."""
     port = supervision.free_ports(1)[0]
     busy_then_listen = (
         "import socket, time\n"
-        "end = time.monotonic() + 2.5\n"
+        "end = time.monotonic() + 1.5\n"
         "while time.monotonic() < end: sum(range(10000))\n"
         f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)\n"
     )
@@ -250,11 +251,11 @@ def test_the_start_wait_counts_from_the_last_work_so_a_long_load_is_waited_for_a
         started = time.monotonic()
         try:
             if while_busy and script == busy_then_listen:
-                supervision.wait_for_port("127.0.0.1", port, process, 1.0, while_busy=True)
-                assert time.monotonic() - started > 2.0
+                supervision.wait_for_port("127.0.0.1", port, process, 0.5, while_busy=True)
+                assert time.monotonic() - started > 1.4
             else:
-                with pytest.raises(TimeoutError, match="after 1 s"):
-                    supervision.wait_for_port("127.0.0.1", port, process, 1.0, while_busy=while_busy)
-                assert time.monotonic() - started < 2.0
+                with pytest.raises(TimeoutError, match="after 0.5 s"):
+                    supervision.wait_for_port("127.0.0.1", port, process, 0.5, while_busy=while_busy)
+                assert time.monotonic() - started < 1.4
         finally:
             supervision.stop_processes([process])
