@@ -77,7 +77,7 @@ async def _generate(args: argparse.Namespace) -> int:
 DELEGATED = {
     "bench": "services.bench",
     "drafter": "services.drafter.server",
-    "verifier": "services.verifier.server",
+    "verifier": "services.verifier.main",
     "gateway": "services.gateway.main",
     "soak": "services.soak.main",
     "train-eagle": "services.eagle.train",

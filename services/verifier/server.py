@@ -2,12 +2,11 @@
 Prometheus metrics on their own HTTP port.
 
 `start_verifier` takes an already-loaded model (tests and embedders use it with a tiny model and port 0);
-`serve` loads `--model` and runs until SIGTERM; `main` is the `specserve verifier` command.
+`serve` loads `--model` and runs until SIGTERM; `run` is what `specserve verifier` (main.py) calls once its flags parse.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 from collections.abc import Iterable, Sequence
@@ -35,7 +34,7 @@ from services.verifier.measurement_store import MeasurementStore, setup_identity
 from services.verifier.metrics import EngineCollector, TimedRunner, create_metrics
 from services.verifier.remote_proposer import IncompatibleDrafterError, RemoteProposer, RemoteProposerConfig
 from services.verifier.servicer import VerifierServicer, status_for
-from services.verifier.settings import VerifierSettings, add_engine_flags
+from services.verifier.settings import VerifierSettings
 from services.verifier.step_cost_cache import StepCostCache
 from services.verifier.structured_output import GrammarCompiler, grammar_compiler_for
 from services.verifier.wire import DefaultSpeculation, ModelFacts, verifier_pb2, verifier_pb2_grpc
@@ -269,49 +268,7 @@ def run(settings: VerifierSettings) -> int:
         worker.shutdown(wait=True)
 
 
-def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
-    """vLLM-style flags. Unset flags leave the SPECSERVE_VERIFIER_* environment (or the default) in charge."""
-    s = argparse.SUPPRESS
-    add_engine_flags(parser)
-    parser.add_argument("--max-waiting-requests", dest="max_waiting_requests", type=int, default=s)
-    parser.add_argument("--draft-timeout-s", dest="draft_timeout_s", type=float, default=s,
-                        help="shortest wait for a drafter's drafts per step (default 0.5)")
-    parser.add_argument("--max-draft-timeout-s", dest="max_draft_timeout_s", type=float, default=s,
-                        help="longest: the wait grows to twice what the drafter's calls take, up to this (default 2)")
-    parser.add_argument("--drafter-health-interval-s", dest="drafter_health_interval_s", type=float, default=s,
-                        help="probe a drafter's Info after this long without a successful step (0: never)")
-    parser.add_argument("--speculative-config", dest="speculative_config", default=s,
-                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
-    parser.add_argument("--drafter", dest="drafters", action="append", default=s, metavar="NAME=HOST:PORT",
-                        help="attach a drafter service (repeatable); requests select it by NAME")
-    parser.add_argument("--host", default=s)
-    parser.add_argument("--port", type=int, default=s, help="gRPC port (0: a free one)")
-    parser.add_argument("--metrics-port", dest="metrics_port", type=int, default=s, help="0 turns metrics off")
-    parser.add_argument("--log-stats-interval-s", dest="log_stats_interval_s", type=float, default=s,
-                        help="seconds between 'spec decode:' log lines (acceptance, tokens/s, fallbacks); 0: none")
-    parser.add_argument("--drain-seconds", dest="drain_s", type=float, default=s)
-    parser.add_argument("--grace-seconds", dest="grace_s", type=float, default=s)
-    parser.add_argument("--tls-cert-file", dest="tls_cert_file", default=s)
-    parser.add_argument("--tls-key-file", dest="tls_key_file", default=s)
-    parser.add_argument("--measurement-cache-dir", dest="measurement_cache_dir", default=s,
-                        help="reuse the start-up measurements (thread placement, step-cost profile) taken on this "
-                        "machine with this model and setup, kept here (default ~/.cache/specserve/measurements; '' "
-                        "measures at every start)")
-    parser.add_argument("--drafter-tls-root-cert", dest="drafter_tls_root_cert", default=s,
-                        help="PEM root certificate: connect to drafters over TLS")
-
-
-def settings_from_args(args: argparse.Namespace) -> VerifierSettings:
-    """Only the settings' own fields: a CLI that nests this parser may add its own (e.g. the subcommand)."""
-    return VerifierSettings(**{k: v for k, v in vars(args).items() if k in VerifierSettings.model_fields})
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="specserve verifier", description="Serve a target model over gRPC.")
-    add_verifier_flags(parser)
-    return run(settings_from_args(parser.parse_args(argv)))
-
-
 if __name__ == "__main__":
+    from services.verifier.main import main
+
     raise SystemExit(main())

@@ -1,5 +1,5 @@
 """The verifier's configuration: one settings class, read from `SPECSERVE_VERIFIER_*` environment variables and
-overridden by command-line flags (server.main), so the same process is configured the same way by a Helm chart
+overridden by command-line flags (main.py), so the same process is configured the same way by a Helm chart
 (env) and by a person at a shell (flags)."""
 
 from __future__ import annotations

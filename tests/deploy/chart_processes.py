@@ -15,8 +15,8 @@ from services.drafter.server import settings_from_args as drafter_settings_from_
 from services.drafter.settings import DrafterSettings
 from services.gateway.main import parse_args as gateway_parse_args
 from services.gateway.settings import GatewaySettings
-from services.verifier.server import add_verifier_flags
-from services.verifier.server import settings_from_args as verifier_settings_from_args
+from services.verifier.main import add_verifier_flags
+from services.verifier.main import settings_from_args as verifier_settings_from_args
 from services.verifier.settings import VerifierSettings
 from tests.deploy.rendered_chart import RenderedChart
 

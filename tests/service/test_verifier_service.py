@@ -17,7 +17,8 @@ from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams
-from services.verifier.server import add_verifier_flags, settings_from_args, start_verifier
+from services.verifier.main import add_verifier_flags, settings_from_args
+from services.verifier.server import start_verifier
 from services.verifier.settings import VerifierSettings
 from services.verifier.wire import verifier_pb2, verifier_pb2_grpc
 from tests.ports import free_port

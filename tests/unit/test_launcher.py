@@ -177,7 +177,7 @@ def test_a_child_that_dies_during_start_up_fails_fast(capsys):
 
 def test_the_engine_flags_are_declared_once_for_verifier_serve_and_generate():
     from services.cli import build_parser
-    from services.verifier.server import add_verifier_flags
+    from services.verifier.main import add_verifier_flags
 
     given = ["--model", "m", "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "2", "--max-model-len", "64",
              "--max-num-batched-tokens", "32"]
@@ -192,7 +192,7 @@ def test_the_engine_flags_are_declared_once_for_verifier_serve_and_generate():
 
 
 def test_serve_passes_adaptive_speculation_on_and_off_to_the_verifier_only_when_given():
-    from services.verifier.server import add_verifier_flags
+    from services.verifier.main import add_verifier_flags
     from services.verifier.settings import VerifierSettings
 
     for given, expected in ((["--no-adaptive-speculation"], False), (["--adaptive-speculation"], True)):
