@@ -95,18 +95,15 @@ def listening(port: int) -> bool:
 @pytest.mark.slow
 def test_http_rows_on_smollm2(smollm2):
     """`specserve bench --quick`'s setup, shrunk: every in-process row plus the HTTP rows through the real
-    stack, which must generate exactly what the in-process engine generates. On the two short workloads (one
-    plain chat, one multi-turn): the code-edit ones take the same path with prompts of ~1,000 tokens, which made
-    this test take four minutes on 2 cores (test_bench_smoke.py runs all four workloads on a tiny model)."""
-    from services.bench.prompts import build_workloads
-    from services.bench.transformers_baseline import generate_one
+    stack, which must generate exactly what the in-process engine generates. On one short workload (a plain
+    chat): every workload takes the same path through the HTTP API, a second one doubled this test's two
+    minutes, and the code-edit ones (~1,000-token prompts) made it four (test_bench_smoke.py runs all four
+    workloads on a tiny model)."""
+    from services.bench.prompts import Workload, chat_token_ids, humaneval_messages
     from services.gateway.tokenizer import make_decode
 
     eos = sorted(smollm2.eos_token_ids)
-    workloads = [w for w in build_workloads(smollm2.tokenizer, 1, 16, 24,
-                                            lambda prompt, n: generate_one(smollm2.model, prompt, n, eos).tokens,
-                                            num_turns=2)
-                 if w.name in ("humaneval", "multi-turn")]
+    workloads = [Workload("humaneval", tuple(chat_token_ids(smollm2.tokenizer, m) for m in humaneval_messages(1)), 16)]
     settings = BenchSettings(k=8, prompt_lookup_min=2, prompt_lookup_max=4, concurrency=2, repeats=1)
     http = HttpTarget(MODEL, "cpu", "float32", 2, make_decode(smollm2.tokenizer))
     messages: list[str] = []
