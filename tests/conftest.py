@@ -6,9 +6,10 @@ real-model and long statistical tests wherever they are. `make test-fast` runs n
 
 Parallel runs (pytest-xdist): every module is one unit of work, run whole on one worker, so a module-scoped fixture
 (a loaded model, a started server) is built once. The modules in tests/e2e/stack.py's SHARED_STACK_MODULES are one
-unit together: they share one session-scoped stack, started once on their worker. Modules with slow or end-to-end
-tests are handed out first, so that no long module starts last while the other worker sits idle. Each worker
-and the services it starts get their share of the cores as torch threads (OMP_NUM_THREADS), unless it is set."""
+unit together: they share one session-scoped stack, started once on their worker. Units are handed out longest
+first by measured time (tests/module_seconds.py), so that no long one starts last while the other worker sits
+idle. Each worker and the services it starts get their share of the cores as torch threads (OMP_NUM_THREADS),
+unless it is set."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import module_seconds
 from tests.e2e.stack import SHARED_STACK_GROUP, SHARED_STACK_MODULES
 
 _E2E = Path(__file__).parent / "e2e"
@@ -36,13 +38,34 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks tests/e2e as e2e, then orders the work units longest first (tests/module_seconds.py): a unit's time
+    is its modules' measured seconds, the shared-stack modules' added up; among units not measured, those with
+    slow or e2e tests go first."""
     long_modules = set()
     for item in items:
         if _E2E in item.path.parents:
             item.add_marker(pytest.mark.e2e)
         if item.get_closest_marker("slow") or item.get_closest_marker("e2e"):
             long_modules.add(item.path)
-    items.sort(key=lambda item: item.path not in long_modules)  # stable: the order within stays
+    measured = module_seconds.load()
+    root = config.rootpath
+    unit_seconds: dict[str, float] = {}
+    for item in items:
+        module = item.path.relative_to(root).as_posix()
+        unit = work_unit(module)
+        unit_seconds[unit] = unit_seconds.get(unit, 0.0) + measured.pop(module, 0.0)
+
+    def order(item: pytest.Item) -> tuple[float, bool, int]:
+        module = item.path.relative_to(root).as_posix()
+        in_shared = SHARED_STACK_MODULES.index(module) if module in SHARED_STACK_MODULES else 0
+        return -unit_seconds[work_unit(module)], item.path not in long_modules, in_shared
+
+    items.sort(key=order)  # stable: the order within a unit stays
+
+
+def work_unit(module: str) -> str:
+    """What one worker runs whole: a module, or the shared-stack modules together."""
+    return SHARED_STACK_GROUP if module in SHARED_STACK_MODULES else module
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: without it installed, the suite runs serially
@@ -53,8 +76,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return SHARED_STACK_GROUP if module in SHARED_STACK_MODULES else module
+            return work_unit(nodeid.split("::", 1)[0])
 
     config.option.loadscopereorder = False  # keep the order above: long modules first
     return ModuleScheduling(config, log)

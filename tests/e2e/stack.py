@@ -20,10 +20,12 @@ from tests.ports import free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 # The modules that only send requests share one session-wide Stack (tests/e2e/conftest.py: shared_stack); under
-# pytest-xdist they are one unit of work, SHARED_STACK_GROUP, so one worker runs them all and starts it once.
-SHARED_STACK_MODULES = frozenset(f"tests/e2e/{name}.py" for name in
-                                 ("test_openai_stack", "test_prompt_scoring", "test_fuzz_schemathesis",
-                                  "test_readiness"))
+# pytest-xdist they are one unit of work, SHARED_STACK_GROUP, so one worker runs them all and starts it once. They
+# run in this order (tests/conftest.py): the Prometheus module first, whose dashboard ratios need counters that
+# start at 0, as on a stack nobody has used yet.
+SHARED_STACK_MODULES = tuple(f"tests/e2e/{name}.py" for name in
+                             ("test_prometheus_metrics", "test_openai_stack", "test_prompt_scoring",
+                              "test_fuzz_schemathesis", "test_readiness"))
 SHARED_STACK_GROUP = "shared-e2e-stack"
 
 

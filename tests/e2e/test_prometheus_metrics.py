@@ -1,5 +1,5 @@
-"""The metrics and the Grafana dashboard against a real Prometheus: `specserve serve` (SmolLM2-135M, an n-gram
-drafter) runs as real processes, Prometheus scrapes its gateway, verifier and drafter every second, the OpenAI
+"""The metrics and the Grafana dashboard against a real Prometheus: the shared e2e stack (SmolLM2-135M, an n-gram
+drafter, as real processes) runs, Prometheus scrapes its gateway, verifier and drafter every second, the OpenAI
 SDK sends greedy requests, and then
 
 - PromQL over the test window gives exactly the acceptance rate and mean acceptance length that the responses'
@@ -23,14 +23,12 @@ import pytest
 
 from services.dashboard.prometheus import PrometheusServer, PromQLError, finite_values, prometheus_binary
 from services.dashboard.render import load_dashboard, substitute
-from services.soak.serve_process import HOST, ServeProcess
+from services.soak.serve_process import HOST
 from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC
-from tests.e2e.stack import serve_ports
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
 
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 5}'
 SPEC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -72,26 +70,25 @@ def send_requests(base_url: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory):
+def observed(shared_stack, tmp_path_factory):
+    """Prometheus scraping the shared stack, which this module is the first to use (tests/e2e/stack.py), so its
+    counters start at 0 as on a fresh `specserve serve`."""
     prometheus_binary()  # fail before minutes of model loading when there is none
-    folder = tmp_path_factory.mktemp("prometheus")
-    serve = ServeProcess(folder / "serve.log", extra_flags=["--speculative-config", NGRAM], ports=serve_ports())
-    ports = serve.ports
-    prometheus = PrometheusServer({"gateway": f"{HOST}:{ports.gateway}",
-                                   "verifier": f"{HOST}:{ports.verifier_metrics}",
-                                   "drafter": f"{HOST}:{ports.drafter_metrics}"}, folder, port=free_port())
+    stack = shared_stack
+    prometheus = PrometheusServer({"gateway": f"{HOST}:{stack.gateway_port}",
+                                   "verifier": f"{HOST}:{stack.verifier_metrics_port}",
+                                   "drafter": f"{HOST}:{stack.drafter_metrics_port}"},
+                                  tmp_path_factory.mktemp("prometheus"), port=free_port())
     try:
-        serve.start()
         started = time.time()
         prometheus.start()
         before = prometheus.wait_for_scrapes_after(time.time())
-        totals = send_requests(serve.base_url)
+        totals = send_requests(stack.base_url)
         after = prometheus.wait_for_scrapes_after(time.time())
-        model = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="unused").models.list().data[0].id
+        model = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused").models.list().data[0].id
         yield Observed(prometheus, model, started, before, after, totals)
     finally:
         prometheus.stop()
-        serve.stop()
 
 
 def test_promql_acceptance_equals_the_responses_stats(observed):
