@@ -64,8 +64,11 @@ async def test_greedy_equality_on_smollm2(smollm2):
     max_tokens = [48, 24, 12, 16]
     eos = [tokenizer.eos_token_id]
 
+    # One runner for every run: its kernels are chosen once (1.5 s a runner), and its prefix cache keeps the
+    # prompts' blocks, so every run after the first also checks greedy equality on prefix-cache hits.
+    runner = LlamaFamilyRunner(smollm2.model, max_num_seqs=3, max_model_len=512)
+
     def engine(proposers):
-        runner = LlamaFamilyRunner(smollm2.model, max_num_seqs=3, max_model_len=512)
         config = EngineConfig(max_num_batched_tokens=64, log_stats_interval_s=0, adaptive_speculation=False)
         return Engine(runner, config, proposers, eos)
 
@@ -77,6 +80,7 @@ async def test_greedy_equality_on_smollm2(smollm2):
         return {0: requests[:2], 3: requests[2:]}  # two join mid-way; with 3 slots one waits for another to leave
 
     baseline = await run_schedule(engine({}), schedule([SpeculationParams()] * 4))
+    baseline_hits = runner.kv_usage.prefix_cache.hits  # within the first run: the chat template's shared start
     references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(4)}
     proposers = {
         "ngram": NgramProposer(NgramSettings(1, 3)),
@@ -95,6 +99,8 @@ async def test_greedy_equality_on_smollm2(smollm2):
             spec = result["r2"].outputs[-1].spec
             assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
     assert accepted_ngram > 0  # the code-edit prompt really exercised acceptance
+    later_hits = runner.kv_usage.prefix_cache.hits - baseline_hits
+    assert later_hits > 8 * baseline_hits, "the runs after the first reused its prompts' blocks"
 
 
 async def test_seeded_sampling_equal_with_and_without_ngram(smollm2):
