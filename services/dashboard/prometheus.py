@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from services.bench.http_runs import free_ports
+from services.supervision import free_ports
 from services.supervision import stop_processes, wait_for_port
 
 INSTALL_HINT = ("run deploy/scripts/install-test-tools.sh (`make test` does), `apt-get install prometheus`, or "

@@ -17,7 +17,7 @@ from typing import Self
 
 import httpx
 
-from services.bench.http_runs import free_ports
+from services.supervision import free_ports
 from services.modeling.registry import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
