@@ -5,7 +5,10 @@
 - A shared system prompt of about SYSTEM_TOKENS tokens across REQUESTS requests, sent one after another: mean
   time to first token with caching on and off.
 - A long prompt (LONG_TOKENS) with the default flags: answered, with its time to first token.
-Prints the hardware, the KV pool and the ratios; exits 1 if an answer differs between caching on and off.
+- MIXED_LONG prompts of that length and MIXED_SHORT short chats sent at once: every one answered, no error, the
+  KV pool's peak use, and how long the short chats waited for their first token beside the long prefills.
+Prints the hardware, the KV pool and the ratios; exits 1 if an answer differs between caching on and off or a
+request of the mixed load fails.
 
     python -m services.bench.prefix_cache [--model smollm2-135m-instruct] [--long-tokens 6000]
 """
@@ -28,19 +31,24 @@ REQUESTS = 16
 LONG_TOKENS = 6000
 TURNS = 4
 ANSWER_TOKENS = 16
+MIXED_LONG = 8
+MIXED_SHORT = 32
+SHORT_TOKENS = 40
 
 
 def filler(tokenizer, tokens: int, seed: int) -> list[int]:
-    """About `tokens` tokens of varied English, so that nothing is cached by accident."""
+    """About `tokens` tokens of varied English, so that nothing is cached by accident. Words are added in batches
+    of about half the tokens still missing (a word is 2-4 tokens), so a long filler is encoded a few times, not
+    once every 50 words."""
     words = "the river carried stone and light past towns whose names the maps forgot while traders argued".split()
     text, ids = [], []
     index = seed
     while len(ids) < tokens:
-        text.append(words[index % len(words)] + str(index % 97))
-        index = index * 7 + 3
-        if len(text) % 50 == 0:
-            ids = tokenizer.encode(" ".join(text))
-    return tokenizer.encode(" ".join(text))[:tokens]
+        for _ in range(max(50, (tokens - len(ids)) // 2)):
+            text.append(words[index % len(words)] + str(index % 97))
+            index = index * 7 + 3
+        ids = tokenizer.encode(" ".join(text))
+    return ids[:tokens]
 
 
 async def first_token(engine, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
@@ -73,15 +81,49 @@ async def run(options: LocalEngineOptions, loaded, long_tokens: int) -> dict:
             ttft, answer, cached = await first_token(engine, f"shared{index}", system + filler(tokenizer, 20, index),
                                                      ANSWER_TOKENS)
             shared.append({"ttft_s": ttft, "cached": cached, "answer": answer})
-        long = None
+        long, mixed = None, None
         if long_tokens:
             ttft, answer, cached = await first_token(engine, "long", filler(tokenizer, long_tokens, seed=7), 8)
             long = {"ttft_s": ttft, "tokens": long_tokens, "answer": answer}
+            mixed = await mixed_load(engine, tokenizer, long_tokens)
         usage = engine.runner.kv_usage
-        return {"turns": turns, "shared": shared, "long": long,
-                "pool_tokens": usage.total_blocks * usage.block_size}
+        return {"turns": turns, "shared": shared, "long": long, "mixed": mixed,
+                "pool_tokens": usage.total_blocks * usage.block_size, "block_size": usage.block_size}
     finally:
         await engine.shutdown()
+
+
+async def mixed_load(engine, tokenizer, long_tokens: int) -> dict:
+    """MIXED_LONG long prompts and MIXED_SHORT short chats sent together; the pool's peak use sampled meanwhile."""
+    prompts = ([(f"mixed-long{i}", filler(tokenizer, long_tokens, seed=1000 + i), 8) for i in range(MIXED_LONG)]
+               + [(f"mixed-short{i}", filler(tokenizer, SHORT_TOKENS, seed=2000 + i), ANSWER_TOKENS)
+                  for i in range(MIXED_SHORT)])
+    peak_blocks = 0
+
+    async def watch() -> None:
+        nonlocal peak_blocks
+        while True:
+            peak_blocks = max(peak_blocks, engine.runner.kv_usage.used_blocks)
+            await asyncio.sleep(0.5)
+
+    watcher = asyncio.create_task(watch())
+    started = time.perf_counter()
+    try:
+        results = await asyncio.gather(*(first_token(engine, rid, prompt, n) for rid, prompt, n in prompts),
+                                       return_exceptions=True)
+    finally:
+        watcher.cancel()
+    seconds = time.perf_counter() - started
+    errors = [repr(r) for r in results if isinstance(r, BaseException)]
+    done = [(rid, r) for (rid, _, n), r in zip(prompts, results) if not isinstance(r, BaseException) and r[1]]
+    short_ttft = [r[0] for rid, r in done if rid.startswith("mixed-short")]
+    long_ttft = [r[0] for rid, r in done if rid.startswith("mixed-long")]
+    return {"seconds": seconds, "errors": errors, "answered": len(done), "sent": len(prompts),
+            "short_ttft_s": short_ttft, "long_ttft_s": long_ttft, "peak_blocks": peak_blocks}
+
+
+def spread(seconds: list[float]) -> str:
+    return f"median {statistics.median(seconds):.1f} s, max {max(seconds):.1f} s" if seconds else "none"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,9 +150,18 @@ def main(argv: list[str] | None = None) -> int:
           f"without, {shared_on * 1e3:.0f} ms with ({shared_off / shared_on:.1f}x)")
     if on["long"]:
         print(f"a {on['long']['tokens']}-token prompt: answered, first token after {on['long']['ttft_s']:.1f} s")
+    mixed_ok = True
+    if on["mixed"]:
+        m = on["mixed"]
+        mixed_ok = not m["errors"] and m["answered"] == m["sent"]
+        peak_tokens = m["peak_blocks"] * on["block_size"]
+        print(f"{MIXED_LONG} prompts of {args.long_tokens} tokens and {MIXED_SHORT} short chats at once: "
+              f"{m['answered']}/{m['sent']} answered in {m['seconds']:.0f} s, errors {m['errors'] or 'none'}; KV pool "
+              f"peak {peak_tokens} of {on['pool_tokens']} tokens; first token of the short chats {spread(m['short_ttft_s'])}, "
+              f"of the long prompts {spread(m['long_ttft_s'])}")
     same = all(a["answer"] == b["answer"] for part in ("turns", "shared") for a, b in zip(on[part], off[part]))
     print("answers identical with and without prefix caching:", same)
-    return 0 if same else 1
+    return 0 if same and mixed_ok else 1
 
 
 if __name__ == "__main__":
