@@ -55,17 +55,41 @@ def speculation_cap(state: RequestState, max_model_len: int) -> int:
 
 
 def plan_prefill(running: Sequence[RequestState], decode_tokens: int, max_num_batched_tokens: int) -> list[PrefillChunk]:
-    """Prompt chunks for this step, in running order, within the token budget left by the decode rows
-    (`decode_tokens` = their 1 + K each), but never less than a quarter of it, so prompts keep moving."""
+    """Prompt chunks for this step, within the token budget left by the decode rows (`decode_tokens` = their 1 + K
+    each), but never less than a quarter of it, so prompts keep moving.
+
+    Short prompts go first: a prompt whose rest fits in half the budget is prefilled whole in this step, ahead of
+    long prompts that came before it, so a chat's first token does not wait behind other requests' multi-thousand-
+    token prefills (vLLM's partial-prefill limits serve the same end). The oldest long prompt keeps at least a
+    quarter of the budget every step, so a stream of short prompts cannot stall it; long prompts share what is left
+    in arrival order. Chunks come back in running order."""
     budget = max(max_num_batched_tokens - decode_tokens, max_num_batched_tokens // 4, 1)
-    chunks = []
-    for state in running:
-        if not state.prefilling or budget == 0:
-            continue
-        start, target = state.num_computed, state.prefill_target
-        n = min(target - start, budget)
+    prefilling = [state for state in running if state.prefilling]
+    short = [state for state in prefilling if remaining_prefill(state) <= budget // 2]
+    long = [state for state in prefilling if remaining_prefill(state) > budget // 2]
+    kept_for_long = min(remaining_prefill(long[0]), budget // 4) if long else 0
+    sizes: dict[str, int] = {}
+    for state in short:
+        n = min(remaining_prefill(state), budget - kept_for_long)
+        if n <= 0:
+            break
+        sizes[state.request_id] = n
         budget -= n
-        tokens = state.token_ids[start : start + n]
-        chunks.append(PrefillChunk(state, tokens, final=start + n == target, start=start,
-                                   resumes=state.num_output_tokens > 0))
+    for state in long:
+        if budget <= 0:
+            break
+        n = min(remaining_prefill(state), budget)
+        sizes[state.request_id] = n
+        budget -= n
+    chunks = []
+    for state in prefilling:
+        n = sizes.get(state.request_id, 0)
+        if n:
+            start, target = state.num_computed, state.prefill_target
+            chunks.append(PrefillChunk(state, state.token_ids[start : start + n], final=start + n == target,
+                                       start=start, resumes=state.num_output_tokens > 0))
     return chunks
+
+
+def remaining_prefill(state: RequestState) -> int:
+    return state.prefill_target - state.num_computed
