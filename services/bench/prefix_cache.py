@@ -115,7 +115,7 @@ async def mixed_load(engine, tokenizer, long_tokens: int) -> dict:
         watcher.cancel()
     seconds = time.perf_counter() - started
     errors = [repr(r) for r in results if isinstance(r, BaseException)]
-    done = [(rid, r) for (rid, _, n), r in zip(prompts, results) if not isinstance(r, BaseException) and r[1]]
+    done = [(rid, r) for (rid, _, _), r in zip(prompts, results) if not isinstance(r, BaseException) and r[1]]
     short_ttft = [r[0] for rid, r in done if rid.startswith("mixed-short")]
     long_ttft = [r[0] for rid, r in done if rid.startswith("mixed-long")]
     return {"seconds": seconds, "errors": errors, "answered": len(done), "sent": len(prompts),
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         peak_tokens = m["peak_blocks"] * on["block_size"]
         print(f"{MIXED_LONG} prompts of {args.long_tokens} tokens and {MIXED_SHORT} short chats at once: "
               f"{m['answered']}/{m['sent']} answered in {m['seconds']:.0f} s, errors {m['errors'] or 'none'}; KV pool "
-              f"peak {peak_tokens} of {on['pool_tokens']} tokens; first token of the short chats {spread(m['short_ttft_s'])}, "
-              f"of the long prompts {spread(m['long_ttft_s'])}")
+              f"peak {peak_tokens} of {on['pool_tokens']} tokens; first token of the short chats "
+              f"{spread(m['short_ttft_s'])}, of the long prompts {spread(m['long_ttft_s'])}")
     same = all(a["answer"] == b["answer"] for part in ("turns", "shared") for a, b in zip(on[part], off[part]))
     print("answers identical with and without prefix caching:", same)
     return 0 if same and mixed_ok else 1

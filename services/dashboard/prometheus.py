@@ -16,8 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from services.supervision import free_ports
-from services.supervision import stop_processes, wait_for_port
+from services.supervision import free_ports, stop_processes, wait_for_port
 
 INSTALL_HINT = ("run deploy/scripts/install-test-tools.sh (`make test` does), `apt-get install prometheus`, or "
                 "set PROMETHEUS_BIN to a Prometheus >= 2.33 binary")

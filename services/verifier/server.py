@@ -2,7 +2,8 @@
 Prometheus metrics on their own HTTP port.
 
 `start_verifier` takes an already-loaded model (tests and embedders use it with a tiny model and port 0);
-`serve` loads `--model` and runs until SIGTERM; `run` is what `specserve verifier` (main.py) calls once its flags parse.
+`serve` loads `--model` and runs until SIGTERM; `run` is what `specserve verifier` (main.py) calls once its
+flags parse.
 """
 
 from __future__ import annotations
