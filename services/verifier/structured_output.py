@@ -55,11 +55,11 @@ class GrammarCompiler:
     def _warm_up(self) -> None:
         """llguidance builds its token trie on the first mask (~0.5 s for a 49k vocabulary): here, at start-up,
         not in the first structured request's step, which every request in that batch would wait for."""
-        import llguidance.torch
+        import llguidance.numpy
 
         bitmask = torch.full((1, self.mask_words), -1, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, [(self.matcher(OutputGrammar("json_object")), 0)],
-                                                     bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par(self.executor, [(self.matcher(OutputGrammar("json_object")), 0)],
+                                                     bitmask.numpy())
 
     def _grammar(self, spec: OutputGrammar) -> str:
         """llguidance's grammar text for `spec`; ValueError with llguidance's message when it does not compile."""
@@ -159,7 +159,7 @@ def constrain_logits(logits: torch.Tensor, constraints: Sequence[OutputConstrain
     grammar_rows = [b for b, c in enumerate(constraints) if c is not None and c.matcher is not None]
     if not grammar_rows:
         return
-    import llguidance.torch
+    import llguidance.numpy  # not llguidance.torch: importing it compiles a kernel (torch.compile, 1.7 s a process)
 
     compiler = constraints[grammar_rows[0]].compiler  # one per engine: every matcher shares its tokenizer
 
@@ -169,10 +169,10 @@ def constrain_logits(logits: torch.Tensor, constraints: Sequence[OutputConstrain
     jobs = [(constraints[b].matcher, i * positions, list(drafts[b])) for i, b in enumerate(grammar_rows)]
     with_drafts = [job for job in jobs if job[2]]
     if with_drafts:  # llguidance walks each row's drafts and rolls itself back
-        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(compiler.executor, with_drafts, bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(compiler.executor, with_drafts, bitmask.numpy())
     without = [(matcher, index) for matcher, index, draft in jobs if not draft]
     if without:
-        llguidance.torch.fill_next_token_bitmask_par(compiler.executor, without, bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par(compiler.executor, without, bitmask.numpy())
     allowed = _allowed(bitmask, vocab).reshape(len(grammar_rows), positions, vocab)
     if not allowed[:, 0].any(dim=-1).all():  # the committed state allows nothing: a grammar in error
         stuck = [grammar_rows[i] for i in (~allowed[:, 0].any(dim=-1)).nonzero().flatten().tolist()]
