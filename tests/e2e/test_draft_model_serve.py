@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from services.soak.serve_process import ServeProcess
-from tests.e2e.requests import MODEL, NO_SPEC
+from tests.e2e.requests import MODEL, NO_SPEC, at_once
 from tests.e2e.stack import serve_ports
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -39,8 +39,8 @@ def _chat(stack: ServeProcess, **extra):
 
 
 def test_serve_drafts_with_the_draft_model_and_greedy_output_is_unchanged(draft_model_stack):
-    drafted = _chat(draft_model_stack, temperature=0)
-    plain = _chat(draft_model_stack, temperature=0, extra_body=NO_SPEC)
+    drafted, plain = at_once(lambda: _chat(draft_model_stack, temperature=0),
+                             lambda: _chat(draft_model_stack, temperature=0, extra_body=NO_SPEC))
     assert drafted.choices[0].message.content == plain.choices[0].message.content
     spec = drafted.model_extra["speculative_decoding"]
     assert spec["method"] == "draft_model" and spec["num_drafts"] > 0, spec
@@ -54,10 +54,11 @@ def test_serve_drafts_with_the_draft_model_and_greedy_output_is_unchanged(draft_
 
 
 def test_per_request_k_and_sampling_work_with_the_draft_model(draft_model_stack):
-    narrow = _chat(draft_model_stack, temperature=0, extra_body={"speculative_config": {"num_speculative_tokens": 1}})
+    narrow, first, again = at_once(
+        lambda: _chat(draft_model_stack, temperature=0, extra_body={"speculative_config": {"num_speculative_tokens": 1}}),
+        lambda: _chat(draft_model_stack, temperature=0.8, seed=7),
+        lambda: _chat(draft_model_stack, temperature=0.8, seed=7))  # in the same steps: the seed alone decides
     spec = narrow.model_extra["speculative_decoding"]
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == spec["num_drafts"], spec  # one token per draft
-    first = _chat(draft_model_stack, temperature=0.8, seed=7)
-    again = _chat(draft_model_stack, temperature=0.8, seed=7)
     assert first.choices[0].message.content == again.choices[0].message.content  # seeded sampling is reproducible
     assert first.model_extra["speculative_decoding"]["num_drafts"] > 0

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from services.verifier.draft_breaker import OPEN_AFTER
-from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, wait_until_speculation_accepts
+from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, at_once, wait_until_speculation_accepts
 
 pytestmark = pytest.mark.slow
 
@@ -31,29 +31,28 @@ def client(stack):
 
 
 def test_completions_and_chat_sync(client):
-    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    completion, chat = at_once(
+        lambda: client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0),
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0))
     assert completion.choices[0].text and completion.usage.completion_tokens <= 8
     assert completion.choices[0].finish_reason in ("stop", "length")
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0
-    )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
     assert chat.usage.prompt_tokens > 0 and chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
 
 
 def test_streaming_both_endpoints(client):
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": EDIT}], max_tokens=40, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    messages = [{"role": "user", "content": EDIT}]
+    chunks, full, pieces, whole = at_once(
+        lambda: list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True})),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0),
+        lambda: list(client.completions.create(model=MODEL, prompt=CODE, max_tokens=20, temperature=0, stream=True)),
+        lambda: client.completions.create(model=MODEL, prompt=CODE, max_tokens=20, temperature=0))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": EDIT}], max_tokens=40, temperature=0)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    pieces = list(client.completions.create(model=MODEL, prompt=CODE, max_tokens=20, temperature=0, stream=True))
-    assert "".join(p.choices[0].text for p in pieces) == client.completions.create(
-        model=MODEL, prompt=CODE, max_tokens=20, temperature=0
-    ).choices[0].text
+    assert "".join(p.choices[0].text for p in pieces) == whole.choices[0].text
 
 
 def test_async_client(stack):
@@ -74,14 +73,15 @@ def test_async_client(stack):
 
 def test_greedy_equality_with_and_without_speculation(client):
     messages = [{"role": "user", "content": EDIT}]
-    spec = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, extra_body=NO_SPEC)
+    kwargs = {"model": MODEL, "prompt": EDIT, "max_tokens": 40, "temperature": 0, "n": 2, "stop": ["quantity"]}
+    spec, plain, a, b = at_once(
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                               extra_body=NO_SPEC),
+        lambda: client.completions.create(**kwargs),  # n > 1 and stop strings
+        lambda: client.completions.create(**kwargs, extra_body=NO_SPEC))
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert spec.model_extra["speculative_decoding"]["num_accepted_tokens"] > 0
-    # n > 1 and stop strings
-    kwargs = {"model": MODEL, "prompt": EDIT, "max_tokens": 40, "temperature": 0, "n": 2, "stop": ["quantity"]}
-    a = client.completions.create(**kwargs)
-    b = client.completions.create(**kwargs, extra_body=NO_SPEC)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert all("quantity" not in c.text for c in a.choices)
 
@@ -149,8 +149,11 @@ def test_twenty_concurrent_streams(stack):
 
 def test_drafter_death_costs_speed_not_correctness(stack, client):
     messages = [{"role": "user", "content": EDIT}]
-    reference = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0, extra_body=NO_SPEC)
     fallbacks_before = stack.verifier_metric("specserve_spec_decode_num_fallbacks_total")
+    plain = concurrent.futures.ThreadPoolExecutor(1)  # the reference runs beside the stream, in the same steps
+    reference = plain.submit(client.chat.completions.create, model=MODEL, messages=messages, max_tokens=80,
+                             temperature=0, extra_body=NO_SPEC)
+    plain.shutdown(wait=False)
     received: list[str] = []
 
     def consume():
@@ -167,7 +170,7 @@ def test_drafter_death_costs_speed_not_correctness(stack, client):
     stack.stop_drafter()  # mid-stream
     try:
         reader.join(timeout=120)
-        assert "".join(received) == reference.choices[0].message.content
+        assert "".join(received) == reference.result(timeout=120).choices[0].message.content
         assert stack.verifier_metric("specserve_spec_decode_num_fallbacks_total") > fallbacks_before
     finally:
         stack.start_drafter()  # the verifier reconnects and re-opens sequences (the stack is shared: always)
@@ -187,15 +190,15 @@ def test_a_hung_drafter_is_not_waited_for_and_drafts_again_when_it_resumes(stack
     the output is unchanged; after SIGCONT a probe re-admits the drafter and its drafts are accepted again."""
     messages = [{"role": "user", "content": EDIT}]
     tokens = 24  # enough steps for the breaker to open, then to skip the drafter
-    reference = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=tokens, temperature=0,
-                                               extra_body=NO_SPEC).choices[0].message.content
     drafter = stack.processes["drafter"]
     late_before = stack.verifier_metric("specserve_spec_decode_num_late_proposals_total")
     drafter.send_signal(signal.SIGSTOP)
     try:
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            outputs = list(pool.map(lambda _: client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=tokens, temperature=0).choices[0].message.content, range(3)))
+        reply = [lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=tokens,
+                                                        temperature=0).choices[0].message.content] * 3
+        reference, *outputs = at_once(lambda: client.chat.completions.create(  # needs no drafter
+            model=MODEL, messages=messages, max_tokens=tokens, temperature=0, extra_body=NO_SPEC,
+        ).choices[0].message.content, *reply)
         assert outputs == [reference] * 3
         assert drafter_state(stack) == "degraded"
         assert stack.verifier_metric("specserve_drafter_degraded") == 1
@@ -228,31 +231,33 @@ def test_structured_output_parses_and_validates_with_speculation_on_and_off(clie
     """Greedy: the same text with ngram speculation and without; every output parses and fits the schema."""
     import jsonschema
 
+    def person(prompt: str, extra: dict):
+        return lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=120, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+            extra_body=extra)
+
+    sampled, obj, choice, *replies = at_once(  # grammar rows of several requests share every step
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": JSON_PROMPTS[0]}], max_tokens=200, temperature=0.8,
+            seed=3, extra_body={"guided_json": PERSON}),
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing '
+                                                              'else.'}],
+            max_tokens=40, temperature=0, response_format={"type": "json_object"}),
+        lambda: client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
+                                          extra_body={"guided_choice": ["yes", "no"]}),
+        *(person(prompt, extra) for prompt in JSON_PROMPTS for extra in ({}, NO_SPEC)))
     drafted = 0
-    for prompt in JSON_PROMPTS:
-        texts = []
-        for extra in ({}, NO_SPEC):
-            reply = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=120, temperature=0,
-                response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
-                extra_body=extra)
-            text = reply.choices[0].message.content
-            jsonschema.validate(json.loads(text), PERSON)
+    for speculative, plain in zip(replies[::2], replies[1::2], strict=True):
+        for reply in (speculative, plain):
+            jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
             assert reply.choices[0].finish_reason == "stop"  # the grammar completed, nothing cut
             drafted += reply.model_extra["speculative_decoding"]["num_draft_tokens"]
-            texts.append(text)
-        assert texts[0] == texts[1]
-    sampled = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": JSON_PROMPTS[0]}], max_tokens=200, temperature=0.8, seed=3,
-        extra_body={"guided_json": PERSON})
+        assert speculative.choices[0].message.content == plain.choices[0].message.content
     if sampled.choices[0].finish_reason == "stop":  # sampled whitespace may run long; what is complete parses
         jsonschema.validate(json.loads(sampled.choices[0].message.content), PERSON)
-    obj = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}],
-        max_tokens=40, temperature=0, response_format={"type": "json_object"})
     assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
-    choice = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
-                                       extra_body={"guided_choice": ["yes", "no"]})
     assert choice.choices[0].text in ("yes", "no")
     print(f"draft tokens verified under the schema: {drafted}")
 
@@ -293,8 +298,11 @@ def test_forced_tool_calls_always_parse_streaming_or_not(client, choice):
 
     messages = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
     expected = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}
-    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
-                                           tool_choice=choice, max_tokens=150, temperature=0)
+    reply, chunks = at_once(
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                               tool_choice=choice, max_tokens=150, temperature=0),
+        lambda: list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                    tool_choice=choice, max_tokens=150, temperature=0, stream=True)))
     assert reply.choices[0].finish_reason == "tool_calls", reply
     calls = reply.choices[0].message.tool_calls
     assert calls
@@ -302,9 +310,7 @@ def test_forced_tool_calls_always_parse_streaming_or_not(client, choice):
         jsonschema.validate(json.loads(call.function.arguments), expected[call.function.name]["function"]["parameters"])
     if isinstance(choice, dict):
         assert [c.function.name for c in calls] == ["get_time"]
-    streamed, finish = streamed_calls(client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice, max_tokens=150,
-        temperature=0, stream=True))
+    streamed, finish = streamed_calls(chunks)
     assert finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in calls]

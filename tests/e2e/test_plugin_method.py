@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from services.soak.serve_process import ServeProcess
-from tests.e2e.requests import EDIT, MODEL, NO_SPEC
+from tests.e2e.requests import EDIT, MODEL, NO_SPEC, at_once
 from tests.e2e.stack import serve_ports
 from tests.plugins import THROWAWAY_METHOD, install_throwaway_method
 
@@ -35,9 +35,10 @@ def plugin_stack(tmp_path_factory):
 def test_a_plugin_method_drafts_end_to_end_without_changing_greedy_output(plugin_stack):
     client = openai.OpenAI(base_url=f"{plugin_stack.base_url}/v1", api_key="unused")
     messages = [{"role": "user", "content": EDIT}]  # the answer copies the code: a 1-gram lookup drafts well
-    drafted = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
-                                           extra_body=NO_SPEC)
+    drafted, plain = at_once(
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                               extra_body=NO_SPEC))
     assert drafted.choices[0].message.content == plain.choices[0].message.content
     spec = drafted.model_extra["speculative_decoding"]
     assert spec["method"] == THROWAWAY_METHOD and spec["num_drafts"] > 0, spec

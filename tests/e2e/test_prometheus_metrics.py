@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import openai
@@ -24,7 +25,7 @@ import pytest
 from services.dashboard.prometheus import PrometheusServer, PromQLError, finite_values, prometheus_binary
 from services.dashboard.render import load_dashboard, substitute
 from services.soak.serve_process import HOST
-from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC
+from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, at_once
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -47,23 +48,27 @@ class Observed:
         return f"{math.ceil(self.after_requests - self.first_scrape_before) + 5}s"
 
 
-def send_requests(base_url: str) -> dict[str, int]:
+def send_requests(base_url: str, after_first: Callable[[], object]) -> dict[str, int]:
     """Greedy requests as users send them (chat, completions, streaming), drafting with ngram on prompts whose
-    answers copy the prompt, plus one without speculation; returns the ngram requests' stats summed."""
+    answers copy the prompt, plus one without speculation; returns the ngram requests' stats summed. The first
+    one goes alone, then `after_first` (a scrape), then the rest together: a series is born with its first
+    observation, and rate() counts only what grows after a series' first sample, so a panel shows data only if
+    some requests end after a scrape has seen the series."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    stats = []
-    for content in (EDIT, f"Add type hints to this code and return it:\n\n{CODE}"):
-        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                              max_tokens=64, temperature=0)
-        stats.append(chat.model_extra["speculative_decoding"])
-    completion = client.completions.create(model=MODEL, prompt=CODE + CODE, max_tokens=48, temperature=0)
-    stats.append(completion.model_extra["speculative_decoding"])
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": EDIT}], max_tokens=48, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
-    stats.append(chunks[-1].model_extra["speculative_decoding"])
-    plain = client.completions.create(model=MODEL, prompt=CODE, max_tokens=16, temperature=0, extra_body=NO_SPEC)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": EDIT}], max_tokens=48,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    stats = [list(stream)[-1].model_extra["speculative_decoding"]]
+    after_first()
+
+    def chat(content: str):
+        return lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                      max_tokens=64, temperature=0)
+
+    *replies, plain = at_once(
+        chat(EDIT), chat(f"Add type hints to this code and return it:\n\n{CODE}"),
+        lambda: client.completions.create(model=MODEL, prompt=CODE + CODE, max_tokens=48, temperature=0),
+        lambda: client.completions.create(model=MODEL, prompt=CODE, max_tokens=16, temperature=0, extra_body=NO_SPEC))
+    stats += [reply.model_extra["speculative_decoding"] for reply in replies]
     assert plain.model_extra["speculative_decoding"]["num_drafts"] == 0
     assert {s["method"] for s in stats} == {"ngram"}
     return {name: sum(s[name] for s in stats) for name in SPEC_FIELDS}
@@ -83,7 +88,7 @@ def observed(shared_stack, tmp_path_factory):
         started = time.time()
         prometheus.start()
         before = prometheus.wait_for_scrapes_after(time.time())
-        totals = send_requests(stack.base_url)
+        totals = send_requests(stack.base_url, lambda: prometheus.wait_for_scrapes_after(time.time()))
         after = prometheus.wait_for_scrapes_after(time.time())
         model = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused").models.list().data[0].id
         yield Observed(prometheus, model, started, before, after, totals)

@@ -6,6 +6,7 @@ hang. Ends with a short soak against the same stack and a SIGTERM that must stop
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import threading
@@ -102,8 +103,10 @@ class HealthWatcher:
 
 def test_drafter_killed_mid_stream_costs_speed_not_correctness(healthy, client):
     messages = [{"role": "user", "content": EDIT}]
-    reference = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=96, temperature=0,
-                                               extra_body=NO_SPEC)
+    plain = concurrent.futures.ThreadPoolExecutor(1)  # the reference runs beside the stream, in the same steps
+    reference = plain.submit(client.chat.completions.create, model=MODEL, messages=messages, max_tokens=96,
+                             temperature=0, extra_body=NO_SPEC)
+    plain.shutdown(wait=False)
     drafter = healthy.children()["drafter"]
     received: list[str] = []
     failure: list[BaseException] = []
@@ -126,7 +129,7 @@ def test_drafter_killed_mid_stream_costs_speed_not_correctness(healthy, client):
         kill(drafter)  # mid-stream
         reader.join(timeout=120)
         assert not reader.is_alive() and not failure, failure
-        assert "".join(received) == reference.choices[0].message.content
+        assert "".join(received) == reference.result(timeout=120).choices[0].message.content
         wait_for_log(healthy, f"drafter (pid {drafter}) exited with code -9")
         wait_for_log(healthy, "drafter is listening again")
         healthy.wait_healthy(timeout_s=60)  # the verifier re-attached the restarted drafter by itself
