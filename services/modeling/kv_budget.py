@@ -3,8 +3,10 @@ its `VLLM_CPU_KVCACHE_SPACE`), turned into a number of blocks.
 
 Without a budget the pool takes DEFAULT_FRACTION of the memory available when it is made (MemAvailable on CPU,
 free device memory on an accelerator), at most DEFAULT_CAP_BYTES and at most twice what max_num_seqs sequences of
-max_model_len tokens fill, and never less than one max_model_len sequence needs. The pool is allocated uninitialised, so on CPU pages become resident only as blocks are first written:
-the budget is a ceiling, not what a lightly loaded server holds.
+max_model_len tokens fill, and never less than one max_model_len sequence needs. The pool is written through once
+when it is made (paged_kv_cache.py), so it is resident from the start: a process started after it (a model drafter,
+another stack on the host) sees the memory as taken and sizes its own pool from what is left, instead of several
+pools each promised the same free memory.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ cached prefix takes those blocks instead of computing them again.
 Layout: keys and values are [layers, kv_heads, num_blocks * block_size, head_dim], so a layer's cache is one
 tensor whose positions (slots) are rows of head_dim values. A sequence whose blocks lie in order (the pool keeps
 them so where it can) is read as a view, without a copy; a batch can also be read by gathering every row's
-positions into one padded [kv_heads, rows, T, head_dim] buffer (the runner picks, attention_paths.py). The pool is allocated uninitialised (pages become resident as blocks are first written) except the null
-block, which padded positions read: it stays zero, so a masked score is never NaN.
+positions into one padded [kv_heads, rows, T, head_dim] buffer (the runner picks, attention_paths.py). The pool
+is zeroed when it is made (resident from the start: kv_budget.py says why); the null block, which padded
+positions read, stays zero, so a masked score is never NaN.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ class PagedKVCache:
         enable_prefix_caching: bool = True,
     ) -> None:
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
-        null = slice(NULL_BLOCK * block_size, (NULL_BLOCK + 1) * block_size)
-        self.keys[:, :, null].zero_()
-        self.values[:, :, null].zero_()
+        # Written through once (zeros): on CPU an untouched allocation is only address space, so the pool would
+        # be a budget nobody else sees. Several processes on one host (a verifier, a model drafter, another
+        # stack) each sized their pools from the same MemAvailable, and together could fill more memory than
+        # there is once traffic wrote their blocks. Written, the pool is resident from the start, as vLLM's is,
+        # and the next process sizes its own from what is really left.
+        self.keys = torch.empty(shape, dtype=dtype, device=device).zero_()
+        self.values = torch.empty(shape, dtype=dtype, device=device).zero_()
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self._seqs: dict[Hashable, _Sequence] = {}

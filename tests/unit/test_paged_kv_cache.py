@@ -4,6 +4,8 @@ rollback lands in a block another sequence shares, blocks kept in order; and the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -165,3 +167,17 @@ def test_the_budget_sizes_the_pool():
     assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("512M") == 512 * 10**6 and parse_bytes("1000") == 1000
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+def test_the_pool_is_resident_from_the_start():
+    """An untouched CPU allocation is address space only: another process would size its pool from memory this
+    one has already promised. Made, the pool is in RSS (a 256 MiB pool here)."""
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident_bytes()
+    pool = PagedKVCache(4, 2, 64, 4096, 16, torch.float32, torch.device("cpu"))
+    grown = resident_bytes() - before
+    assert pool.keys.nbytes + pool.values.nbytes == 256 * 2**20
+    assert grown >= 0.95 * 256 * 2**20, grown
