@@ -1,7 +1,10 @@
 """What the paged KV cache and prefix caching buy, measured side by side in one run on the in-process engine.
 
 - A 4-turn chat, each turn quoting the conversation so far: time to first token of turns 2-4 with prefix caching
-  on and off (greedy; the answers must be identical).
+  on and off (greedy; the answers must be identical). Twice: a first message of FIRST_TURN_TOKENS, then
+  follow-ups of FOLLOW_UPS tokens each. Only the follow-up and the previous answer are new in a turn, so the ratio
+  is bounded by the prompt's length over theirs: with 300-token follow-ups (and 16-token answers) turn 3 prefills
+  a third of its prompt anyway (948 tokens, 316 new), whatever the cache does; 40-token follow-ups are a chat's.
 - A shared system prompt of about SYSTEM_TOKENS tokens across REQUESTS requests, sent one after another: mean
   time to first token with caching on and off.
 - A long prompt (LONG_TOKENS) with the default flags: answered, with its time to first token.
@@ -30,6 +33,8 @@ SYSTEM_TOKENS = 1000
 REQUESTS = 16
 LONG_TOKENS = 6000
 TURNS = 4
+FIRST_TURN_TOKENS = 300
+FOLLOW_UPS = (300, 40)  # tokens of each later user message, one conversation per size
 ANSWER_TOKENS = 16
 MIXED_LONG = 8
 MIXED_SHORT = 32
@@ -69,12 +74,15 @@ async def run(options: LocalEngineOptions, loaded, long_tokens: int) -> dict:
     engine, _ = build_local_engine(options, loaded)
     await engine.start()
     try:
-        chat, turns = [], []
-        for turn in range(TURNS):
-            chat += filler(tokenizer, 300, seed=turn + 1)
-            ttft, answer, cached = await first_token(engine, f"turn{turn}", chat, ANSWER_TOKENS)
-            turns.append({"ttft_s": ttft, "cached": cached, "answer": answer})
-            chat += answer
+        turns = {}
+        for follow_up in FOLLOW_UPS:
+            chat, turns[follow_up] = [], []
+            for turn in range(TURNS):
+                size = FIRST_TURN_TOKENS if turn == 0 else follow_up
+                chat += filler(tokenizer, size, seed=1000 * follow_up + turn + 1)
+                ttft, answer, cached = await first_token(engine, f"turn{follow_up}-{turn}", chat, ANSWER_TOKENS)
+                turns[follow_up].append({"ttft_s": ttft, "cached": cached, "answer": answer, "prompt": len(chat)})
+                chat += answer
         system = filler(tokenizer, SYSTEM_TOKENS, seed=99)
         shared = []
         for index in range(REQUESTS):
@@ -138,14 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         options = LocalEngineOptions(model=args.model, enable_prefix_caching=caching)
         results[caching] = asyncio.run(run(options, loaded, args.long_tokens if caching else 0))
     on, off = results[True], results[False]
-    later_on = statistics.median(t["ttft_s"] for t in on["turns"][1:])
-    later_off = statistics.median(t["ttft_s"] for t in off["turns"][1:])
     shared_on = statistics.mean(r["ttft_s"] for r in on["shared"][1:])
     shared_off = statistics.mean(r["ttft_s"] for r in off["shared"][1:])
     print(f"KV pool: {on['pool_tokens']} tokens")
-    print(f"chat turns 2-{TURNS}: median TTFT {later_off * 1e3:.0f} ms without prefix caching, "
-          f"{later_on * 1e3:.0f} ms with ({later_off / later_on:.1f}x); cached tokens per turn "
-          f"{[t['cached'] for t in on['turns']]}")
+    for follow_up in FOLLOW_UPS:
+        later_on = statistics.median(t["ttft_s"] for t in on["turns"][follow_up][1:])
+        later_off = statistics.median(t["ttft_s"] for t in off["turns"][follow_up][1:])
+        sizes = [(t["prompt"], t["cached"]) for t in on["turns"][follow_up]]
+        print(f"chat turns 2-{TURNS} ({follow_up}-token follow-ups): median TTFT {later_off * 1e3:.0f} ms without "
+              f"prefix caching, {later_on * 1e3:.0f} ms with ({later_off / later_on:.1f}x); (prompt, cached) tokens "
+              f"per turn {sizes}")
     print(f"shared {SYSTEM_TOKENS}-token system prompt, requests 2-{REQUESTS}: mean TTFT {shared_off * 1e3:.0f} ms "
           f"without, {shared_on * 1e3:.0f} ms with ({shared_off / shared_on:.1f}x)")
     if on["long"]:
@@ -159,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{m['answered']}/{m['sent']} answered in {m['seconds']:.0f} s, errors {m['errors'] or 'none'}; KV pool "
               f"peak {peak_tokens} of {on['pool_tokens']} tokens; first token of the short chats "
               f"{spread(m['short_ttft_s'])}, of the long prompts {spread(m['long_ttft_s'])}")
-    same = all(a["answer"] == b["answer"] for part in ("turns", "shared") for a, b in zip(on[part], off[part]))
+    pairs = [*zip(on["shared"], off["shared"])]
+    pairs += [pair for follow_up in FOLLOW_UPS for pair in zip(on["turns"][follow_up], off["turns"][follow_up])]
+    same = all(a["answer"] == b["answer"] for a, b in pairs)
     print("answers identical with and without prefix caching:", same)
     return 0 if same and mixed_ok else 1
 
