@@ -36,7 +36,8 @@ from services.gateway.request_body import parse_body, read_json
 from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, joined, sse
 from services.gateway.sampling import build_request, resolve_max_tokens
 from services.gateway.settings import GatewaySettings
-from services.gateway.tokenizer import encode_chat, encode_prompt, load_tokenizer, make_decode, token_text
+from services.gateway.tokenizer import (decode_prompt, encode_chat, encode_prompt, load_tokenizer, make_decode,
+                                        token_text)
 from services.gateway.tools.grammar import forced_call_grammar
 from services.gateway.tools.output import StreamedChoice, ToolOutput
 from services.gateway.tools.parsers import tool_call_format
@@ -225,8 +226,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         served = await check_model(req.model)
         tokenizer = await state.get_tokenizer()
         prompts = [await run_in_threadpool(encode_prompt, tokenizer, p) for p in req.prompts()]
-        # echo returns the prompt as sent; a token-id prompt, decoded
-        echo = [(p if isinstance(p, str) else make_decode(tokenizer)(ids)) if req.echo else ""
+        # echo returns the prompt as sent; a token-id prompt decoded with its special tokens, as vLLM echoes it and
+        # as the echoed logprobs list its tokens (their text_offset index this text)
+        echo = [(p if isinstance(p, str) else decode_prompt(tokenizer, ids)) if req.echo else ""
                 for p, ids in zip(req.prompts(), prompts, strict=True)]
         returned = PromptReturn(echo=req.echo, echo_logprobs=req.logprobs if req.echo else None,
                                 prompt_logprobs=req.prompt_logprobs)
@@ -422,7 +424,8 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
             if kind == "chat":  # the first chunk of each choice carries the role
                 for i in sorted(choice_echo):
                     yield sse(s.ChatCompletionChunk(id=rid, created=created, model=served, choices=[
-                        s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""))]))
+                        s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""))],
+                        usage=accounting.usage_so_far() if req.continuous_usage else None))
             try:
                 async for event in all_events():
                     accounting.record(event)
@@ -455,6 +458,8 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
                                                                                 offsets[event.index], echoing)
                                                    if logprobs is not None else None)])
                     offsets[event.index] += len(event.text)
+                    if req.continuous_usage:
+                        chunk.usage = accounting.usage_so_far()
                     yield sse(chunk)
             except (grpc.RpcError, ApiError) as exc:
                 error = from_grpc(exc) if isinstance(exc, grpc.RpcError) else exc

@@ -61,8 +61,10 @@ class Accounting:
     prompt_tokens: int
     num_choices: int
     finished: dict[int, ChoiceEvent] = field(default_factory=dict)
+    latest: dict[int, ChoiceEvent] = field(default_factory=dict)  # each choice's last event so far
 
     def record(self, event: ChoiceEvent) -> None:
+        self.latest[event.index] = event
         if event.finish_reason is not None:
             self.finished[event.index] = event
 
@@ -74,6 +76,14 @@ class Accounting:
         completion = sum(e.completion_tokens for e in self.finished.values())
         # the prompt counts once for all choices, and its cached tokens as the fewest any choice found
         cached = min((e.cached_tokens for e in self.finished.values()), default=0)
+        return s.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                       total_tokens=self.prompt_tokens + completion,
+                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached))
+
+    def usage_so_far(self) -> s.Usage:
+        """Usage while choices still run (stream_options.continuous_usage_stats): the tokens generated so far."""
+        completion = sum(e.completion_tokens for e in self.latest.values())
+        cached = min((e.cached_tokens for e in self.latest.values()), default=0)
         return s.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
                        total_tokens=self.prompt_tokens + completion,
                        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached))
@@ -122,10 +132,18 @@ class LogprobFormatter:
             token = self._text(lp.token_id)
             out.tokens.append(token)
             out.token_logprobs.append(finite_logprob(lp.logprob))
-            out.top_logprobs.append({self._text(t.token_id): finite_logprob(t.logprob) for t in lp.top})
+            out.top_logprobs.append(self._top(lp.token_id, lp.logprob, lp.top))
             out.text_offset.append(offset)
             offset += len(token)
         return out
+
+    def _top(self, token_id: int, logprob: float, top: list[Any]) -> dict[str, float]:
+        """A legacy `top_logprobs` entry: the chosen token first, then the `logprobs` most likely ones, as OpenAI and
+        vLLM return it (so `logprobs: 0` still names the chosen token; up to `logprobs` + 1 entries)."""
+        entry = {self._text(token_id): finite_logprob(logprob)}
+        for alternative in top:
+            entry.setdefault(self._text(alternative.token_id), finite_logprob(alternative.logprob))
+        return entry
 
     def echoed_prompt(self, prompt_ids: list[int], entries: list[Any], num_top: int) -> s.CompletionLogprobs:
         """The prompt's tokens in the legacy logprobs shape, offsets from 0: the first token has no context to
@@ -146,7 +164,7 @@ class LogprobFormatter:
                 continue
             entry = entries[j - 1]
             out.token_logprobs.append(finite_logprob(entry.logprob))
-            out.top_logprobs.append({self._text(t.token_id): finite_logprob(t.logprob) for t in entry.top[:num_top]})
+            out.top_logprobs.append(self._top(token_id, entry.logprob, entry.top[:num_top]))
         return out
 
     def prompt_logprobs(self, entries: list[Any], num_top: int) -> s.PromptLogprobs:

@@ -26,7 +26,7 @@ MAX_CHOICES = 64
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
-MAX_PROMPT_LOGPROBS = 20
+MAX_LOGPROBS = 20  # alternatives per position: vLLM's default max_logprobs, OpenAI's top_logprobs limit
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -41,7 +41,13 @@ class SpeculativeConfig(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    """OpenAI's stream_options (null counts as absent, as everywhere) and vLLM's continuous_usage_stats: usage in
+    every chunk so far, not only in the last one (with include_usage, as vLLM reads it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 # Fields of OpenAI's or vLLM's API this server does not implement, refused with the reason.
@@ -128,7 +134,7 @@ class SamplingFields(OutputConstraintFields):
         return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
     # vLLM's extension: each prompt token's logprob (after the first) plus this many alternatives, under the
     # model's raw distribution, in the response's `prompt_logprobs` (not in streams: refused there, as vLLM does).
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -146,6 +152,17 @@ class SamplingFields(OutputConstraintFields):
             raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_stream_is_false(cls, value: Any) -> Any:
+        return False if value is None else value  # null counts as absent, as in OpenAI's API
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -153,6 +170,11 @@ class SamplingFields(OutputConstraintFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far in every chunk (vLLM's stream_options.continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
@@ -162,7 +184,7 @@ class CompletionRequest(SamplingFields):
     # 0 generates nothing (finish_reason "length"): with echo and logprobs it scores the prompt, as
     # lm-evaluation-harness does; allowed without echo too, as vLLM allows it.
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT)
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -259,7 +281,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: render the conversation without the generation prompt, leaving the final assistant message open so
     # the model continues it (an assistant prefill)
     add_generation_prompt: bool = True

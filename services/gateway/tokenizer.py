@@ -64,5 +64,11 @@ def make_decode(tokenizer: Any):
     return decode
 
 
+def decode_prompt(tokenizer: Any, ids: list[int]) -> str:
+    """A token-id prompt as text, special tokens included: echo returns the prompt as sent, and an id the client
+    put there is part of it."""
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)

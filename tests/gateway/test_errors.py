@@ -31,7 +31,7 @@ BAD = [
     (COMP, {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     (COMP, {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     (COMP, {"model": MODEL, "prompt": "hi", "n": 1000}, 400, "n"),
-    (COMP, {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    (COMP, {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     (COMP, {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
     (COMP, {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, "stop"),
     (COMP, {"model": MODEL, "prompt": "hi", "speculative_config": {"method": "ngram", "k": 1}}, 400,

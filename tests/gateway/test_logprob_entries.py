@@ -1,0 +1,48 @@
+"""The legacy completions `top_logprobs` entry as OpenAI and vLLM shape it: the chosen token first, then the
+`logprobs` most likely ones (so `logprobs: 0` still names the chosen token), and an echoed token-id prompt whose
+text holds every token the logprobs list, special ones included, so that text_offset indexes it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from services.gateway.responses import LogprobFormatter
+from tests.gateway.test_http import MODEL
+
+
+def entry(token_id: int, logprob: float, *top: tuple[int, float]) -> SimpleNamespace:
+    return SimpleNamespace(token_id=token_id, logprob=logprob,
+                           top=[SimpleNamespace(token_id=t, logprob=lp) for t, lp in top])
+
+
+def test_the_chosen_token_leads_each_entry_then_the_alternatives():
+    formatter = LogprobFormatter(chr)
+    out = formatter.completion([entry(72, -1.5, (101, -0.2), (72, -1.5)), entry(105, -0.1)], offset=3)
+    assert out.tokens == ["H", "i"] and out.text_offset == [3, 4]
+    assert [list(e.items()) for e in out.top_logprobs] == [[("H", -1.5), ("e", -0.2)], [("i", -0.1)]]
+    echoed = formatter.echoed_prompt([72, 105], [entry(105, -2.0, (33, -0.3))], num_top=1)
+    assert echoed.top_logprobs == [None, {"i": -2.0, "!": -0.3}]
+
+
+async def test_logprobs_0_names_the_chosen_token(client):
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "logprobs": 0})
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"] == [{token: -0.5} for token in logprobs["tokens"]]
+
+
+async def test_up_to_20_logprobs_as_vllm_allows(client):
+    assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 20})).status_code == 200
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+async def test_an_echoed_token_id_prompt_keeps_its_special_tokens(client):
+    eos = 256  # <|endoftext|> in the test tokenizer
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [eos, 72, eos], "max_tokens": 0,
+                                                   "echo": True, "logprobs": 0})
+    choice = r.json()["choices"][0]
+    text, logprobs = choice["text"], choice["logprobs"]
+    assert text == "<|endoftext|>H<|endoftext|>"
+    assert logprobs["tokens"] == ["<|endoftext|>", "H", "<|endoftext|>"]
+    assert [text[o:o + len(t)] for o, t in zip(logprobs["text_offset"], logprobs["tokens"], strict=True)] == \
+        logprobs["tokens"]
