@@ -257,6 +257,8 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(token >= vocab for token, _ in request.sampling.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if any(not 0 <= token < vocab for token in request.sampling.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         spec = request.speculation
         if spec.enabled and spec.method not in self.proposers:
             available = ", ".join(sorted(self.proposers)) or "none configured"

@@ -262,11 +262,14 @@ def test_structured_output_parses_and_validates_with_speculation_on_and_off(clie
     print(f"draft tokens verified under the schema: {drafted}")
 
 
-def test_a_grammar_that_does_not_compile_is_a_400(client):
+def test_what_the_verifier_refuses_is_a_400(client):
+    """A grammar that does not compile, token ids outside the model's vocabulary (49152 ids)."""
     with pytest.raises(openai.BadRequestError, match="invalid"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, logit_bias={"999999": 1})
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"stop_token_ids": [49153]})
 
 
 WEATHER_TOOL = {"type": "function", "function": {

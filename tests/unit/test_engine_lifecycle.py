@@ -99,6 +99,8 @@ async def test_full_queue_is_refused_with_a_clear_error(model):
         (GenerationRequest("e", (), GREEDY), "empty"),
         (GenerationRequest("l", tuple([1] * 64), GREEDY), "at most 63"),
         (GenerationRequest("v", (1, 10_000), GREEDY), r"\[0, 96\)"),
+        (GenerationRequest("s", PROMPT, SamplingParams(max_tokens=4, stop_token_ids=(3, 96))),
+         r"stop_token_ids must be in \[0, 96\)"),
         (GenerationRequest("m", PROMPT, GREEDY, SpeculationParams("eagle", 3)), "unknown speculative method 'eagle'"),
     ],
 )
