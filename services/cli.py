@@ -82,6 +82,10 @@ DELEGATED = {
     "soak": "services.soak.main",
     "train-eagle": "services.eagle.train",
 }
+# The pyproject extra that brings what each command imports beyond the core install (`pip install specserve`).
+# The drafter's ngram method needs nothing more; its model methods need the draft-model extra.
+COMMAND_EXTRAS = {"bench": "bench", "drafter": "draft-model", "verifier": "verifier", "gateway": "gateway",
+                  "soak": "bench", "train-eagle": "train"}
 
 
 def _check_verifier_model(argv: list[str]) -> None:
@@ -108,9 +112,16 @@ def _delegate(command: str, argv: list[str]) -> int:
     except ModelUnavailableError as error:
         print(f"specserve {command}: error: {error}", file=sys.stderr)
         return 1
-    module = importlib.import_module(DELEGATED[command])
     try:
+        module = importlib.import_module(DELEGATED[command])
         return module.main(argv)
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if not missing or missing == "services":
+            raise  # this project's own module: a bug, with its traceback
+        print(f"specserve {command}: this install lacks {missing!r}, which the command needs; install its extra: "
+              f"pip install 'specserve[{COMMAND_EXTRAS[command]}]'", file=sys.stderr)
+        return 1
     except ValueError as error:  # settings validation (pydantic's errors are ValueErrors) and bad files
         print(f"specserve {command}: error: {error}", file=sys.stderr)
         return 2

@@ -125,6 +125,14 @@ def test_core_install_has_no_model_stack_and_serves_an_ngram_drafter(core: Path)
     assert "usage: specserve" in specserve(core, "--help")
     for service in ("drafter", "serve"):
         assert "--port" in specserve(core, service, "--help")
+    assert "--model" in specserve(core, "verifier", "--help")  # its flags need no torch
+    # a command whose stack is not installed says in one line which extra brings it, not a traceback
+    for argv, extra in ((["gateway", "--help"], "gateway"), (["verifier", "--model", str(core)], "verifier")):
+        result = subprocess.run([str(core / "bin" / "specserve"), *argv], capture_output=True, text=True,
+                                timeout=60, check=False, cwd="/")
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().endswith(f"pip install 'specserve[{extra}]'"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     port = free_port()
     drafter = subprocess.Popen(
         [str(core / "bin" / "specserve"), "drafter", "--method", "ngram", "--port", str(port), "--metrics-port", "0"],
