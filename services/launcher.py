@@ -149,7 +149,7 @@ def _banner(args: argparse.Namespace, children: Sequence[Child]) -> str:
     return (
         "\nspecserve is serving:\n"
         f"  POST {base}/v1/completions\n  POST {base}/v1/chat/completions\n  GET  {base}/v1/models\n"
-        f"  GET  {base}/health\n  GET  {base}/metrics\n"
+        f"  GET  {base}/health\n  GET  {base}/metrics\n  POST {base}/tokenize, {base}/detokenize\n"
         f"  verifier gRPC {args.host}:{args.verifier_port}, metrics http://{args.host}:{args.verifier_metrics_port}/metrics\n"
         f"{drafter}"
         "Children that exit are restarted; Ctrl-C stops everything."

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from services.gateway import schemas as s
+from services.gateway import tokenize_routes
 from services.gateway.disconnect import unless_disconnected
 from services.gateway.errors import ApiError, from_grpc, install_error_handlers, internal_error
 from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_choice
@@ -49,7 +50,8 @@ from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
                    pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_DEGRADED: "degraded",
                    pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
-_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
+           "/version"}
 MODEL_ROUTE = "/v1/models/{model}"  # one metrics label for every model id asked for
 
 logger = logging.getLogger("specserve.gateway")
@@ -155,7 +157,7 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     app = FastAPI(title="specserve gateway", lifespan=lifespan)
     app.state.gateway = state
     install_error_handlers(app)
-    install_openapi(app, [s.CompletionRequest, s.ChatCompletionRequest],
+    install_openapi(app, [s.CompletionRequest, s.ChatCompletionRequest, *tokenize_routes.REQUEST_MODELS],
                     [s.CompletionChunk, s.ChatCompletionChunk])
 
     @app.middleware("http")
@@ -183,6 +185,8 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
+    app.include_router(tokenize_routes.create_router(require_api_key))
+
     async def check_model(name: str) -> str:
         served = await state.served_name()
         if name != served:
@@ -206,7 +210,7 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
              responses={200: {"model": s.ModelList}, **error_responses(401, 500, 503)})
     async def models() -> JSONResponse:
         info = await state.model_info()
-        card = s.ModelCard(id=await state.served_name(), created=int(time.time()),
+        card = s.ModelCard(id=await state.served_name(), created=int(time.time()), root=info.model_id,
                            max_model_len=info.max_model_len or None)
         return JSONResponse(s.ModelList(data=[card]).model_dump())
 
@@ -215,7 +219,8 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     async def model(model_id: str) -> JSONResponse:
         info = await state.model_info()
         served = await check_model(model_id)
-        card = s.ModelCard(id=served, created=int(time.time()), max_model_len=info.max_model_len or None)
+        card = s.ModelCard(id=served, created=int(time.time()), root=info.model_id,
+                           max_model_len=info.max_model_len or None)
         return JSONResponse(card.model_dump())
 
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)],

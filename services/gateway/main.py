@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, tokenizer=tokenizer)
     base = f"http://{settings.host}:{settings.port}"
     print(f"specserve gateway -> verifier {settings.verifier}", file=sys.stderr)
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+                 "/detokenize"):
         print(f"  {base}{path}", file=sys.stderr)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0

@@ -45,13 +45,19 @@ def sse_event_schema(chunk_model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+def request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra` for a hand-parsed JSON body: one of `models` (register them with install_openapi)."""
+    refs = [{"$ref": _REF.format(model=model.__name__)} for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 def generation_docs(request_model: type[BaseModel], response_model: type[BaseModel],
                     chunk_model: type[BaseModel]) -> dict[str, Any]:
     """Keyword arguments for a completion route's decorator: its request body and its responses."""
-    body = {"$ref": _REF.format(model=request_model.__name__)}
     stream = {"schema": sse_event_schema(chunk_model)}
     return {
-        "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
+        "openapi_extra": request_body(request_model),
         "responses": {200: {"model": response_model, "description": "The completion; an SSE stream of "
                             f"{chunk_model.__name__} objects when `stream` is true",
                             "content": {"text/event-stream": stream}},

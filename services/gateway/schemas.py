@@ -432,6 +432,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
+    root: str | None = None  # vLLM's: the model the server loaded (its --model), which `id` may rename
+    parent: str | None = None  # vLLM's: the base model of an adapter; none here (no LoRA)
     max_model_len: int | None = None
 
 

@@ -40,9 +40,10 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                add_special_tokens: bool = False) -> list[int]:
     """Render with the model's chat template, then tokenize without adding special tokens again (the template
-    already wrote BOS where the model wants one). A template may refuse a conversation (`raise_exception`, e.g.
+    already wrote BOS where the model wants one; `add_special_tokens`, vLLM's option, adds them anyway). A template may refuse a conversation (`raise_exception`, e.g.
     "roles must alternate"): that is the request's fault, a ValueError like the rest."""
     from jinja2.exceptions import TemplateError
 
@@ -54,7 +55,7 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
                                              tokenize=False)
     except TemplateError as exc:
         raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def make_decode(tokenizer: Any):

@@ -29,13 +29,14 @@ def _valid_int(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def cap_body(body: Any) -> Any:
+def cap_body(body: Any, generates: bool = True) -> Any:
+    """generates: the body is a completion or chat request (not /tokenize's, which has no max_tokens to add)."""
     if not isinstance(body, dict):
         return body
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens") if generates else ():
         if _valid_int(body.get(key), MAX_TOKENS + 1, 2**31 - 1):
             body[key] = MAX_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if generates and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS  # absent or null means the rest of the context window
     if _valid_int(body.get("n"), MAX_N + 1, 16):
         body["n"] = MAX_N
@@ -52,7 +53,7 @@ def cap_body(body: Any) -> Any:
 
 @schemathesis.hook
 def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
-    case.body = cap_body(case.body)
+    case.body = cap_body(case.body, generates=case.path.startswith("/v1/"))
 
 
 @schemathesis.hook

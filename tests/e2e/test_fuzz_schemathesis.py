@@ -1,6 +1,7 @@
 """Fuzzing the running stack (drafter, verifier with SmolLM2-135M, gateway as processes) with schemathesis,
-from the gateway's own /openapi.json: valid and invalid requests on every /v1 operation must get no 5xx and
-responses that conform to the document, and afterwards the stack must be healthy with nothing left running.
+from the gateway's own /openapi.json: valid and invalid requests on every /v1 operation, /tokenize, /detokenize and
+/version must get no 5xx and responses that conform to the document, and afterwards the stack must be healthy with
+nothing left running.
 
 The run is bounded (~700 cases, about a minute on 2 cores): a fixed seed, a few dozen fuzzed cases per
 operation plus schemathesis's coverage cases (boundary and invalid values of every field), one worker, and
@@ -36,11 +37,15 @@ def stack(shared_stack):
     return shared_stack
 
 
+REQUEST_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
+                   "DetokenizeRequest")
+
+
 def fuzz_document(document: dict, model: str) -> dict:
-    """The gateway's document with `model` pinned to the served name in both request bodies."""
+    """The gateway's document with `model` pinned to the served name in every request body."""
     fuzzed = copy.deepcopy(document)
     schemas = fuzzed["components"]["schemas"]
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in REQUEST_SCHEMAS:
         schemas[name]["properties"]["model"] = {"type": "string", "enum": [model]}
     return fuzzed
 
@@ -53,7 +58,7 @@ def run_schemathesis(base_url: str, document: dict, workdir: Path) -> dict:
     command = [
         sys.executable, "-m", "schemathesis.cli", "run", str(schema_file), "--url", base_url,
         "--checks", CHECKS, "--mode", "all", "--phases", "examples,coverage,fuzzing",
-        "--include-path-regex", "^/v1/", "--max-examples", str(MAX_EXAMPLES), "--seed", "20261123",
+        "--include-path-regex", "^/(v1/|tokenize$|detokenize$|version$)", "--max-examples", str(MAX_EXAMPLES), "--seed", "20261123",
         "--workers", "1", "--request-timeout", "120", "--no-shrink", "--suppress-health-check", "all",
         "--report", "json", "--report-json-path", str(report),
     ]
@@ -85,11 +90,12 @@ def test_fuzzing_finds_no_server_error_and_no_schema_violation(stack, tmp_path):
     assert report["failures"] == [] and report["errors"] == [], report["output"]
     assert report["exit_code"] == 0, report["output"]
     assert cases["with_failures"] == 0 and cases["errored"] == 0, report["output"]
-    assert report["operations"]["tested"] == 4  # completions, chat, models, models/{id}
+    assert report["operations"]["tested"] == 7  # completions, chat, models, models/{id}, tokenize, detokenize, version
     assert cases["generated"] >= 200, summary  # the run really ran
-    for operation in ("POST /v1/completions", "POST /v1/chat/completions"):
+    for operation, least in (("POST /v1/completions", 10), ("POST /v1/chat/completions", 10), ("POST /tokenize", 5),
+                             ("POST /detokenize", 5)):
         accepted = sum(phase["accepted"] for phase in report["valid_rates"][operation].values())
-        assert accepted >= 10, summary  # valid requests reached the model, not only the 4xx paths
+        assert accepted >= least, summary  # valid requests reached the model or tokenizer, not only the 4xx paths
 
     health = wait_idle(stack.base_url)
     assert health["status"] == "ok", health

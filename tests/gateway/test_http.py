@@ -114,7 +114,9 @@ async def test_speculation_passthrough(client, verifier):
 
 async def test_models_health_metrics(client, verifier):
     r = await client.get("/v1/models")
-    assert r.json()["data"][0]["id"] == MODEL
+    card = r.json()["data"][0]
+    assert card["id"] == MODEL and card["max_model_len"] > 0
+    assert card["root"] == MODEL and card["parent"] is None and card["owned_by"]  # vLLM's fields
     r = await client.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     verifier.drafters = [pb.DrafterStatus(name="ngram", method="ngram", address="x:1",

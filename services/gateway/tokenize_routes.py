@@ -1,0 +1,134 @@
+"""vLLM's `/tokenize`, `/detokenize` and `/version`, which clients of vLLM's OpenAI server call to count and inspect
+tokens (prompt budgeting, evaluation harnesses). Shapes as vLLM's: a prompt or chat messages in, the token ids, their
+count and the model's max_model_len out; ids in, text out. Tokens come from the same code the generation routes
+use (services/gateway/tokenizer.py), so a count here is the count a request would have."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from services.gateway import schemas as s
+from services.gateway.errors import ApiError
+from services.gateway.openapi import error_responses, request_body
+from services.gateway.request_body import parse_body, read_json
+from services.gateway.tokenizer import encode_chat, token_text
+from services.gateway.tools.template import render_inputs, template_knows_tools
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # optional, as in vLLM; when given it must name the served model
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[s.ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the chat template writes the special tokens the model wants
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[s.TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+# Hand-parsed request bodies, for the OpenAPI document (openapi.install_openapi)
+REQUEST_MODELS = (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+
+
+def package_version() -> str:
+    try:
+        return version("specserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def create_router(require_api_key: Any) -> APIRouter:
+    """The routes, behind the same API key as /v1 (they reveal the model's tokenizer, as /v1/models does)."""
+    router = APIRouter()
+    guarded = [Depends(require_api_key)]
+
+    @router.post("/tokenize", dependencies=guarded,
+                 openapi_extra=request_body(TokenizeCompletionRequest, TokenizeChatRequest),
+                 responses={200: {"model": TokenizeResponse}, **error_responses(400, 401, 404, 413, 500, 503)})
+    async def tokenize(request: Request) -> JSONResponse:
+        state = request.app.state.gateway
+        body = await read_json(request, state.settings.max_request_body_bytes)
+        chat = isinstance(body, dict) and "messages" in body
+        req = parse_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+        await check_model(state, req.model)
+        tokenizer = await state.get_tokenizer()
+        if chat:
+            messages, _ = render_inputs([m.template_dict() for m in req.messages], [],
+                                        template_knows_tools(tokenizer))
+            try:
+                ids = await run_in_threadpool(encode_chat, tokenizer, messages,
+                                              add_generation_prompt=req.add_generation_prompt,
+                                              continue_final_message=req.continue_final_message,
+                                              add_special_tokens=req.add_special_tokens)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="messages") from exc
+        else:
+            ids = list((await run_in_threadpool(tokenizer, req.prompt,
+                                                add_special_tokens=req.add_special_tokens))["input_ids"])
+        info = await state.model_info()
+        strs = [token_text(tokenizer, t) for t in ids] if req.return_token_strs else None
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=info.max_model_len or None, tokens=ids,
+                                             token_strs=strs).model_dump())
+
+    @router.post("/detokenize", dependencies=guarded, openapi_extra=request_body(DetokenizeRequest),
+                 responses={200: {"model": DetokenizeResponse}, **error_responses(400, 401, 404, 413, 500, 503)})
+    async def detokenize(request: Request) -> JSONResponse:
+        state = request.app.state.gateway
+        req = parse_body(DetokenizeRequest, await read_json(request, state.settings.max_request_body_bytes))
+        await check_model(state, req.model)
+        tokenizer = await state.get_tokenizer()
+        vocab = len(tokenizer)
+        if any(t >= vocab for t in req.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        text = await run_in_threadpool(tokenizer.decode, req.tokens)  # special tokens as text, as vLLM returns them
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+    @router.get("/version", responses={200: {"model": VersionResponse}})
+    async def get_version() -> JSONResponse:
+        return JSONResponse(VersionResponse(version=package_version()).model_dump())
+
+    return router
+
+
+async def check_model(state: Any, name: str | None) -> None:
+    served = await state.served_name()
+    if name is not None and name != served:
+        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
+                       param="model", code="model_not_found")
