@@ -35,7 +35,7 @@ from services.gateway.metrics import NO_METHOD, GatewayMetrics
 from services.gateway.openapi import error_responses, generation_docs, install_openapi
 from services.gateway.request_body import parse_body, read_json
 from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, joined, sse
-from services.gateway.sampling import build_request, resolve_max_tokens
+from services.gateway.sampling import build_request, resolve_max_tokens, truncate_prompt
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import (decode_prompt, encode_chat, encode_prompt, load_tokenizer, make_decode,
                                         token_text)
@@ -230,11 +230,13 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
                                                                                settings.max_request_body_bytes))
         served = await check_model(req.model)
         tokenizer = await state.get_tokenizer()
-        prompts = [await run_in_threadpool(encode_prompt, tokenizer, p) for p in req.prompts()]
-        # echo returns the prompt as sent; a token-id prompt decoded with its special tokens, as vLLM echoes it and
-        # as the echoed logprobs list its tokens (their text_offset index this text)
-        echo = [(p if isinstance(p, str) else decode_prompt(tokenizer, ids)) if req.echo else ""
-                for p, ids in zip(req.prompts(), prompts, strict=True)]
+        encoded = [await run_in_threadpool(encode_prompt, tokenizer, p, req.add_special_tokens) for p in req.prompts()]
+        limit = (await state.model_info()).max_model_len
+        prompts = [truncate_prompt(ids, req.truncate_prompt_tokens, limit) for ids in encoded]
+        # echo returns the prompt as sent (as kept, when truncated); a token-id prompt decoded with its special
+        # tokens, as vLLM echoes it and as the echoed logprobs list its tokens (their text_offset index this text)
+        echo = [(p if isinstance(p, str) and len(ids) == len(whole) else decode_prompt(tokenizer, ids))
+                if req.echo else "" for p, whole, ids in zip(req.prompts(), encoded, prompts, strict=True)]
         returned = PromptReturn(echo=req.echo, echo_logprobs=req.logprobs if req.echo else None,
                                 prompt_logprobs=req.prompt_logprobs)
         return await unless_disconnected(
@@ -255,9 +257,11 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         try:
             ids = await run_in_threadpool(encode_chat, tokenizer, messages, tools=tool_dicts,
                                           add_generation_prompt=req.add_generation_prompt,
-                                          continue_final_message=req.continue_final_message)
+                                          continue_final_message=req.continue_final_message,
+                                          add_special_tokens=req.add_special_tokens)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens, (await state.model_info()).max_model_len)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await unless_disconnected(
             request, _generate(state, "chat", req, served, [ids], req.requested_max_tokens, logprobs, [""],

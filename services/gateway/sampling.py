@@ -20,6 +20,14 @@ _UINT32_MAX = 2**32 - 1
 _UINT64 = 2**64
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens (-1: max_model_len of them), or all when None."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 and max_model_len else keep
+    return ids[-keep:] if 0 < keep < len(ids) else ids
+
+
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
     if max_model_len and prompt_len >= max_model_len:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "

@@ -135,6 +135,8 @@ class SamplingFields(OutputConstraintFields):
     # vLLM's extension: each prompt token's logprob (after the first) plus this many alternatives, under the
     # model's raw distribution, in the response's `prompt_logprobs` (not in streams: refused there, as vLLM does).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: keep only the prompt's last k tokens (-1: the model's max_model_len), before anything else reads it
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     @field_validator("stop")
     @classmethod
@@ -185,6 +187,7 @@ class CompletionRequest(SamplingFields):
     # lm-evaluation-harness does; allowed without echo too, as vLLM allows it.
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt (not around ids)
 
     @field_validator("prompt")
     @classmethod
@@ -203,6 +206,13 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"at most {MAX_CHOICES} choices per request (number of prompts x n); "
                              "send several requests")
         return self
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _positive_or_minus_one(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1, or -1 for the model's max_model_len")
+        return value
 
     @field_validator("suffix")
     @classmethod
@@ -286,6 +296,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     # the model continues it (an assistant prefill)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: on top of those the chat template writes (rarely wanted)
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

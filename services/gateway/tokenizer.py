@@ -33,10 +33,10 @@ def load_tokenizer(spec: str) -> Any:
         raise ModelUnavailableError(f"the tokenizer of model {spec!r} could not be loaded: {error}") from error
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, list):
         return list(prompt)
-    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    return list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
