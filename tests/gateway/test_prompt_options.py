@@ -5,7 +5,12 @@ verifier; -1: max_model_len of them; 0 is a 400)."""
 
 from __future__ import annotations
 
-from tests.gateway.fakes import ids_of
+import httpx
+from tokenizers import processors
+
+from services.gateway.app import create_app
+from services.gateway.settings import GatewaySettings
+from tests.gateway.fakes import byte_tokenizer, ids_of
 from tests.gateway.test_http import MODEL
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -39,19 +44,22 @@ async def test_truncate_to_max_model_len_and_bad_values(client, verifier):
         assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
 
 
-async def test_add_special_tokens(client, verifier, tokenizer):
-    tokenizer.add_bos_token = True  # the byte tokenizer adds none by default: a post-processor that does
-    from tokenizers import processors
-
+async def test_add_special_tokens(scripted, verifier):
+    """On a tokenizer of its own that puts <|endoftext|> before a text (the session's adds nothing, and other
+    tests share it)."""
+    tokenizer = byte_tokenizer()
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 256)])
-    await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
-    assert list(verifier.requests[-1].prompt_token_ids) == [256, *ids_of("Hi")]
-    await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1,
-                                               "add_special_tokens": False})
-    assert list(verifier.requests[-1].prompt_token_ids) == ids_of("Hi")
-    await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1})
-    plain = list(verifier.requests[-1].prompt_token_ids)
-    await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
-                                                    "add_special_tokens": True})
-    assert list(verifier.requests[-1].prompt_token_ids) == [256, *plain]
+    app = create_app(GatewaySettings(verifier=scripted[1]), tokenizer=tokenizer)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+        assert list(verifier.requests[-1].prompt_token_ids) == [256, *ids_of("Hi")]
+        await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1,
+                                                   "add_special_tokens": False})
+        assert list(verifier.requests[-1].prompt_token_ids) == ids_of("Hi")
+        await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1})
+        plain = list(verifier.requests[-1].prompt_token_ids)
+        await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                        "add_special_tokens": True})
+        assert list(verifier.requests[-1].prompt_token_ids) == [256, *plain]
+    await app.state.gateway.client.close()
