@@ -43,8 +43,9 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
                 add_special_tokens: bool = False) -> list[int]:
     """Render with the model's chat template, then tokenize without adding special tokens again (the template
-    already wrote BOS where the model wants one; `add_special_tokens`, vLLM's option, adds them anyway). A template may refuse a conversation (`raise_exception`, e.g.
-    "roles must alternate"): that is the request's fault, a ValueError like the rest."""
+    already wrote BOS where the model wants one; `add_special_tokens`, vLLM's option, adds them anyway). A
+    template may refuse a conversation (`raise_exception`, e.g. "roles must alternate"): that is the request's
+    fault, a ValueError like the rest."""
     from jinja2.exceptions import TemplateError
 
     if getattr(tokenizer, "chat_template", None) is None:

@@ -55,7 +55,8 @@ def test_serve_drafts_with_the_draft_model_and_greedy_output_is_unchanged(draft_
 
 def test_per_request_k_and_sampling_work_with_the_draft_model(draft_model_stack):
     narrow, first, again = at_once(
-        lambda: _chat(draft_model_stack, temperature=0, extra_body={"speculative_config": {"num_speculative_tokens": 1}}),
+        lambda: _chat(draft_model_stack, temperature=0,
+                      extra_body={"speculative_config": {"num_speculative_tokens": 1}}),
         lambda: _chat(draft_model_stack, temperature=0.8, seed=7),
         lambda: _chat(draft_model_stack, temperature=0.8, seed=7))  # in the same steps: the seed alone decides
     spec = narrow.model_extra["speculative_decoding"]

@@ -58,7 +58,8 @@ def run_schemathesis(base_url: str, document: dict, workdir: Path) -> dict:
     command = [
         sys.executable, "-m", "schemathesis.cli", "run", str(schema_file), "--url", base_url,
         "--checks", CHECKS, "--mode", "all", "--phases", "examples,coverage,fuzzing",
-        "--include-path-regex", "^/(v1/|tokenize$|detokenize$|version$)", "--max-examples", str(MAX_EXAMPLES), "--seed", "20261123",
+        "--include-path-regex", "^/(v1/|tokenize$|detokenize$|version$)", "--max-examples", str(MAX_EXAMPLES),
+        "--seed", "20261123",
         "--workers", "1", "--request-timeout", "120", "--no-shrink", "--suppress-health-check", "all",
         "--report", "json", "--report-json-path", str(report),
     ]

@@ -31,7 +31,8 @@ async def test_logprobs_0_names_the_chosen_token(client):
 
 
 async def test_up_to_20_logprobs_as_vllm_allows(client):
-    assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 20})).status_code == 200
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 20})
+    assert r.status_code == 200
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 

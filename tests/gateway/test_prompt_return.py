@@ -30,7 +30,8 @@ async def test_max_tokens_0_with_echo_scores_the_prompt_only(client, verifier):
     body = r.json()
     choice = body["choices"][0]
     assert r.status_code == 200 and choice["text"] == "Hi" and choice["finish_reason"] == "length"
-    assert choice["logprobs"]["token_logprobs"] == [None, -0.5] and choice["logprobs"]["top_logprobs"] == [None, {"i": -0.5}]
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.5]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"i": -0.5}]  # logprobs 0: the prompt token itself
     assert body["usage"]["completion_tokens"] == 0 and verifier.requests[0].sampling.max_tokens == 0
 
 
