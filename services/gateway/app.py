@@ -258,7 +258,8 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
             ids = await run_in_threadpool(encode_chat, tokenizer, messages, tools=tool_dicts,
                                           add_generation_prompt=req.add_generation_prompt,
                                           continue_final_message=req.continue_final_message,
-                                          add_special_tokens=req.add_special_tokens)
+                                          add_special_tokens=req.add_special_tokens,
+                                          template_kwargs=req.chat_template_kwargs)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, (await state.model_info()).max_model_len)

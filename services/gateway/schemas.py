@@ -61,7 +61,20 @@ UNSUPPORTED_FIELDS = {
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning_effort is not supported by this server's models",
     "web_search_options": "web search is not supported",
+    "chat_template": "a chat template per request is not accepted: it would run the client's Jinja on the server "
+                     "(vLLM too refuses it unless started with --trust-request-chat-template); the model's own "
+                     "template is used, and chat_template_kwargs reach it",
 }
+# Names the chat template is rendered with by this server: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                      "tokenize", "chat_template", "documents", "return_dict", "conversation"})
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
+    return value
 
 
 def refuse_unsupported(data: Any, known: set[str]) -> Any:
@@ -297,6 +310,14 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: on top of those the chat template writes (rarely wanted)
+    # vLLM's: extra variables for the model's chat template, e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

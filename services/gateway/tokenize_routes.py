@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from services.gateway import schemas as s
@@ -38,7 +38,13 @@ class TokenizeChatRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template writes the special tokens the model wants
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return s.check_template_kwargs(value)
 
 
 class TokenizeResponse(BaseModel):
@@ -96,7 +102,8 @@ def create_router(require_api_key: Any) -> APIRouter:
                 ids = await run_in_threadpool(encode_chat, tokenizer, messages,
                                               add_generation_prompt=req.add_generation_prompt,
                                               continue_final_message=req.continue_final_message,
-                                              add_special_tokens=req.add_special_tokens)
+                                              add_special_tokens=req.add_special_tokens,
+                                              template_kwargs=req.chat_template_kwargs)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="messages") from exc
         else:

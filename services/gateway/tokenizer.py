@@ -41,11 +41,12 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int], add_special_tokens: b
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Render with the model's chat template, then tokenize without adding special tokens again (the template
     already wrote BOS where the model wants one; `add_special_tokens`, vLLM's option, adds them anyway). A
     template may refuse a conversation (`raise_exception`, e.g. "roles must alternate"): that is the request's
-    fault, a ValueError like the rest."""
+    fault, a ValueError like the rest. `template_kwargs`: more variables for the template (vLLM's
+    chat_template_kwargs)."""
     from jinja2.exceptions import TemplateError
 
     if getattr(tokenizer, "chat_template", None) is None:
@@ -53,7 +54,7 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tools=tools,
-                                             tokenize=False)
+                                             tokenize=False, **(template_kwargs or {}))
     except TemplateError as exc:
         raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

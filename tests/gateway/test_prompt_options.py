@@ -63,3 +63,27 @@ async def test_add_special_tokens(scripted, verifier):
                                                         "add_special_tokens": True})
         assert list(verifier.requests[-1].prompt_token_ids) == [256, *plain]
     await app.state.gateway.client.close()
+
+
+async def test_chat_template_kwargs_reach_the_template(scripted, verifier):
+    """vLLM's chat_template_kwargs (e.g. Qwen3's enable_thinking) are variables of the model's own template, on
+    /v1/chat/completions and /tokenize alike; names the server renders with are refused, as is a template sent in
+    the request."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if enable_thinking %}<think>{% endif %}")
+    app = create_app(GatewaySettings(verifier=scripted[1]), tokenizer=tokenizer)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1})
+        assert list(verifier.requests[-1].prompt_token_ids) == ids_of("hi")
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                            "chat_template_kwargs": {"enable_thinking": True}})
+        assert r.status_code == 200 and list(verifier.requests[-1].prompt_token_ids) == ids_of("hi<think>")
+        counted = await client.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"enable_thinking": 1}})
+        assert counted.json()["tokens"] == ids_of("hi<think>")
+        for body in ({"chat_template_kwargs": {"add_generation_prompt": False}},
+                     {"chat_template_kwargs": {"messages": []}},
+                     {"chat_template": "{{ messages }}"}):
+            r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, **body})
+            assert r.status_code == 400 and "chat_template" in r.json()["error"]["message"], r.text
+    await app.state.gateway.client.close()
