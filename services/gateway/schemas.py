@@ -167,6 +167,13 @@ class SamplingFields(OutputConstraintFields):
             raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _positive_or_minus_one(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1, or -1 for the model's max_model_len")
+        return value
+
     @field_validator("stream", mode="before")
     @classmethod
     def _null_stream_is_false(cls, value: Any) -> Any:
@@ -219,13 +226,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"at most {MAX_CHOICES} choices per request (number of prompts x n); "
                              "send several requests")
         return self
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _positive_or_minus_one(cls, value: int | None) -> int | None:
-        if value == 0:
-            raise ValueError("truncate_prompt_tokens must be at least 1, or -1 for the model's max_model_len")
-        return value
 
     @field_validator("suffix")
     @classmethod

@@ -42,6 +42,8 @@ async def test_truncate_to_max_model_len_and_bad_values(client, verifier):
     for bad in (0, -2):
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "truncate_prompt_tokens": bad})
         assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.text, r.text  # chat as well
 
 
 async def test_add_special_tokens(scripted, verifier):
