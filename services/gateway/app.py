@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from services.gateway import schemas as s
 from services.gateway import tokenize_routes
+from services.gateway.chat_prompt import chat_prompt_ids
 from services.gateway.disconnect import unless_disconnected
 from services.gateway.errors import ApiError, from_grpc, install_error_handlers, internal_error
 from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_choice
@@ -37,12 +38,10 @@ from services.gateway.request_body import parse_body, read_json
 from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, joined, sse
 from services.gateway.sampling import build_request, resolve_max_tokens, truncate_prompt
 from services.gateway.settings import GatewaySettings
-from services.gateway.tokenizer import (decode_prompt, encode_chat, encode_prompt, load_tokenizer, make_decode,
-                                        token_text)
+from services.gateway.tokenizer import decode_prompt, encode_prompt, load_tokenizer, make_decode, token_text
 from services.gateway.tools.grammar import forced_call_grammar
 from services.gateway.tools.output import StreamedChoice, ToolOutput
 from services.gateway.tools.parsers import tool_call_format
-from services.gateway.tools.template import render_inputs, template_knows_tools
 from services.gateway.verifier_client import VerifierClient, pb
 from services.modeling.model_source import ModelUnavailableError
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
@@ -139,6 +138,14 @@ class GatewayState:
     async def served_name(self) -> str:
         return self.settings.served_model_name or (await self.model_info()).model_id
 
+    async def check_model(self, name: str | None) -> str:
+        """The served name; a 404 when a request names another model (None: the request may leave it out)."""
+        served = await self.served_name()
+        if name is not None and name != served:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
+                           param="model", code="model_not_found")
+        return served
+
 
 def create_app(settings: GatewaySettings, tokenizer: Any = None, client: VerifierClient | None = None) -> FastAPI:
     client = client or VerifierClient(settings.verifier, info_timeout_s=settings.info_timeout_s,
@@ -187,13 +194,6 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
 
     app.include_router(tokenize_routes.create_router(require_api_key))
 
-    async def check_model(name: str) -> str:
-        served = await state.served_name()
-        if name != served:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
-                           param="model", code="model_not_found")
-        return served
-
     @app.get("/health", responses={200: {"model": s.Health}, 503: {"model": s.Health}})
     async def health() -> JSONResponse:
         """Open even with an API key (load balancers probe it), so then it tells the status only: the
@@ -218,7 +218,7 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
              responses={200: {"model": s.ModelCard}, **error_responses(401, 404, 500, 503)})
     async def model(model_id: str) -> JSONResponse:
         info = await state.model_info()
-        served = await check_model(model_id)
+        served = await state.check_model(model_id)
         card = s.ModelCard(id=served, created=int(time.time()), root=info.model_id,
                            max_model_len=info.max_model_len or None)
         return JSONResponse(card.model_dump())
@@ -228,7 +228,7 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     async def completions(request: Request) -> Response:
         req: s.CompletionRequest = parse_body(s.CompletionRequest, await read_json(request,
                                                                                settings.max_request_body_bytes))
-        served = await check_model(req.model)
+        served = await state.check_model(req.model)
         tokenizer = await state.get_tokenizer()
         encoded = [await run_in_threadpool(encode_prompt, tokenizer, p, req.add_special_tokens) for p in req.prompts()]
         limit = (await state.model_info()).max_model_len
@@ -249,19 +249,10 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     async def chat_completions(request: Request) -> Response:
         req: s.ChatCompletionRequest = parse_body(s.ChatCompletionRequest,
                                               await read_json(request, settings.max_request_body_bytes))
-        served = await check_model(req.model)
+        served = await state.check_model(req.model)
         tokenizer = await state.get_tokenizer()
         tools = req.offered_tools()
-        messages, tool_dicts = render_inputs([m.template_dict() for m in req.messages], tools,
-                                             template_knows_tools(tokenizer))
-        try:
-            ids = await run_in_threadpool(encode_chat, tokenizer, messages, tools=tool_dicts,
-                                          add_generation_prompt=req.add_generation_prompt,
-                                          continue_final_message=req.continue_final_message,
-                                          add_special_tokens=req.add_special_tokens,
-                                          template_kwargs=req.chat_template_kwargs)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="messages") from exc
+        ids = await chat_prompt_ids(tokenizer, req, tools)
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, (await state.model_info()).max_model_len)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await unless_disconnected(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,17 +73,17 @@ class Accounting:
         return len(self.finished) == self.num_choices
 
     def usage(self) -> s.Usage:
-        completion = sum(e.completion_tokens for e in self.finished.values())
-        # the prompt counts once for all choices, and its cached tokens as the fewest any choice found
-        cached = min((e.cached_tokens for e in self.finished.values()), default=0)
-        return s.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                       total_tokens=self.prompt_tokens + completion,
-                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached))
+        return self._usage(self.finished.values())
 
     def usage_so_far(self) -> s.Usage:
         """Usage while choices still run (stream_options.continuous_usage_stats): the tokens generated so far."""
-        completion = sum(e.completion_tokens for e in self.latest.values())
-        cached = min((e.cached_tokens for e in self.latest.values()), default=0)
+        return self._usage(self.latest.values())
+
+    def _usage(self, events: Iterable[ChoiceEvent]) -> s.Usage:
+        events = list(events)
+        completion = sum(e.completion_tokens for e in events)
+        # the prompt counts once for all choices, and its cached tokens as the fewest any choice found
+        cached = min((e.cached_tokens for e in events), default=0)
         return s.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
                        total_tokens=self.prompt_tokens + completion,
                        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached))

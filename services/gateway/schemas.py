@@ -313,7 +313,6 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     # vLLM's: extra variables for the model's chat template, e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
 
-
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:

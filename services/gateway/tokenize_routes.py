@@ -17,8 +17,8 @@ from services.gateway import schemas as s
 from services.gateway.errors import ApiError
 from services.gateway.openapi import error_responses, request_body
 from services.gateway.request_body import parse_body, read_json
-from services.gateway.tokenizer import encode_chat, token_text
-from services.gateway.tools.template import render_inputs, template_knows_tools
+from services.gateway.chat_prompt import chat_prompt_ids
+from services.gateway.tokenizer import encode_prompt, token_text
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -93,22 +93,12 @@ def create_router(require_api_key: Any) -> APIRouter:
         body = await read_json(request, state.settings.max_request_body_bytes)
         chat = isinstance(body, dict) and "messages" in body
         req = parse_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
-        await check_model(state, req.model)
+        await state.check_model(req.model)
         tokenizer = await state.get_tokenizer()
         if chat:
-            messages, _ = render_inputs([m.template_dict() for m in req.messages], [],
-                                        template_knows_tools(tokenizer))
-            try:
-                ids = await run_in_threadpool(encode_chat, tokenizer, messages,
-                                              add_generation_prompt=req.add_generation_prompt,
-                                              continue_final_message=req.continue_final_message,
-                                              add_special_tokens=req.add_special_tokens,
-                                              template_kwargs=req.chat_template_kwargs)
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="messages") from exc
+            ids = await chat_prompt_ids(tokenizer, req)
         else:
-            ids = list((await run_in_threadpool(tokenizer, req.prompt,
-                                                add_special_tokens=req.add_special_tokens))["input_ids"])
+            ids = await run_in_threadpool(encode_prompt, tokenizer, req.prompt, req.add_special_tokens)
         info = await state.model_info()
         strs = [token_text(tokenizer, t) for t in ids] if req.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=info.max_model_len or None, tokens=ids,
@@ -119,7 +109,7 @@ def create_router(require_api_key: Any) -> APIRouter:
     async def detokenize(request: Request) -> JSONResponse:
         state = request.app.state.gateway
         req = parse_body(DetokenizeRequest, await read_json(request, state.settings.max_request_body_bytes))
-        await check_model(state, req.model)
+        await state.check_model(req.model)
         tokenizer = await state.get_tokenizer()
         vocab = len(tokenizer)
         if any(t >= vocab for t in req.tokens):
@@ -133,9 +123,3 @@ def create_router(require_api_key: Any) -> APIRouter:
 
     return router
 
-
-async def check_model(state: Any, name: str | None) -> None:
-    served = await state.served_name()
-    if name is not None and name != served:
-        raise ApiError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
-                       param="model", code="model_not_found")
