@@ -8,7 +8,7 @@ from typing import Any
 
 from services.soak.traffic import CODE, EDIT, MODEL  # one copy: the soak's traffic sends the same edit
 
-__all__ = ["CODE", "EDIT", "MODEL", "NO_SPEC", "at_once", "wait_until_speculation_accepts"]
+__all__ = ["CODE", "EDIT", "MODEL", "NO_SPEC", "at_once", "in_background", "wait_until_speculation_accepts"]
 
 NO_SPEC = {"speculative_config": {"method": "none"}}
 
@@ -19,6 +19,15 @@ def at_once(*calls: Callable[[], Any]) -> list[Any]:
     them instead of once per request; greedy output must not depend on what else is in the batch."""
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
+def in_background(call: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    """One request started on a thread of its own, beside a stream the test drives step by step (so it shares
+    that stream's steps); the future holds its result."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(call, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
 
 
 def wait_until_speculation_accepts(client, messages, attempts: int = 10) -> int:

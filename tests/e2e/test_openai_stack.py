@@ -4,7 +4,6 @@ and by raw HTTP, as users drive it."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import signal
 import threading
@@ -15,7 +14,7 @@ import openai
 import pytest
 
 from services.verifier.draft_breaker import OPEN_AFTER
-from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, at_once, wait_until_speculation_accepts
+from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, at_once, in_background, wait_until_speculation_accepts
 
 pytestmark = pytest.mark.slow
 
@@ -150,10 +149,8 @@ def test_twenty_concurrent_streams(stack):
 def test_drafter_death_costs_speed_not_correctness(stack, client):
     messages = [{"role": "user", "content": EDIT}]
     fallbacks_before = stack.verifier_metric("specserve_spec_decode_num_fallbacks_total")
-    plain = concurrent.futures.ThreadPoolExecutor(1)  # the reference runs beside the stream, in the same steps
-    reference = plain.submit(client.chat.completions.create, model=MODEL, messages=messages, max_tokens=80,
-                             temperature=0, extra_body=NO_SPEC)
-    plain.shutdown(wait=False)
+    reference = in_background(client.chat.completions.create, model=MODEL, messages=messages, max_tokens=80,
+                              temperature=0, extra_body=NO_SPEC)  # beside the stream, in the same steps
     received: list[str] = []
 
     def consume():

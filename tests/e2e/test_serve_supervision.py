@@ -6,7 +6,6 @@ hang. Ends with a short soak against the same stack and a SIGTERM that must stop
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import signal
 import threading
@@ -20,7 +19,7 @@ import pytest
 from services.soak.main import SoakSettings, soak
 from services.soak.serve_process import ServeProcess, service_name
 from services.soak.traffic import TrafficSettings
-from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, wait_until_speculation_accepts
+from tests.e2e.requests import CODE, EDIT, MODEL, NO_SPEC, in_background, wait_until_speculation_accepts
 from tests.e2e.stack import serve_ports
 
 pytestmark = pytest.mark.slow
@@ -103,10 +102,8 @@ class HealthWatcher:
 
 def test_drafter_killed_mid_stream_costs_speed_not_correctness(healthy, client):
     messages = [{"role": "user", "content": EDIT}]
-    plain = concurrent.futures.ThreadPoolExecutor(1)  # the reference runs beside the stream, in the same steps
-    reference = plain.submit(client.chat.completions.create, model=MODEL, messages=messages, max_tokens=96,
-                             temperature=0, extra_body=NO_SPEC)
-    plain.shutdown(wait=False)
+    reference = in_background(client.chat.completions.create, model=MODEL, messages=messages, max_tokens=96,
+                              temperature=0, extra_body=NO_SPEC)  # beside the stream, in the same steps
     drafter = healthy.children()["drafter"]
     received: list[str] = []
     failure: list[BaseException] = []
