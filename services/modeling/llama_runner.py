@@ -318,8 +318,11 @@ def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[Lin
 def read_layer(
     layer: torch.Tensor, read: torch.Tensor | slice, batch: int, span: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """One layer's K or V ([Hkv, slots, D]) for the batch: [Hkv, B, span, D], a view or a gather
+    """One layer's K or V ([Hkv, slots, D]) for the batch: [Hkv, B, span, D], a view or a gather of its rows
     (PagedKVCache.row_read / batch_read) into `out` ([Hkv, B * span, D]) when given."""
+    heads, _, head_dim = layer.shape
     if isinstance(read, slice):
         return layer[:, read][:, None]
-    return torch.index_select(layer, 1, read, out=out).view(layer.shape[0], batch, span, layer.shape[-1])
+    rows = layer.view(-1, head_dim)
+    gathered = torch.index_select(rows, 0, read, out=out.view(-1, head_dim) if out is not None else None)
+    return gathered.view(heads, batch, span, head_dim)

@@ -164,18 +164,18 @@ class PagedKVCache:
 
     def row_read(self, seq_id: Hashable, span: int) -> torch.Tensor | slice:
         """Where to read the sequence's positions [0, span): a slice of the pool when its blocks lie in order
-        (the usual case, see BlockPool.allocate), else an index of pool positions."""
+        (the usual case, see BlockPool.allocate), else an index of a layer's rows (_every_head)."""
         size = self.block_size
         blocks = self._seqs[seq_id].blocks[: -(-span // size)]
         if blocks[-1] - blocks[0] == len(blocks) - 1:
             return slice(blocks[0] * size, blocks[0] * size + span)
         positions = torch.arange(span)
         index = torch.tensor(blocks, dtype=torch.int64)[positions // size] * size + positions % size
-        return index.to(self.keys.device)
+        return self._every_head(index)
 
     def batch_read(self, seq_ids: Sequence[Hashable], span: int, lengths: Sequence[int]) -> torch.Tensor:
-        """A [rows * span] index of pool positions for reading positions [0, span) of every sequence into one
-        padded buffer; positions at or past a row's length point at the null block."""
+        """An index of a layer's rows (_every_head) for reading positions [0, span) of every sequence into one
+        padded [kv_heads, rows * span] buffer; positions at or past a row's length point at the null block."""
         size = self.block_size
         num_blocks = -(-span // size)
         table = torch.full((len(seq_ids), num_blocks), NULL_BLOCK, dtype=torch.int64)
@@ -186,4 +186,11 @@ class PagedKVCache:
         index = table[:, positions // size] * size + positions % size  # [rows, span]
         past = positions[None, :] >= torch.tensor(lengths)[:, None]
         index[past] = NULL_BLOCK * size
-        return index.reshape(-1).to(self.keys.device)
+        return self._every_head(index.reshape(-1))
+
+    def _every_head(self, index: torch.Tensor) -> torch.Tensor:
+        """Pool positions -> rows of a layer's cache seen as [kv_heads * slots, head_dim], head-major: one
+        gather along the first dimension (a row copy each), which is about a third cheaper on CPU than the same
+        gather along the slot dimension of [kv_heads, slots, head_dim]."""
+        heads, slots = self.keys.shape[1], self.keys.shape[2]
+        return (torch.arange(heads)[:, None] * slots + index[None, :]).reshape(-1).to(self.keys.device)
