@@ -202,7 +202,7 @@ class Engine:
         seed = seed_to_int64(seed) if seed is not None else self._seed_source.getrandbits(63)
         state = RequestState(
             request=request, seed=seed, token_ids=list(request.prompt_token_ids), outputs=asyncio.Queue(),
-            constraint=build_constraint(request.sampling, self.grammars, self.runner.vocab_size),
+            constraint=build_constraint(request.sampling, self.grammars, self.runner.vocab_size, self.eos_token_ids),
         )
         spec = request.speculation
         if self.config.extract_hidden_states_dir is not None or (
@@ -259,6 +259,10 @@ class Engine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if any(not 0 <= token < vocab for token in request.sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(not 0 <= token < vocab for token in request.sampling.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
+        if any(not 0 <= token < vocab for word in request.sampling.bad_words for token in word):
+            raise ValueError(f"bad_words token ids must be in [0, {vocab})")
         spec = request.speculation
         if spec.enabled and spec.method not in self.proposers:
             available = ", ".join(sorted(self.proposers)) or "none configured"
@@ -404,13 +408,15 @@ class Engine:
         if state.finished:  # aborted while the step ran
             return
         sampling = state.request.sampling
-        emitted, reason = [], None
+        emitted, reason, stop_token = [], None, None
         constraint = state.constraint
         for token in row.tokens:
             emitted.append(token)
             state.token_ids.append(token)
             complete = constraint is not None and constraint.commit(token)  # the grammar allows nothing more
-            if complete or token in sampling.stop_token_ids or (token in self.eos_token_ids and not sampling.ignore_eos):
+            if token in sampling.stop_token_ids or (token in self.eos_token_ids and not sampling.ignore_eos):
+                reason, stop_token = FinishReason.STOP, token
+            elif complete:
                 reason = FinishReason.STOP
             elif state.num_output_tokens >= sampling.max_tokens or len(state.token_ids) >= self.runner.max_model_len:
                 reason = FinishReason.LENGTH
@@ -425,7 +431,7 @@ class Engine:
                 torch.ones(len(emitted), device=state.output_counts.device),
             )
         logprobs = row.logprobs[: len(emitted)] if row.logprobs is not None else None
-        self._finish(state, reason, emitted, logprobs)
+        self._finish(state, reason, emitted, logprobs, stop_token)
 
     def _record_prompt_scores(self, prefill: list[PrefillChunk], result: StepResult, failed: set[str]) -> None:
         """Keep the step's prompt logprobs until the first output carries them; a request with max_tokens 0 is
@@ -451,9 +457,11 @@ class Engine:
         reason: FinishReason | None,
         tokens: list[int],
         logprobs: list[TokenLogprob] | None,
+        stop_token: int | None = None,
     ) -> None:
         """Publish one output; with a reason, the request is done (its slot is freed by _reap). The first output
-        after the prefill carries the prompt logprobs, when asked (an abort during the prefill has none)."""
+        after the prefill carries the prompt logprobs, when asked (an abort during the prefill has none).
+        stop_token: the stop or end-of-sequence token the request ended on."""
         state.finish_reason = reason
         prompt_logprobs = None
         if state.prompt_logprobs is not None and not state.prefilling:
@@ -471,5 +479,6 @@ class Engine:
                     state.spec.num_drafts, state.spec.num_draft_tokens, state.spec.num_accepted_tokens
                 ),
                 prompt_logprobs=prompt_logprobs,
+                stop_token_id=stop_token,
             )
         )

@@ -52,6 +52,8 @@ class RequestOutput:
     spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     # SamplingParams.prompt_logprobs asked: one entry per prompt token after the first, on the first output only
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # the stop_token_ids or end-of-sequence token the request ended on (the last of token_ids), else None
+    stop_token_id: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,9 @@ MAX_TOP_LOGPROBS = 20  # alternatives per position, for logprobs and prompt_logp
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar is compiled at admission: bound the work one request asks for
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# bad_words are matched against each verified position's preceding output on the host, every step: bound them.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,12 @@ class SamplingParams:
     # by the engine, which knows it)
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured_output: OutputGrammar | None = None
+    # vLLM's min_tokens: no end-of-sequence or stop token id before this many tokens are generated
+    min_tokens: int = 0
+    # vLLM's allowed_token_ids: when non-empty, the only tokens that may be generated
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words as token sequences: a sequence's last token is banned where the output ends with the rest
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         errors = list(self._errors())
@@ -100,6 +109,17 @@ class SamplingParams:
         elif not all(isinstance(t, int) and t >= 0 and math.isfinite(b) and -100.0 <= b <= 100.0
                      for t, b in self.logit_bias):
             yield "logit_bias maps token ids (non-negative integers) to values in [-100, 100]"
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens:
+            yield f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        elif isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            yield f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+        if not all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
+            yield "allowed_token_ids must be non-negative integers"
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            yield f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}"
+        elif not all(0 < len(word) <= MAX_BAD_WORD_TOKENS and all(isinstance(t, int) and t >= 0 for t in word)
+                     for word in self.bad_words):
+            yield f"each of bad_words must be 1 to {MAX_BAD_WORD_TOKENS} tokens (non-negative integers)"
 
     @property
     def greedy(self) -> bool:

@@ -181,8 +181,10 @@ def execute(
         [s.output_counts for s in states],
         [s.prompt_mask for s in states],
     )
+    dead_ends: dict[int, int] = {}
     if any(s.constraint is not None for s in states):
-        constrain_logits(logits, [s.constraint for s in states], [d.tokens for d in all_drafts])
+        dead_ends = constrain_logits(logits, [s.constraint for s in states], [d.tokens for d in all_drafts],
+                                     [s.token_ids[s.num_prompt_tokens :] for s in states])
     result = verify(logits, draft_tokens, num_draft, positions, batch, draft_probs, has_probs)
 
     tokens = result.tokens.tolist()  # the step's one host transfer of results
@@ -199,9 +201,14 @@ def execute(
     rows_out = []
     for b, (state, draft) in enumerate(zip(states, all_drafts, strict=True)):
         n_acc = accepted[b]
+        emitted = tokens[b][: n_acc + 1]
+        if b in dead_ends and n_acc >= dead_ends[b]:
+            # The accepted drafts d1..dj reach a state where the output constraints allow nothing: commit them,
+            # as the plain engine would have, and the next step fails the request at that committed state.
+            j = dead_ends[b]
+            n_acc, emitted = j - 1, tokens[b][:j]
         if b < len(decode):
             runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
-        emitted = tokens[b][: n_acc + 1]
         entries = None
         wanted = state.request.sampling.logprobs
         if wanted is not None:

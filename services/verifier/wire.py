@@ -61,6 +61,9 @@ def sampling_from_proto(message) -> SamplingParams:
         logit_bias=tuple(sorted(message.logit_bias.items())),
         structured_output=grammar_from_proto(message.structured_output) if message.HasField("structured_output")
         else None,
+        min_tokens=message.min_tokens,
+        allowed_token_ids=tuple(message.allowed_token_ids),
+        bad_words=tuple(tuple(word.token_ids) for word in message.bad_words),
     )
 
 
@@ -121,6 +124,7 @@ def output_to_proto(output: RequestOutput, method: str):
             num_accepted_tokens=output.spec.num_accepted_tokens,
         ),
         prompt_logprobs=[logprob_to_proto(item) for item in output.prompt_logprobs or ()],
+        stop_token_id=output.stop_token_id,
     )
 
 
