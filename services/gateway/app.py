@@ -31,12 +31,12 @@ from services.gateway import tokenize_routes
 from services.gateway.chat_prompt import chat_prompt_ids
 from services.gateway.disconnect import unless_disconnected
 from services.gateway.errors import ApiError, from_grpc, install_error_handlers, internal_error
-from services.gateway.generation import ChoiceEvent, ChoiceTimer, merge, run_choice
+from services.gateway.generation import ChoiceEvent, ChoiceTimer, TextRules, merge, run_choice
 from services.gateway.metrics import NO_METHOD, GatewayMetrics
 from services.gateway.openapi import error_responses, generation_docs, install_openapi
 from services.gateway.request_body import parse_body, read_json
 from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, joined, sse
-from services.gateway.sampling import build_request, resolve_max_tokens, truncate_prompt
+from services.gateway.sampling import bad_words_ids, build_request, resolve_max_tokens, truncate_prompt
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import decode_prompt, encode_prompt, load_tokenizer, make_decode, token_text
 from services.gateway.tools.grammar import forced_call_grammar
@@ -304,7 +304,10 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
     start = time.perf_counter()
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    decode = make_decode(tokenizer)
+    decode = make_decode(tokenizer, req.skip_special_tokens, req.spaces_between_special_tokens)
+    rules = TextRules(req.stop_strings, req.include_stop_str_in_output, req.min_tokens,
+                      frozenset(req.stop_token_ids or ()))
+    bad_words = bad_words_ids(tokenizer, req.bad_words) if req.bad_words else []
     streams, choice_echo, choice_prompt = [], {}, {}
     for p, ids in enumerate(prompts):
         param_max = resolve_max_tokens(requested_max, len(ids), info.max_model_len)
@@ -313,11 +316,15 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
             choice_echo[index], choice_prompt[index] = echo[p], ids
             grpc_req = build_request(req, request_id=f"{rid}-{index}", prompt_ids=ids, max_tokens=param_max,
                                      choice=index, logprobs=logprobs, prompt_logprobs=returned.wire,
-                                     structured_output=tools.forced if tools is not None else None)
+                                     structured_output=tools.forced if tools is not None else None,
+                                     bad_words=bad_words)
             timer = ChoiceTimer(state.metrics, served, start)
-            streams.append(run_choice(state.client, grpc_req, index, decode, req.stop_strings, timer))
+            streams.append(run_choice(state.client, grpc_req, index, decode, rules, timer))
     accounting = Accounting(prompt_tokens=sum(len(ids) for ids in prompts), num_choices=len(streams))
-    formatter = LogprobFormatter(lambda t: token_text(tokenizer, t))
+    # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (for tokens that are not whole text)
+    formatter = LogprobFormatter((lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids
+                                 else (lambda t: token_text(tokenizer, t)))
+    ids_back = req.return_token_ids  # vLLM's return_token_ids: prompt and output ids in the response
     events = merge(streams)
     prompt_lps: dict[int, list[Any]] = {i: [] for i in choice_echo}  # the verifier's, from each first message
 
@@ -369,11 +376,13 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
     if not req.stream:
         texts = {i: choice_echo[i] for i in choice_echo}
         lps: dict[int, list[Any]] = {i: [] for i in choice_echo}
+        out_ids: dict[int, list[int]] = {i: [] for i in choice_echo}
         try:
             async with aclosing(events):
                 async for event in all_events():
                     texts[event.index] += event.text
                     lps[event.index].extend(event.logprobs)
+                    out_ids[event.index] += event.token_ids
                     prompt_lps[event.index] += event.prompt_logprobs
                     accounting.record(event)
         except grpc.RpcError as exc:
@@ -381,6 +390,7 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
         finally:  # also when the client disconnected and the work was cancelled
             finish_metrics()
         reasons = {i: e.finish_reason for i, e in accounting.finished.items()}
+        stop_reasons = {i: e.stop_reason for i, e in accounting.finished.items()}
         if kind == "chat":
             messages = {}
             for i, text in texts.items():
@@ -392,19 +402,24 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
                 speculative_decoding=accounting.speculation().model(),
                 choices=[s.ChatChoice(index=i, message=messages[i],
                                       logprobs=formatter.chat(lps[i]) if logprobs is not None else None,
-                                      finish_reason=reasons.get(i)) for i in sorted(texts)],
+                                      finish_reason=reasons.get(i), stop_reason=stop_reasons.get(i),
+                                      token_ids=out_ids[i] if ids_back else None) for i in sorted(texts)],
                 prompt_logprobs=formatter.prompt_logprobs(prompt_lps[0], returned.prompt_logprobs)
-                if returned.prompt_logprobs is not None else None)
+                if returned.prompt_logprobs is not None else None,
+                prompt_token_ids=choice_prompt[0] if ids_back else None)
         else:
             body = s.CompletionResponse(
                 id=rid, created=created, model=served, usage=accounting.usage(),
                 speculative_decoding=accounting.speculation().model(),
                 choices=[s.CompletionChoice(index=i, text=texts[i], finish_reason=reasons.get(i),
+                                            stop_reason=stop_reasons.get(i),
                                             logprobs=completion_logprobs(i, lps[i], len(choice_echo[i]), True)
                                             if logprobs is not None else None,
                                             prompt_logprobs=formatter.prompt_logprobs(prompt_lps[i],
                                                                                       returned.prompt_logprobs)
-                                            if returned.prompt_logprobs is not None else None)
+                                            if returned.prompt_logprobs is not None else None,
+                                            prompt_token_ids=choice_prompt[i] if ids_back else None,
+                                            token_ids=out_ids[i] if ids_back else None)
                          for i in sorted(texts)])
         return JSONResponse(body.model_dump())
 
@@ -420,18 +435,21 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
         # echo (completions): the prompt's text, and with logprobs its tokens' logprobs, lead the choice's first
         # chunk, which waits for the verifier's first message (it carries the prompt logprobs), as in vLLM
         unechoed = set(choice_echo) if returned.echo else set()
+        unsent_prompt_ids = set(choice_echo) if ids_back and kind != "chat" else set()
         calls = {i: StreamedChoice(tools) for i in choice_echo} if tools is not None else {}
         async with aclosing(events):
-            if kind == "chat":  # the first chunk of each choice carries the role
+            if kind == "chat":  # the first chunk of each choice carries the role (and the prompt's ids, asked)
                 for i in sorted(choice_echo):
                     yield sse(s.ChatCompletionChunk(id=rid, created=created, model=served, choices=[
                         s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""))],
-                        usage=accounting.usage_so_far() if req.continuous_usage else None))
+                        usage=accounting.usage_so_far() if req.continuous_usage else None,
+                        prompt_token_ids=choice_prompt[i] if ids_back else None))
             try:
                 async for event in all_events():
                     accounting.record(event)
                     prompt_lps[event.index] += event.prompt_logprobs
-                    if not event.text and not event.logprobs and event.finish_reason is None:
+                    if (not event.text and not event.logprobs and event.finish_reason is None
+                            and not (ids_back and event.token_ids)):
                         continue
                     last = accounting.all_finished and not req.include_usage
                     spec = accounting.speculation().model() if last else None
@@ -444,9 +462,11 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
                         chunk: BaseModel = s.ChatCompletionChunk(
                             id=rid, created=created, model=served, speculative_decoding=spec, choices=[
                                 s.ChatChunkChoice(index=event.index, finish_reason=reason,
+                                                  stop_reason=event.stop_reason,
                                                   delta=s.ChatDelta(content=content, tool_calls=tool_calls),
                                                   logprobs=formatter.chat(event.logprobs)
-                                                  if logprobs is not None else None)])
+                                                  if logprobs is not None else None,
+                                                  token_ids=event.token_ids if ids_back else None)])
                     else:
                         echoing = event.index in unechoed
                         unechoed.discard(event.index)
@@ -455,9 +475,14 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
                                 s.CompletionChoice(index=event.index,
                                                    text=(choice_echo[event.index] if echoing else "") + event.text,
                                                    finish_reason=event.finish_reason,
+                                                   stop_reason=event.stop_reason,
                                                    logprobs=completion_logprobs(event.index, event.logprobs,
                                                                                 offsets[event.index], echoing)
-                                                   if logprobs is not None else None)])
+                                                   if logprobs is not None else None,
+                                                   prompt_token_ids=choice_prompt[event.index]
+                                                   if event.index in unsent_prompt_ids else None,
+                                                   token_ids=event.token_ids if ids_back else None)])
+                        unsent_prompt_ids.discard(event.index)
                     offsets[event.index] += len(event.text)
                     if req.continuous_usage:
                         chunk.usage = accounting.usage_so_far()

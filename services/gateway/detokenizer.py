@@ -44,23 +44,32 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Finds stop strings in streamed text. `push` returns (text safe to emit, stopped); the stop string itself
-    and everything after it are never emitted."""
+    """Finds stop strings in streamed text. `push` returns (text safe to emit, stopped); everything after the
+    stop string is never emitted, nor the stop string itself unless `include_stop` (vLLM's
+    include_stop_str_in_output). `matched` is the stop string found."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self._stops = [s for s in stops if s]
+        self._include_stop = include_stop
         self._buffer = ""
         self.stopped = False
+        self.matched: str | None = None
 
-    def push(self, text: str) -> tuple[str, bool]:
+    def push(self, text: str, check: bool = True) -> tuple[str, bool]:
+        """check False: the text is passed on unsearched (vLLM's min_tokens: no stop string before then)."""
         if self.stopped:
             return "", True
         if not self._stops:
             return text, False
         self._buffer += text
-        hits = [i for i in (self._buffer.find(s) for s in self._stops) if i >= 0]
+        if not check:
+            out, self._buffer = self._buffer, ""
+            return out, False
+        hits = [(i, stop) for i, stop in ((self._buffer.find(stop), stop) for stop in self._stops) if i >= 0]
         if hits:
-            out, self._buffer, self.stopped = self._buffer[:min(hits)], "", True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            end = at + len(self.matched) if self._include_stop else at
+            out, self._buffer, self.stopped = self._buffer[:end], "", True
             return out, True
         hold = self._held_tail_length()
         cut = len(self._buffer) - hold

@@ -34,6 +34,21 @@ class ChoiceEvent:
     speculation: Any  # pb.SpeculationStats, cumulative
     prompt_logprobs: list[Any] = field(default_factory=list)  # pb.TokenLogprob per prompt token after the first
     cached_tokens: int = 0  # prompt tokens the verifier found in its prefix cache
+    token_ids: list[int] = field(default_factory=list)  # the tokens of this event
+    # vLLM's stop_reason, on the last event: the stop string or stop_token_ids token that ended the choice
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class TextRules:
+    """How a choice's tokens become its text: stop strings (looked for only once more than `min_tokens` tokens
+    are out, as vLLM does), whether the stop string or stop token that ended it stays in the text, and which
+    ids count as stop_token_ids for stop_reason (an end-of-sequence token's is None)."""
+
+    stops: Sequence[str] = ()
+    include_stop: bool = False
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -57,22 +72,26 @@ class ChoiceTimer:
 
 
 async def run_choice(client: VerifierClient, request: Any, index: int, decode: Callable[[list[int]], str],
-                     stops: Sequence[str], timer: ChoiceTimer) -> AsyncIterator[ChoiceEvent]:
+                     rules: TextRules, timer: ChoiceTimer) -> AsyncIterator[ChoiceEvent]:
     detok = IncrementalDetokenizer(decode, request.prompt_token_ids)
-    matcher = StopStringMatcher(stops)
+    matcher = StopStringMatcher(rules.stops, rules.include_stop)
     generated = 0
     async with aclosing(client.generate(request)) as stream:
         async for response in stream:
             timer.on_message(response.speculation.method)
-            generated += len(response.token_ids)
-            text, stopped = matcher.push(detok.push(response.token_ids))
+            ids = list(response.token_ids)
+            generated += len(ids)
+            stop_token = response.stop_token_id if response.HasField("stop_token_id") else None
+            text_ids = ids[:-1] if stop_token is not None and not rules.include_stop else ids
+            text, stopped = matcher.push(detok.push(text_ids), check=generated > rules.min_tokens)
             finish = "stop" if stopped else None
             if not stopped and response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                tail, stopped = matcher.push(detok.flush())
+                tail, stopped = matcher.push(detok.flush(), check=generated > rules.min_tokens)
                 text += tail if stopped else tail + matcher.flush()
                 finish = "stop" if stopped else _FINISH.get(response.finish_reason, "stop")
+            reason = matcher.matched if stopped else stop_token if stop_token in rules.stop_token_ids else None
             yield ChoiceEvent(index, text, list(response.logprobs), finish, generated, response.speculation,
-                              list(response.prompt_logprobs), response.usage.cached_tokens)
+                              list(response.prompt_logprobs), response.usage.cached_tokens, ids, reason)
             if finish is not None:
                 return  # leaving the `async with` cancels the call when a stop string ended it early
     raise ApiError(503, "the verifier ended a generation without finishing it", code="incomplete_stream")

@@ -69,10 +69,28 @@ def choice_seed(seed: int, choice: int) -> int:
     return (seed + choice) % _UINT64
 
 
+def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's bad_words as token sequences (its SamplingParams.update_from_tokenizer): each word as written,
+    without leading spaces, and also with one leading space where that tokenizes to a different first token and
+    as many tokens, so the word is banned both at the start of the text and inside it."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = list(tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
+        spaced = list(tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+        sequences.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return [ids for ids in sequences if ids]
+
+
 def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int], max_tokens: int,
                   choice: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                  structured_output: Any | None = None) -> Any:
-    """structured_output: a proto StructuredOutput that replaces the request's own (a forced tool call's)."""
+                  structured_output: Any | None = None, bad_words: list[list[int]] = ()) -> Any:
+    """structured_output: a proto StructuredOutput that replaces the request's own (a forced tool call's);
+    bad_words: the request's bad_words as token sequences (bad_words_ids)."""
+    if req.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
+                       param="min_tokens")
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature_of(req),
@@ -84,6 +102,9 @@ def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int]
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         stop_token_ids=req.stop_token_ids or [],
         ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        allowed_token_ids=req.allowed_token_ids or [],
+        bad_words=[pb.TokenSequence(token_ids=ids) for ids in bad_words],
     )
     if req.seed is not None:
         sampling.seed = choice_seed(req.seed, choice)

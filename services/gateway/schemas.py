@@ -27,6 +27,8 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_LOGPROBS = 20  # alternatives per position: vLLM's default max_logprobs, OpenAI's top_logprobs limit
+MAX_BAD_WORDS = 64  # each is up to two token sequences (as written, and as a word start): the verifier's bound is 128
+MAX_BAD_WORD_CHARS = 100
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -150,6 +152,27 @@ class SamplingFields(OutputConstraintFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: keep only the prompt's last k tokens (-1: the model's max_model_len), before anything else reads it
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's token rules, applied by the verifier at every verified position (drafts included), so lossless:
+    # no end-of-sequence or stop_token_ids token before min_tokens tokens (and no stop string matched before),
+    # only allowed_token_ids, never a bad word (tokenized as vLLM does, sampling.bad_words_ids)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS_LIMIT)
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS)
+    # vLLM's output options: the stop string or stop token's text kept at the end of the output; special tokens
+    # in the text; the ids of prompt and output in the response; logprob tokens written as "token_id:N"
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words_not_blank(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(not word.strip() for word in value):
+            raise ValueError("bad_words must not be blank")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -389,12 +412,21 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+def _absent_if_none(value: Any) -> bool:
+    return value is None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop_token_ids token that ended the choice (None: end of sequence, length, ...)
+    stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # extension, when asked (vLLM's field)
+    # vLLM's return_token_ids: the prompt's ids (non-streamed, or a stream's first chunk) and the output's
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent_if_none)
+    token_ids: list[int] | None = Field(None, exclude_if=_absent_if_none)
 
 
 class CompletionResponse(ResponseEnvelope):
@@ -427,12 +459,15 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's
+    token_ids: list[int] | None = Field(None, exclude_if=_absent_if_none)  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(ResponseEnvelope):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     prompt_logprobs: PromptLogprobs | None = None  # extension, when asked (vLLM's field: one prompt per chat)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent_if_none)  # vLLM's return_token_ids
 
 
 class ChatDelta(BaseModel):
@@ -446,11 +481,14 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_absent_if_none)
 
 
 class ChatCompletionChunk(ResponseEnvelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent_if_none)
 
 
 class CompletionChunk(ResponseEnvelope):

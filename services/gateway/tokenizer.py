@@ -60,10 +60,13 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def make_decode(tokenizer: Any):
-    """Decoding used for output text: special tokens (eos, stop ids) are not text."""
+def make_decode(tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+    """Decoding used for output text: by default special tokens (eos, stop ids) are not text (vLLM's
+    skip_special_tokens). spaces_between_special_tokens is the tokenizer's own option: a slow (Python) tokenizer
+    applies it, a fast one joins special tokens as its decoder does whatever it says, as in vLLM."""
     def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                spaces_between_special_tokens=spaces_between_special_tokens)
     return decode
 
 

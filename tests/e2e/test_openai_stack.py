@@ -259,6 +259,29 @@ def test_structured_output_parses_and_validates_with_speculation_on_and_off(clie
     print(f"draft tokens verified under the schema: {drafted}")
 
 
+def test_vllm_token_rules_keep_greedy_output_the_same_with_speculation(stack, client):
+    """bad_words, min_tokens and allowed_token_ids mask every verified position (drafts included): greedy output
+    is the same with n-gram speculation on and off, the banned sequences never appear in the output's ids, and
+    the ids come back (return_token_ids). The edit copies `result` and `items` from the prompt, so the n-gram
+    drafter keeps proposing what the rules forbid."""
+    rules = {"bad_words": ["result", "items"], "min_tokens": 30, "return_token_ids": True}
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": EDIT}], "max_tokens": 60, "temperature": 0}
+    spec, plain, digits = at_once(
+        lambda: client.chat.completions.create(**kwargs, extra_body=rules),
+        lambda: client.chat.completions.create(**kwargs, extra_body={**rules, **NO_SPEC}),
+        lambda: client.completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=12, temperature=0,
+                                          extra_body={"allowed_token_ids": list(range(32, 42))}))  # "0".."9"
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert spec.model_extra["speculative_decoding"]["num_draft_tokens"] > 0
+    ids = spec.choices[0].model_extra["token_ids"]
+    assert len(ids) >= 30 and ids == plain.choices[0].model_extra["token_ids"]
+    for word in ("result", " result", "items", " items"):
+        banned = httpx.post(f"{stack.base_url}/tokenize", json={"model": MODEL, "prompt": word,
+                                                                 "add_special_tokens": False}).json()["tokens"]
+        assert not any(ids[i : i + len(banned)] == banned for i in range(len(ids))), word
+    assert digits.choices[0].text.isdigit(), digits.choices[0].text
+
+
 def test_what_the_verifier_refuses_is_a_400(client):
     """A grammar that does not compile, token ids outside the model's vocabulary (49152 ids)."""
     with pytest.raises(openai.BadRequestError, match="invalid"):

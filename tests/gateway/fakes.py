@@ -53,7 +53,8 @@ def ids_of(text: str) -> list[int]:
 @dataclass
 class ScriptedVerifier(pb_grpc.VerifierServicer):
     """Answers every Generate with the UTF-8 bytes of `reply` (then EOS), `tokens_per_step` per message, and
-    plausible speculation stats; records requests and which calls were cancelled by the client.
+    plausible speculation stats; records requests and which calls were cancelled by the client. Like the engine,
+    it ends on the first stop_token_ids (or EOS) token from min_tokens on, and names it in stop_token_id.
 
     Failure scripts: the next `unavailable_calls` Generate calls fail with UNAVAILABLE before any message (a
     connection lost before the answer); `unavailable_after_first` fails every call after its first message;
@@ -104,8 +105,13 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
             script = script * (1 + sp.max_tokens // max(1, len(script)))
         else:
             script = script + [EOS]
+        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {EOS})
+        ending = next((i for i, t in enumerate(script) if t in stops and i >= sp.min_tokens), None)
+        if ending is not None:
+            script = script[: ending + 1]
         out = script[:sp.max_tokens]
-        finish = pb.FINISH_REASON_LENGTH if len(out) < len(script) or sp.ignore_eos else pb.FINISH_REASON_STOP
+        finish = pb.FINISH_REASON_STOP if ending is not None and len(out) == ending + 1 else pb.FINISH_REASON_LENGTH
+        stop_token = out[-1] if finish == pb.FINISH_REASON_STOP else None
         speculate = request.speculation.method != "none"
         stats = pb.SpeculationStats(method=(request.speculation.method or "ngram") if speculate else "")
         if self.first_delay_s:
@@ -140,7 +146,8 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
                 token_ids=chunk, logprobs=logprobs,
                 finish_reason=finish if last else pb.FINISH_REASON_UNSPECIFIED,
                 usage=pb.Usage(prompt_tokens=prompt_len, completion_tokens=min(len(out), start + len(chunk))),
-                speculation=stats, prompt_logprobs=prompt_logprobs if start == 0 else [])
+                speculation=stats, prompt_logprobs=prompt_logprobs if start == 0 else [],
+                stop_token_id=stop_token if last else None)
         done.set()
         self.completed.append(request.request_id)
 
