@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -234,7 +235,7 @@ def test_structured_output_parses_and_validates_with_speculation_on_and_off(clie
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
             extra_body=extra)
 
-    sampled, obj, choice, *replies = at_once(  # grammar rows of several requests share every step
+    sampled, obj, choice, regex, *replies = at_once(  # grammar rows of several requests share every step
         lambda: client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": JSON_PROMPTS[0]}], max_tokens=200, temperature=0.8,
             seed=3, extra_body={"guided_json": PERSON}),
@@ -244,6 +245,9 @@ def test_structured_output_parses_and_validates_with_speculation_on_and_off(clie
             max_tokens=40, temperature=0, response_format={"type": "json_object"}),
         lambda: client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
                                           extra_body={"guided_choice": ["yes", "no"]}),
+        lambda: client.completions.create(model=MODEL, prompt="The year it happened:", max_tokens=8, temperature=0,
+                                          extra_body={"structured_outputs": {"regex": "1[89][0-9]{2}"},
+                                                      "guided_decoding_backend": "guidance"}),  # vLLM's fields
         *(person(prompt, extra) for prompt in JSON_PROMPTS for extra in ({}, NO_SPEC)))
     drafted = 0
     for speculative, plain in zip(replies[::2], replies[1::2], strict=True):
@@ -256,6 +260,7 @@ def test_structured_output_parses_and_validates_with_speculation_on_and_off(clie
         jsonschema.validate(json.loads(sampled.choices[0].message.content), PERSON)
     assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
     assert choice.choices[0].text in ("yes", "no")
+    assert re.fullmatch("1[89][0-9]{2}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
     print(f"draft tokens verified under the schema: {drafted}")
 
 

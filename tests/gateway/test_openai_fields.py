@@ -31,6 +31,12 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
     ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
     ({"guided_grammar": 'start: "a"+'}, "grammar", 'start: "a"+'),
+    ({"structured_outputs": {"json": SCHEMA}}, "json_schema", SCHEMA),  # vLLM's current field
+    ({"structured_outputs": {"json": json.dumps(SCHEMA), "disable_fallback": True}}, "json_schema", SCHEMA),
+    ({"structured_outputs": {"regex": "[a-z]+"}, "guided_decoding_backend": "guidance"}, "regex", "[a-z]+"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+    ({"structured_outputs": {"grammar": 'start: "a"+'}}, "grammar", 'start: "a"+'),
+    ({"structured_outputs": {"json_object": True}, "guided_decoding_backend": "auto"}, "json_object", True),
 ])
 async def test_output_constraints_reach_the_verifier(client, verifier, fields, kind, value):
     for endpoint, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "hi"})):
@@ -81,6 +87,15 @@ async def test_logit_bias_reaches_the_verifier(client, verifier):
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex, guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format, guided_regex"),
     ({"guided_json": "{not json"}, "guided_json"),
+    ({"structured_outputs": {}}, "exactly one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "regex, choice"),
+    ({"structured_outputs": {"json_object": False}}, "exactly one"),
+    ({"structured_outputs": {"json": "{oops"}}, "not valid JSON"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, "disable_any_whitespace"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structural_tag"),
+    ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "backend"),
+    ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "structured_outputs, guided_regex"),
+    ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "llguidance"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "tool_call_id"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
