@@ -267,8 +267,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         forced = None
         if req.forces_a_call:
             if req.structured_output() is not None:
-                raise ApiError(400, "tool_choice forcing a call cannot be combined with response_format or "
-                                    "guided_* (the call's grammar is the output's)", param="tool_choice")
+                raise ApiError(400, "tool_choice forcing a call cannot be combined with response_format, "
+                                    "structured_outputs or guided_* (the call's grammar is the output's)",
+                               param="tool_choice")
             several = req.tool_choice == "required" and req.parallel_tool_calls is not False
             forced = pb.StructuredOutput(grammar=forced_call_grammar(tools, call_format, several=several))
         return ToolOutput(call_format, forced)
@@ -302,7 +303,9 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
     info = await state.model_info()
     tokenizer = state.tokenizer
     start = time.perf_counter()
-    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    internal = f"{prefix}-{uuid.uuid4().hex}"  # the verifier's ids: unique whatever the client sends
+    rid = f"{prefix}-{req.request_id}" if req.request_id is not None else internal  # vLLM's request_id
     created = int(time.time())
     decode = make_decode(tokenizer, req.skip_special_tokens, req.spaces_between_special_tokens)
     rules = TextRules(req.stop_strings, req.include_stop_str_in_output, req.min_tokens,
@@ -314,7 +317,7 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
         for i in range(req.n):
             index = p * req.n + i
             choice_echo[index], choice_prompt[index] = echo[p], ids
-            grpc_req = build_request(req, request_id=f"{rid}-{index}", prompt_ids=ids, max_tokens=param_max,
+            grpc_req = build_request(req, request_id=f"{internal}-{index}", prompt_ids=ids, max_tokens=param_max,
                                      choice=index, logprobs=logprobs, prompt_logprobs=returned.wire,
                                      structured_output=tools.forced if tools is not None else None,
                                      bad_words=bad_words)
@@ -344,10 +347,8 @@ async def _generate(state: GatewayState, kind: str, req: s.SamplingFields, serve
             return
         recorded = True
         spec = accounting.speculation()
-        state.metrics.e2e_latency.labels(served, spec.method or NO_METHOD).observe(time.perf_counter() - start)
-        state.metrics.prompt_tokens.labels(served).inc(accounting.prompt_tokens)
-        usage = accounting.usage()
-        state.metrics.generation_tokens.labels(served).inc(usage.completion_tokens)
+        state.metrics.observe_request(served, spec.method or NO_METHOD, time.perf_counter() - start,
+                                      accounting.prompt_tokens, accounting.usage().completion_tokens)
         reasons = [e.finish_reason for e in accounting.finished.values()]
         state.metrics.observe_finished(served, reasons + ["abort"] * (accounting.num_choices - len(reasons)))
         state.metrics.observe_speculation(served, spec.method, spec.num_drafts, spec.num_draft_tokens,

@@ -65,9 +65,9 @@ class ChoiceTimer:
         now = time.perf_counter()
         method = method or NO_METHOD
         if self.last is None:
-            self.metrics.time_to_first_token.labels(self.model_name, method).observe(now - self.start)
+            self.metrics.observe_first_token(self.model_name, method, now - self.start)
         else:
-            self.metrics.inter_token_latency.labels(self.model_name, method).observe(now - self.last)
+            self.metrics.observe_token_gap(self.model_name, method, now - self.last)
         self.last = now
 
 

@@ -7,6 +7,11 @@ the speculation method that served the request ("none" when off) so methods can 
 `specserve_gateway_spec_decode_*_total` counters sum the speculation stats of the requests the gateway
 answered; the verifier's `specserve_spec_decode_*_total` count every verified step (aborted requests included)
 and are what dashboards read. The names differ so that one query over every job never counts a draft twice.
+
+vLLM's own names (`vllm:time_to_first_token_seconds`, ...; label `model_name`) are exposed beside them for the
+request-level series the gateway measures, so a vLLM dashboard, alert or autoscaler works unchanged; the engine
+series (running, waiting, KV cache, prefix cache, spec decode) come from the verifier. docs/architecture.md
+lists the mapping.
 """
 
 from __future__ import annotations
@@ -52,9 +57,41 @@ class GatewayMetrics:
                                                 "Draft tokens accepted, over answered requests", by_method,
                                                 registry=r)
 
+        # vLLM's names for the same quantities (no method label: vLLM has one drafter per server)
+        model = ["model_name"]
+        self.vllm_request_success = Counter("vllm:request_success", "Finished requests, by finish reason",
+                                            ["model_name", "finished_reason"], registry=r)
+        self.vllm_time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                                                  model, buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_inter_token_latency = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency",
+                                                  model, buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", model,
+                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", model, registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", model, registry=r)
+
+    def observe_first_token(self, model_name: str, method: str, seconds: float) -> None:
+        self.time_to_first_token.labels(model_name, method).observe(seconds)
+        self.vllm_time_to_first_token.labels(model_name).observe(seconds)
+
+    def observe_token_gap(self, model_name: str, method: str, seconds: float) -> None:
+        self.inter_token_latency.labels(model_name, method).observe(seconds)
+        self.vllm_inter_token_latency.labels(model_name).observe(seconds)
+
+    def observe_request(self, model_name: str, method: str, seconds: float, prompt_tokens: int,
+                        generation_tokens: int) -> None:
+        """One answered request, however it ended."""
+        self.e2e_latency.labels(model_name, method).observe(seconds)
+        self.vllm_e2e_latency.labels(model_name).observe(seconds)
+        self.prompt_tokens.labels(model_name).inc(prompt_tokens)
+        self.vllm_prompt_tokens.labels(model_name).inc(prompt_tokens)
+        self.generation_tokens.labels(model_name).inc(generation_tokens)
+        self.vllm_generation_tokens.labels(model_name).inc(generation_tokens)
+
     def observe_finished(self, model_name: str, finish_reasons: Iterable[str]) -> None:
         for reason in finish_reasons:
             self.request_success.labels(model_name, reason).inc()
+            self.vllm_request_success.labels(model_name, reason).inc()
 
     def observe_speculation(self, model_name: str, method: str, drafts: int, draft_tokens: int,
                             accepted: int) -> None:

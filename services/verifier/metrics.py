@@ -21,7 +21,11 @@ from services.verifier.engine import Engine
 from services.verifier.spec_stats import SpecDecodeStats
 
 PREFIX = "specserve"
+VLLM_PREFIX = "vllm:"  # vLLM's names for the engine series, so its dashboards and autoscalers read these
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+_VLLM_GAUGES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"})
 
 
 class EngineCollector(Collector):
@@ -76,6 +80,26 @@ class EngineCollector(Collector):
         yield tokens
         yield from self._breaker_metrics(by_method)
         yield from self._slot_gauges()
+        yield from self._vllm_spec_decode(by_method)
+
+    def _vllm_spec_decode(self, by_method: dict[str, SpecDecodeStats]) -> Iterable[Metric]:
+        """vLLM's spec-decode counters: one series per model, summed over the drafters (vLLM has one)."""
+        for name, attribute in (("num_drafts", "num_drafts"), ("num_draft_tokens", "num_draft_tokens"),
+                                ("num_accepted_tokens", "num_accepted_tokens")):
+            family = CounterMetricFamily(f"{VLLM_PREFIX}spec_decode_{name}", f"{name} (specserve_spec_decode_{name}"
+                                         " summed over drafters)", labels=["model_name"])
+            family.add_metric([self.model_name], sum(getattr(stats, attribute) for stats in by_method.values()))
+            yield family
+        per_pos = CounterMetricFamily(f"{VLLM_PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens at each position, summed over drafters",
+                                      labels=["model_name", "position"])
+        totals: dict[int, int] = {}
+        for stats in by_method.values():
+            for position, value in enumerate(list(stats.accepted_per_position)):
+                totals[position] = totals.get(position, 0) + value
+        for position, value in sorted(totals.items()):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
 
     def _breaker_metrics(self, methods: Iterable[str]) -> Iterable[Metric]:
         """Each drafter's circuit breaker (draft_breaker.py): open now, and how often it opened."""
@@ -112,9 +136,10 @@ class EngineCollector(Collector):
             ("kv_cache_usage_perc", usage.fraction_used,
              "Fraction of the KV cache held by running requests, 0 to 1 (vLLM's name)."),
         ):
-            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
-            gauge.add_metric([self.model_name], value)
-            yield gauge
+            for prefix in (f"{PREFIX}_", VLLM_PREFIX) if name in _VLLM_GAUGES else (f"{PREFIX}_",):
+                gauge = GaugeMetricFamily(f"{prefix}{name}", doc, labels=["model_name"])
+                gauge.add_metric([self.model_name], value)
+                yield gauge
         for name, value, doc in (
             ("prefix_cache_queries", usage.prefix_cache.queries,
              "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)."),
@@ -123,9 +148,10 @@ class EngineCollector(Collector):
             ("num_preemptions", self.engine.num_preemptions,
              "Requests whose KV blocks were taken back for others; they recompute when resumed (vLLM's name)."),
         ):
-            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
-            counter.add_metric([self.model_name], value)
-            yield counter
+            for prefix in (f"{PREFIX}_", VLLM_PREFIX):
+                counter = CounterMetricFamily(f"{prefix}{name}", doc, labels=["model_name"])
+                counter.add_metric([self.model_name], value)
+                yield counter
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,18 @@ async def test_latency_finish_reasons_status_and_speculation(make_app, verifier)
     assert spec["num_draft_tokens"] + last["num_draft_tokens"] > 0
     assert value(metrics, "specserve_gateway_spec_decode_num_drafts_total", model_name=MODEL, method="none") == 0
 
+    # vLLM's names for the same quantities, summed over methods, so vLLM dashboards read them unchanged
+    for vllm_name, ours in (("vllm:time_to_first_token_seconds_count", ttft),
+                            ("vllm:inter_token_latency_seconds_count", itl),
+                            ("vllm:e2e_request_latency_seconds_count", e2e)):
+        assert value(metrics, vllm_name, model_name=MODEL) == sum(
+            value(metrics, ours, model_name=MODEL, method=m) for m in ("none", "ngram")) > 0, vllm_name
+    for reason in ("stop", "length"):
+        assert value(metrics, "vllm:request_success_total", model_name=MODEL, finished_reason=reason) == 2
+    for name in ("prompt_tokens_total", "generation_tokens_total"):
+        assert value(metrics, f"vllm:{name}", model_name=MODEL) == value(
+            metrics, f"specserve_gateway_{name}", model_name=MODEL) > 0
+
 
 async def send_requests(client: httpx.AsyncClient) -> list[httpx.Response]:
     """No speculation (ends at EOS: stop), n = 2 cut by max_tokens (length), a chat stream (stop), an unknown

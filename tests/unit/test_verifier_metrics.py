@@ -90,6 +90,10 @@ async def test_kv_block_use_and_prefix_cache_counters_follow_the_requests(model)
     await engine.step()
     assert sample(registry, "specserve_prefix_cache_hits_total") == (len(PROMPT) - 1) // block_size * block_size
     assert sample(registry, "specserve_num_preemptions_total") == 0
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total"):  # vLLM's names, the same values
+        assert sample(registry, f"vllm:{name}") == sample(registry, f"specserve_{name}"), name
+    assert sample(registry, "vllm:num_requests_running") == 1
 
 
 async def test_tokens_positions_and_late_proposals_per_method(model):
@@ -131,3 +135,9 @@ async def test_tokens_positions_and_late_proposals_per_method(model):
         assert sample(registry, "specserve_spec_decode_num_accepted_tokens_per_pos_total", **labels) == accepted
     assert sample(registry, "specserve_spec_decode_num_drafts_per_pos_total", method="ngram",
                   position="0") == stats.num_drafts
+    # vLLM's names: one series per model, summed over the drafters (only ngram accepted anything here)
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sample(registry, f"vllm:spec_decode_{name}_total") == sum(
+            getattr(s, name) for s in engine.stats_by_method.values()), name
+    for position, accepted in enumerate(stats.accepted_per_position):
+        assert sample(registry, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(position)) == accepted
