@@ -66,7 +66,27 @@ UNSUPPORTED_FIELDS = {
     "chat_template": "a chat template per request is not accepted: it would run the client's Jinja on the server "
                      "(vLLM too refuses it unless started with --trust-request-chat-template); the model's own "
                      "template is used, and chat_template_kwargs reach it",
+    # vLLM's extensions this server does not implement (docs/openai_parameters.md, the compatibility table)
+    "use_beam_search": "beam search is not supported (vLLM serves it on its own API too); use n",
+    "length_penalty": "length_penalty applies to beam search, which is not supported",
+    "include_reasoning": "this server has no reasoning parser: reasoning stays in the content and cannot be left out",
+    "documents": "documents are not passed to chat templates by this server",
+    "mm_processor_kwargs": "this server serves text-only models",
+    "prompt_embeds": "prompt embeddings are not accepted; send text or token ids",
+    "structural_tag": "structural tags are not supported; use tools, response_format or structured_outputs",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (llguidance's default JSON whitespace)",
+    "priority": "priority scheduling is not enabled: requests are served first come, first served (vLLM refuses "
+                "a priority without --scheduling-policy priority too)",
+    "logits_processors": "custom logits processors are not accepted: they would run the client's code in the "
+                         "verifier; use logit_bias, allowed_token_ids, bad_words or structured output",
+    "cache_salt": "cache_salt is not supported: the prefix cache is shared by every request of this server",
+    "kv_transfer_params": "disaggregated prefill (KV transfer) is not supported",
+    "vllm_xargs": "vllm_xargs (arguments for custom vLLM plugins) are not supported",
+    "echo": "echo on chat (vLLM's: the last message prepended to the reply) is not supported",
 }
+# The value at which each of those asks for nothing (vLLM's defaults): accepted, as vLLM clients send them.
+_OFF_VALUES = {"best_of": 1, "echo": False, "use_beam_search": False, "length_penalty": 1.0, "include_reasoning": True,
+               "priority": 0, "cache_salt": ""}
 # Names the chat template is rendered with by this server: chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
                                       "tokenize", "chat_template", "documents", "return_dict", "conversation"})
@@ -92,8 +112,11 @@ def refuse_unsupported(data: Any, known: set[str]) -> Any:
 
 
 def _asks_nothing(name: str, value: Any) -> bool:
-    """An unsupported field at the value that means "off": no tools, tool_choice "none", best_of 1."""
-    return value in ([], {}) or (name == "tool_choice" and value == "none") or (name == "best_of" and value == 1)
+    """An unsupported field at the value that means "off": no tools, tool_choice "none", best_of 1, ..."""
+    if name in _OFF_VALUES:
+        off = _OFF_VALUES[name]
+        return value == off and isinstance(value, bool) == isinstance(off, bool)  # True is not best_of 1
+    return value in ([], {}) or (name == "tool_choice" and value == "none")
 
 
 class SamplingFields(OutputConstraintFields):
@@ -166,6 +189,8 @@ class SamplingFields(OutputConstraintFields):
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's: names the response (its `id` is cmpl-/chatcmpl- and this), e.g. to find it in logs
+    request_id: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("bad_words")
     @classmethod

@@ -128,3 +128,39 @@ async def test_return_tokens_as_token_ids(client):
     assert [c["token"] for c in content] == ["token_id:72", "token_id:101"]
     assert content[0]["top_logprobs"][0]["token"] == "token_id:72"
     assert EOS == 256  # the fake's EOS id, which the stop-token tests above rely on
+
+
+async def test_request_id_names_the_response(client, verifier):
+    body = await complete(client, max_tokens=2, request_id="trace-42")
+    assert body["id"] == "cmpl-trace-42"
+    again = await complete(client, max_tokens=2, request_id="trace-42")  # the same id twice is not a conflict
+    assert again["id"] == "cmpl-trace-42"
+    assert verifier.requests[-1].request_id != verifier.requests[-2].request_id
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                        "request_id": "abc"})
+    assert r.json()["id"] == "chatcmpl-abc"
+
+
+@pytest.mark.parametrize(("field", "off", "on"), [
+    ("use_beam_search", False, True),
+    ("length_penalty", 1.0, 0.5),
+    ("include_reasoning", True, False),
+    ("priority", 0, 5),
+    ("cache_salt", "", "tenant-a"),
+    ("logits_processors", [], ["my.module:Processor"]),
+    ("mm_processor_kwargs", {}, {"fps": 2}),
+    ("guided_whitespace_pattern", None, "[ ]?"),
+    ("kv_transfer_params", {}, {"do_remote_prefill": True}),
+])
+async def test_vllm_fields_without_an_effect_here_are_accepted_off_and_refused_on(client, field, off, on):
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, field: off})
+    assert r.status_code == 200, r.text
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, field: on})
+    assert r.status_code == 400 and f"{field}: " in r.json()["error"]["message"], r.text
+
+
+async def test_chat_echo_false_is_accepted_and_true_refused(client):
+    for echo, status in ((False, 200), (True, 400)):
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                            "echo": echo})
+        assert r.status_code == status, r.text
