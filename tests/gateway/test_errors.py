@@ -154,7 +154,7 @@ async def test_a_bug_is_an_openai_500_logged_once_and_counted(client, monkeypatc
     def broken(*_):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("services.gateway.app.encode_prompt", broken)
+    monkeypatch.setattr("services.gateway.completion_routes.encode_prompt", broken)
     with caplog.at_level(logging.ERROR):
         r = await client.post(COMP, json={"model": MODEL, "prompt": "hi"})
     assert_openai_error(r, 500)
