@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch", help="download a registered model into the cache (sha256-verified)")
     fetch.add_argument("name")
     generate = sub.add_parser("generate", help="generate one completion in-process (engine + local drafter)")
-    add_engine_flags(generate, default=None, compute_thread=False)  # unset: LocalEngineOptions' defaults
+    add_engine_flags(generate, default=None, compute_thread=False, serving=False)  # unset: LocalEngineOptions' defaults
     generate.add_argument("--speculative-config", default=None,
                           help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (default: none)')
     generate.add_argument("--prompt", default="Write a Python function that returns the n-th Fibonacci number.")

@@ -70,9 +70,23 @@ class Choices:
     tools: ToolOutput | None = None
 
 
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's, and a verifier's that does not say its own
+
+
+def check_logprobs(req: s.SamplingFields, plan: Choices, limit: int) -> None:
+    """At admission, the verifier's --max-logprobs: a 400 naming the field that asks more."""
+    asked = [("top_logprobs" if isinstance(req, s.ChatCompletionRequest) else "logprobs", plan.logprobs),
+             ("prompt_logprobs", req.prompt_logprobs)]
+    for name, value in asked:
+        if value is not None and value > limit:
+            raise ApiError(400, f"{name} must be at most {limit} (the server's --max-logprobs), got {value}",
+                           param=name)
+
+
 async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str, plan: Choices) -> Response:
     """kind: "completion" or "chat"."""
     info = await state.model_info()
+    check_logprobs(req, plan, info.max_logprobs if info.HasField("max_logprobs") else DEFAULT_MAX_LOGPROBS)
     tokenizer = state.tokenizer
     start = time.perf_counter()
     prefix = ChatResponses.id_prefix if kind == "chat" else CompletionResponses.id_prefix

@@ -26,7 +26,9 @@ MAX_CHOICES = 64
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
-MAX_LOGPROBS = 20  # alternatives per position: vLLM's default max_logprobs, OpenAI's top_logprobs limit
+# Alternatives per position: the verifier's --max-logprobs bounds them (20 by default, vLLM's), and refuses more
+# with a 400 that names the flag; this bound only keeps a request from asking beyond any vocabulary.
+MAX_LOGPROBS = 2**20
 MAX_BAD_WORDS = 64  # each is up to two token sequences (as written, and as a word start): the verifier's bound is 128
 MAX_BAD_WORD_CHARS = 100
 

@@ -240,6 +240,11 @@ class Engine:
         self._wakeup.set()
         return True
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most alternatives per position a request may ask (EngineConfig.max_logprobs; -1: the vocabulary)."""
+        return self.runner.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
+
     def _validate(self, request: GenerationRequest) -> None:
         if request.request_id in self._states:
             raise RequestIdInUseError(f"request id {request.request_id!r} is already in use")
@@ -259,6 +264,11 @@ class Engine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if any(not 0 <= token < vocab for token in request.sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(request.sampling, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(f"{name} must be at most {self.max_logprobs} (this server's --max-logprobs), "
+                                 f"got {asked}")
         if any(not 0 <= token < vocab for token in request.sampling.allowed_token_ids):
             raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
         if any(not 0 <= token < vocab for word in request.sampling.bad_words for token in word):

@@ -30,11 +30,16 @@ class EngineConfig:
     # extract_hidden_states: write every finished request's token ids and target hidden states here
     # (hidden_state_files.py); None: off.
     extract_hidden_states_dir: Path | None = None
+    # vLLM's --max-logprobs: the most alternatives a request may ask per position (logprobs, prompt_logprobs);
+    # -1: the whole vocabulary
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
+        if self.max_logprobs < -1:
+            raise ValueError("max_logprobs must be -1 (the vocabulary) or >= 0")
         if self.draft_timeout_s <= 0:
             raise ValueError("draft_timeout_s must be > 0")

@@ -10,7 +10,6 @@ from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS, SEED_MAX, SEE
 # Every emitted token is checked against the stop ids on the engine's loop, which all requests share: a bound
 # keeps one request's list from slowing everyone's steps.
 MAX_STOP_TOKEN_IDS = 1024
-MAX_TOP_LOGPROBS = 20  # alternatives per position, for logprobs and prompt_logprobs alike (vLLM's default cap)
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar is compiled at admission: bound the work one request asks for
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -98,12 +97,11 @@ class SamplingParams:
             yield f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"
         elif not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             yield "stop_token_ids must be non-negative integers"
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
-            yield f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"
-        if self.prompt_logprobs is not None and not (
-            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
-        ):
-            yield f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
+        # the upper bound is the server's (--max-logprobs): the engine checks it
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs):
+            yield f"logprobs must be an integer >= 0, got {self.logprobs!r}"
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs):
+            yield f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}"
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             yield f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}"
         elif not all(isinstance(t, int) and t >= 0 and math.isfinite(b) and -100.0 <= b <= 100.0

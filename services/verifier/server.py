@@ -167,6 +167,7 @@ async def start_verifier(
             adaptive_speculation=settings.adaptive_speculation,
             extract_hidden_states_dir=extract_dir(settings),
             step_cost_cache=step_cost_cache,
+            max_logprobs=settings.max_logprobs,
         ),
         {d.name: d for d in drafters},
         eos_token_ids,
@@ -176,7 +177,7 @@ async def start_verifier(
     metrics.attach(EngineCollector(engine, model_id, lambda: [d.name for d in drafters]))
     facts = ModelFacts(
         model_id, max_model_len, runner.vocab_size, tuple(engine.eos_token_ids), runner.max_num_seqs,
-        tokenizer_fingerprint,
+        tokenizer_fingerprint, engine.max_logprobs,
     )
     servicer = VerifierServicer(
         engine, facts, default,

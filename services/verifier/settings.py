@@ -51,6 +51,7 @@ class VerifierSettings(TlsServerSettings):
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM's APC)
     max_num_batched_tokens: int = Field(512, ge=1)
     max_waiting_requests: int = Field(256, ge=0)
+    max_logprobs: int = Field(20, ge=-1)  # vLLM's: most alternatives per position a request may ask; -1: vocabulary
     compute_thread: Literal["auto", "main", "worker"] = "auto"  # thread for the forwards; auto: measured
     adaptive_speculation: bool = True  # verify only draft positions worth their cost (speculation_planner.py)
     draft_timeout_s: float = Field(0.5, gt=0)  # per step; a late drafter costs K = 0 for that step
@@ -107,10 +108,12 @@ class VerifierSettings(TlsServerSettings):
         return dict(parse_drafter(spec) for spec in self.drafters)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS, compute_thread: bool = True) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS, compute_thread: bool = True,
+                     serving: bool = True) -> None:
     """The model and engine flags, declared once for `specserve verifier`, `specserve serve` (which passes on the
     ones given) and `specserve generate`. `default`: SUPPRESS leaves unset flags to the settings (environment or
-    the defaults above), None marks them unset for a caller that fills them in; the help shows the real default."""
+    the defaults above), None marks them unset for a caller that fills them in; the help shows the real default.
+    serving: the limits a server puts on requests (--max-logprobs), which a local `generate` has no use for."""
     fields = VerifierSettings.model_fields
 
     def shown(name: str) -> str:
@@ -138,6 +141,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
                         help="reuse the KV cache of a prompt's cached prefix (default on)")
     parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=default,
                         help=f"prompt tokens prefilled per step (default {shown('max_num_batched_tokens')})")
+    if serving:
+        parser.add_argument("--max-logprobs", dest="max_logprobs", type=int, default=default,
+                            help="most logprobs / prompt_logprobs alternatives a request may ask per position; -1: "
+                            f"the whole vocabulary (default {shown('max_logprobs')})")
     parser.add_argument("--adaptive-speculation", dest="adaptive_speculation", action=argparse.BooleanOptionalAction,
                         default=default, help="verify only the draft positions expected to pay for their cost, per "
                         "step (default on); --no-adaptive-speculation verifies every row's full K")

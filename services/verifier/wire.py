@@ -144,6 +144,7 @@ class ModelFacts:
     eos_token_ids: Sequence[int]
     max_num_seqs: int
     tokenizer_fingerprint: str = ""  # services.modeling.tokenizer_fingerprint; "" when unknown
+    max_logprobs: int = 20  # alternatives per position a request may ask (the engine's limit)
 
 
 @dataclass(frozen=True)
@@ -187,4 +188,5 @@ def info_to_proto(
         default_speculative_method=default.method or "",
         default_num_speculative_tokens=default.num_tokens if default.method else 0,
         tokenizer_fingerprint=facts.tokenizer_fingerprint,
+        max_logprobs=facts.max_logprobs,
     )

@@ -69,6 +69,7 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
     unavailable_calls: int = 0
     unavailable_after_first: bool = False
     logprob: float = -0.5
+    max_logprobs: int = 20
     drafters: list = field(default_factory=list)
     tokenizer_fingerprint: str = ""
     model_id: str = "tiny-test"
@@ -83,7 +84,7 @@ class ScriptedVerifier(pb_grpc.VerifierServicer):
         return pb.InfoResponse(model_id=self.model_id, max_model_len=self.max_model_len, vocab_size=257,
                                eos_token_ids=[EOS], drafters=self.drafters, max_num_seqs=4,
                                default_speculative_method="ngram", default_num_speculative_tokens=3,
-                               tokenizer_fingerprint=self.tokenizer_fingerprint)
+                               tokenizer_fingerprint=self.tokenizer_fingerprint, max_logprobs=self.max_logprobs)
 
     def Generate(self, request, context):
         self.requests.append(request)

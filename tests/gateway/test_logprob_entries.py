@@ -4,6 +4,8 @@ text holds every token the logprobs list, special ones included, so that text_of
 
 from __future__ import annotations
 
+import httpx
+
 from types import SimpleNamespace
 
 from services.gateway.responses import LogprobFormatter
@@ -35,6 +37,24 @@ async def test_up_to_20_logprobs_as_vllm_allows(client):
     assert r.status_code == 200
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+async def test_the_limit_is_the_verifiers_max_logprobs(make_app, verifier):
+    """The verifier says its --max-logprobs in Info; the gateway holds every request to it at admission."""
+    verifier.max_logprobs = 40
+    app = make_app()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+        ok = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 40,
+                                                        "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        for body, param in (({"prompt": "Hi", "logprobs": 41}, "logprobs"),
+                            ({"prompt": "Hi", "prompt_logprobs": 41}, "prompt_logprobs")):
+            r = await client.post("/v1/completions", json={"model": MODEL, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param and "40" in r.text, r.text
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "logprobs": True, "top_logprobs": 41,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    await app.state.gateway.client.close()
 
 
 async def test_an_echoed_token_id_prompt_keeps_its_special_tokens(client):

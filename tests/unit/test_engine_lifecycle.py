@@ -117,12 +117,28 @@ def test_invalid_sampling_params_are_refused():
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"top_k": -2}, "top_k"),
-        ({"logprobs": 50}, "logprobs"),
-        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
+
+
+async def test_max_logprobs_is_the_servers_limit(model):
+    """vLLM's --max-logprobs: 20 by default, more when the server allows it, -1 for the whole vocabulary."""
+    with pytest.raises(ValueError, match="at most 20"):
+        engine_for(model).add_request(GenerationRequest("x", PROMPT, SamplingParams(max_tokens=1, logprobs=21)))
+    with pytest.raises(ValueError, match="prompt_logprobs must be at most 20"):
+        engine_for(model).add_request(GenerationRequest("y", PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=21)))
+    vocab = model.config.vocab_size
+    for limit, asked in ((25, 25), (-1, vocab)):
+        engine = Engine(LlamaFamilyRunner(model, max_num_seqs=2, max_model_len=64),
+                        EngineConfig(log_stats_interval_s=0, max_logprobs=limit), {})
+        assert engine.max_logprobs == (vocab if limit == -1 else limit)
+        results = await run_schedule(engine, {0: [GenerationRequest("z", PROMPT, SamplingParams(
+            max_tokens=2, temperature=0.0, logprobs=asked))]})
+        entries = [e for output in results["z"].outputs for e in output.logprobs]
+        assert len(entries) == 2 and all(len(e.top) == asked for e in entries)
 
 
 def test_duplicate_request_id_is_refused(model):
