@@ -135,6 +135,16 @@ class BlockPool:
         if block in self._key_of:
             self._forget(block)
 
+    def forget_all(self) -> None:
+        """No block is findable by content any more; the ones nobody holds are free again."""
+        for block in list(self._evictable):
+            del self._evictable[block]
+            self._forget(block)
+            self._free.add(block)
+            self._is_free[block] = 1
+        for block in list(self._key_of):
+            self._forget(block)
+
     def match(self, tokens: Sequence[int], max_blocks: int) -> list[int]:
         """The cached blocks that hold the longest prefix of `tokens`, at most `max_blocks`, each held once
         more by the caller. Counts the query in `stats`."""

@@ -194,6 +194,18 @@ class LlamaFamilyRunner:
     def reserve(self, seq_id: Hashable, length: int) -> None:
         self.cache.reserve(seq_id, length)
 
+    def keep_hidden_states(self) -> None:
+        """Keep every position's final hidden state beside its K/V (paged_kv_cache.keep_hidden_states)."""
+        self.cache.keep_hidden_states(self.model.config.hidden_size, self.dtype)
+
+    @property
+    def caches_hidden_states(self) -> bool:
+        return self.cache.hidden is not None
+
+    def cached_hidden_states(self, seq_id: Hashable, length: int) -> torch.Tensor:
+        """[length, H] final hidden states of the sequence's first `length` positions (kept ones)."""
+        return self.cache.hidden_states(seq_id, length)
+
     @property
     def kv_usage(self) -> KVUsage:
         pool = self.cache.pool
@@ -279,6 +291,8 @@ class LlamaFamilyRunner:
             residual = hidden
             hidden = residual + self._mlp(index, layer.mlp, layer.post_attention_layernorm(hidden))
         hidden = inner.norm(hidden)  # [B, L, H]
+        if self.cache.hidden is not None:
+            self.cache.hidden[write_slots] = hidden[write_rows, write_cols]
 
         for row in rows:
             self.cache.append_tokens(row.seq_id, row.token_ids)

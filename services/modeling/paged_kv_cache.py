@@ -57,6 +57,24 @@ class PagedKVCache:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self._seqs: dict[Hashable, _Sequence] = {}
+        self.hidden: torch.Tensor | None = None  # [slots, H] when kept (keep_hidden_states)
+
+    def keep_hidden_states(self, width: int, dtype: torch.dtype) -> None:
+        """Keep each position's final hidden state beside its K/V, in the same slot, so that a sequence that
+        starts from a cached prefix can have the prefix's states too (an EAGLE drafter reads them): with them
+        its prompt reuses cached blocks like any other. Blocks cached before are forgotten: they have no states."""
+        if self.hidden is not None:
+            return
+        if self._seqs:
+            raise RuntimeError("keep_hidden_states must be called while no sequence holds blocks")
+        self.pool.forget_all()
+        self.hidden = torch.zeros(self.keys.shape[2], width, dtype=dtype, device=self.keys.device)
+
+    def hidden_states(self, seq_id: Hashable, length: int) -> torch.Tensor:
+        """[length, H]: the kept states of the sequence's first `length` positions."""
+        if self.hidden is None:
+            raise RuntimeError("hidden states are not kept (keep_hidden_states)")
+        return self.hidden[torch.tensor(self.slots(seq_id, 0, length), dtype=torch.int64, device=self.hidden.device)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -84,6 +84,9 @@ class Engine:
         self.grammars = grammars
         self.runner = runner
         self.config = config or EngineConfig()
+        if hasattr(runner, "keep_hidden_states") and (self.config.extract_hidden_states_dir is not None or any(
+                getattr(p, "needs_hidden_states", False) for p in (proposers or {}).values())):
+            runner.keep_hidden_states()  # so that requests that keep hidden states reuse cached prefixes too
         self.drafts = DraftCollector(
             proposers or {}, runner.vocab_size, self.config.draft_timeout_s, self.config.max_draft_timeout_s
         )

@@ -24,10 +24,11 @@ WATERMARK = 0.01  # of the pool's blocks kept free at admission while others run
 
 def admit(runner: ModelRunner, state: RequestState, others_running: bool) -> bool:
     """Start the request's sequence, from its longest cached prefix, with blocks for all of its prefill; False,
-    holding nothing, when the pool lacks them. A request that scores its prompt or keeps the target's hidden
-    states computes every position, so it takes no cached prefix."""
+    holding nothing, when the pool lacks them. A request that scores its prompt computes every position, so it
+    takes no cached prefix; one that keeps the target's hidden states takes one where the runner keeps the states
+    of cached positions (their states start its own)."""
     target = state.prefill_target
-    reuse = state.prompt_logprobs is None and state.hidden is None
+    reuse = state.prompt_logprobs is None and (state.hidden is None or getattr(runner, "caches_hidden_states", False))
     cached = runner.add_sequence(state.request_id, state.token_ids[:target] if reuse else ())
     needed = runner.kv_blocks_needed(state.request_id, target)
     reserve = int(WATERMARK * runner.kv_usage.total_blocks) if others_running else 0
@@ -39,6 +40,8 @@ def admit(runner: ModelRunner, state: RequestState, others_running: bool) -> boo
     state.num_computed = cached
     if not state.num_output_tokens:
         state.num_cached_tokens = cached
+        if cached and state.hidden is not None:
+            state.hidden = [runner.cached_hidden_states(state.request_id, cached).detach().cpu()]
     return True
 
 

@@ -76,3 +76,32 @@ async def test_drafters_receive_the_targets_own_hidden_states(needs):
     stats = engine.stats
     accepted = stats.num_accepted_tokens
     assert 0 < accepted < stats.num_draft_tokens  # partial acceptance really happened
+
+
+async def test_a_cached_prefix_comes_with_its_hidden_states():
+    """Prefix caching serves requests whose drafter reads hidden states too: the runner keeps each position's
+    state beside its K/V, so a request that starts from cached blocks gets the prefix's states from there (and
+    computes only the rest), still exactly the target's own."""
+    model = tiny_llama(seed=5)
+    shared = list(range(3, 43))  # 40 tokens: two full blocks of 16 are cached after the first request
+    prompts = {"first": shared, "second": shared + [60, 61, 62]}
+    continuation = {}
+    with torch.no_grad():
+        for rid, prompt in prompts.items():
+            continuation[rid] = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                               min_new_tokens=12)[0].tolist()
+    proposer = RecordingProposer(True, continuation)
+    engine = Engine(LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128),
+                    EngineConfig(max_num_batched_tokens=64, log_stats_interval_s=0, adaptive_speculation=False),
+                    {"recorder": proposer})
+    assert engine.runner.caches_hidden_states
+    requests = {rid: GenerationRequest(rid, tuple(p), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                       SpeculationParams("recorder", 4)) for rid, p in prompts.items()}
+    results = await run_schedule(engine, {0: [requests["first"]], 8: [requests["second"]]})
+    assert results["first"].outputs[-1].num_cached_tokens == 0
+    assert results["second"].outputs[-1].num_cached_tokens == 32  # two blocks: the prefill ran from 32 on
+    with torch.no_grad():
+        truth = model(input_ids=torch.tensor([continuation["second"]]), output_hidden_states=True).hidden_states[-1][0]
+    seen = [(token_ids, states) for seq_id, token_ids, states in proposer.seen if seq_id == "second"]
+    assert seen and all(torch.allclose(states, truth[: states.shape[0]], atol=1e-4) for _, states in seen)
+    assert prompts["second"] + results["second"].tokens == continuation["second"]
