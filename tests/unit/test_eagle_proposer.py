@@ -61,3 +61,34 @@ def test_batched_chains_over_a_reduced_vocabulary_equal_each_sequence_alone():
     drafts = proposer._draft_all([DraftInput("a", sequences["a"], 4, states["a"]),
                                   DraftInput("b", sequences["b"], 0, states["b"])])
     assert list(drafts[0].token_ids) == again and list(drafts[1].token_ids) == []
+
+
+def test_a_repeated_prefix_takes_the_head_cache_and_drafts_the_same():
+    """A second sequence whose tokens start like the first's takes the head's K/V of their shared full blocks
+    from the prefix cache, feeds only the rest, and drafts exactly what it drafts alone; a sequence that differs
+    inside the first block takes nothing."""
+    target = tiny_llama(seed=5, vocab_size=V)
+    torch.manual_seed(2)
+    head = EagleHead(EagleConfig.for_target(target.config)).eval()
+    with torch.no_grad():
+        head.fc.weight.mul_(4)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    shared = torch.randint(0, V, (40,)).tolist()
+    sequences = {"first": shared + [5, 6], "second": shared + [9, 10, 11], "other": [1] + shared[1:] + [5]}
+    with torch.no_grad():
+        states = {s: target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+                  for s, ids in sequences.items()}
+        expected = {s: reference_chain(head, embed, lm_head.weight, ids, states[s], 4) for s, ids in sequences.items()}
+    proposer = EagleProposer(head, embed, lm_head, V)
+    fed = []
+    step = head.step
+    head.step = lambda embeddings, *rest: fed.append(embeddings.shape[1]) or step(embeddings, *rest)
+    for name in sequences:
+        fed.clear()
+        draft = proposer._draft_all([DraftInput(name, sequences[name], 4, states[name])])[0]
+        assert list(draft.token_ids) == expected[name], name
+        catch_up = fed[0]  # the first head step feeds the committed positions the cache does not hold
+        if name == "second":  # 32 of its 43 positions (two full blocks of 16) came from the cache
+            assert catch_up == len(sequences[name]) - 2 - 32 and proposer.prefix_cache.hits == 32
+        else:
+            assert catch_up == len(sequences[name]) - 2, name

@@ -8,7 +8,8 @@ vocabulary fingerprint check enforces it). Per sequence the head keeps a KV cach
 step feeds the positions committed since the last one, then drafts a chain of K by argmax, feeding back its own
 features, from a copy of that cache (drafts never enter it, so nothing needs rolling back). The chains of every
 sequence in a step run together, one batched head step per draft position; a head with a reduced draft vocabulary
-scores only those rows of the LM head.
+scores only those rows of the LM head. A new sequence starts from the head cache of its longest cached prefix
+(head_prefix_cache.py), so a repeated prompt costs the head no prefill either.
 
 Threads: every tensor operation runs on one worker thread, off the event loop (the drafter keeps answering
 Info and health checks), as the draft-model drafter does; `release` only queues the id.
@@ -29,6 +30,7 @@ import torch
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput
 from services.common.speculative_config import SpeculativeConfig
+from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle_head import EagleHead
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 class HeadSequence:
     fed: int = 0  # head positions in `cache`: position t holds [embed(x_{t+1}); f_t]
     cache: tuple[torch.Tensor, torch.Tensor] | None = None
+    published: tuple[int, int] = (0, 0)  # full blocks given to the prefix cache, and the last one's id
 
 
 @dataclass
@@ -55,6 +58,7 @@ class EagleProposer:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compute: Executor | None = None
     _draft_weight: torch.Tensor | None = None  # the target's LM head rows of the head's draft vocabulary
+    prefix_cache: HeadPrefixCache = field(default_factory=HeadPrefixCache)
 
     @property
     def hidden_size(self) -> int:
@@ -95,12 +99,15 @@ class EagleProposer:
             return None
         seq = self._sequences.setdefault(item.seq_id, HeadSequence())
         if seq.fed > n - 1:  # the verifier re-sent a shorter sequence: start over
-            seq.fed, seq.cache = 0, None
+            seq.fed, seq.cache, seq.published = 0, None, (0, 0)
+        if seq.fed == 0:  # a new sequence: the head cache of its longest cached prefix (head_prefix_cache.py)
+            seq.fed, seq.cache = self.prefix_cache.longest(tokens, n - 1)
         states = states.to(self.embed.weight.dtype)
         if seq.fed < n - 1:  # commit positions fed..n-2: [x_{t+1}; f_t]
             ids = torch.tensor([list(tokens[seq.fed + 1 : n])])
             _, seq.cache = self.head.step(self.embed(ids), states[None, seq.fed : n - 1], seq.fed, seq.cache)
             seq.fed = n - 1
+            seq.published = self.prefix_cache.publish(tokens, seq.cache, seq.fed, seq.published)
         return ChainStart(seq.cache, n - 1, int(tokens[n]), states[n - 1 : n], item.num_speculative_tokens)
 
     def _chains(self, rows: list[ChainStart]) -> list[list[int]]:
