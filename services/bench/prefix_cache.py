@@ -7,9 +7,13 @@
   a third of its prompt anyway (948 tokens, 316 new), whatever the cache does; 40-token follow-ups are a chat's.
 - A shared system prompt of about SYSTEM_TOKENS tokens across REQUESTS requests, sent one after another: mean
   time to first token with caching on and off.
+- The shared system prompt again with EAGLE speculation (the shipped head, where the model has one): its
+  requests read the target's hidden states, which the cache keeps beside K/V, so they reuse the prefix too.
 - A long prompt (LONG_TOKENS) with the default flags: answered, with its time to first token.
 - MIXED_LONG prompts of that length and MIXED_SHORT short chats sent at once: every one answered, no error, the
   KV pool's peak use, and how long the short chats waited for their first token beside the long prefills.
+- In a process of its own (kv_step_speed.py): decode-step time of the two KV read paths at 1, 8 and 16 rows and
+  short and long contexts, and the verifier's resident memory against its weights and pool.
 Prints the hardware, the KV pool and the ratios; exits 1 if an answer differs between caching on and off or a
 request of the mixed load fails.
 
@@ -22,15 +26,20 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 from services.bench.hardware import describe_hardware
 from services.inprocess import LocalEngineOptions, build_local_engine
 from services.modeling.loading import load_model
-from services.verifier.sampling_params import GenerationRequest, SamplingParams
+from services.common.speculative_config import SpeculativeConfig
+from services.modeling.eagle_heads import shipped_heads
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 
 SYSTEM_TOKENS = 1000
 REQUESTS = 16
+EAGLE_REQUESTS = 6
 LONG_TOKENS = 6000
 TURNS = 4
 FIRST_TURN_TOKENS = 300
@@ -56,11 +65,13 @@ def filler(tokenizer, tokens: int, seed: int) -> list[int]:
     return ids[:tokens]
 
 
-async def first_token(engine, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
+async def first_token(engine, request_id: str, prompt: list[int], max_tokens: int,
+                      speculation: SpeculationParams = SpeculationParams()) -> tuple[float, list[int], int]:
     """(seconds to the first token, the tokens, cached prompt tokens)."""
     started = time.perf_counter()
     ttft, tokens, cached = None, [], 0
-    request = GenerationRequest(request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    request = GenerationRequest(request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                speculation)
     async for output in engine.generate(request):
         if ttft is None and output.token_ids:
             ttft = time.perf_counter() - started
@@ -97,6 +108,23 @@ async def run(options: LocalEngineOptions, loaded, long_tokens: int) -> dict:
         usage = engine.runner.kv_usage
         return {"turns": turns, "shared": shared, "long": long, "mixed": mixed,
                 "pool_tokens": usage.total_blocks * usage.block_size, "block_size": usage.block_size}
+    finally:
+        await engine.shutdown()
+
+
+async def eagle_shared(options: LocalEngineOptions, loaded) -> list[dict]:
+    """The shared system prompt again, with EAGLE speculation (the shipped head): its requests read the target's
+    hidden states, which the cache now keeps beside K/V, and the head caches its own prefix."""
+    engine, _ = build_local_engine(options, loaded)
+    await engine.start()
+    try:
+        system, out = filler(loaded.tokenizer, SYSTEM_TOKENS, seed=99), []
+        for index in range(EAGLE_REQUESTS):
+            prompt = system + filler(loaded.tokenizer, 20, index)
+            ttft, answer, cached = await first_token(engine, f"eagle{index}", prompt, ANSWER_TOKENS,
+                                                     SpeculationParams("eagle", 3))
+            out.append({"ttft_s": ttft, "cached": cached, "answer": answer})
+        return out
     finally:
         await engine.shutdown()
 
@@ -146,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         options = LocalEngineOptions(model=args.model, enable_prefix_caching=caching)
         results[caching] = asyncio.run(run(options, loaded, args.long_tokens if caching else 0))
     on, off = results[True], results[False]
+    eagle = {}
+    if args.model in shipped_heads():
+        spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+        for caching in (False, True):
+            options = LocalEngineOptions(model=args.model, enable_prefix_caching=caching, speculative_config=spec)
+            eagle[caching] = asyncio.run(eagle_shared(options, loaded))
     shared_on = statistics.mean(r["ttft_s"] for r in on["shared"][1:])
     shared_off = statistics.mean(r["ttft_s"] for r in off["shared"][1:])
     print(f"KV pool: {on['pool_tokens']} tokens")
@@ -158,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
               f"per turn {sizes}")
     print(f"shared {SYSTEM_TOKENS}-token system prompt, requests 2-{REQUESTS}: mean TTFT {shared_off * 1e3:.0f} ms "
           f"without, {shared_on * 1e3:.0f} ms with ({shared_off / shared_on:.1f}x)")
+    if eagle:
+        eagle_on = statistics.mean(r["ttft_s"] for r in eagle[True][1:])
+        eagle_off = statistics.mean(r["ttft_s"] for r in eagle[False][1:])
+        print(f"the same with EAGLE speculation, requests 2-{EAGLE_REQUESTS}: mean TTFT {eagle_off * 1e3:.0f} ms "
+              f"without, {eagle_on * 1e3:.0f} ms with ({eagle_off / eagle_on:.1f}x); cached tokens "
+              f"{[r['cached'] for r in eagle[True]]}")
     if on["long"]:
         print(f"a {on['long']['tokens']}-token prompt: answered, first token after {on['long']['ttft_s']:.1f} s")
     mixed_ok = True
@@ -169,11 +209,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{m['answered']}/{m['sent']} answered in {m['seconds']:.0f} s, errors {m['errors'] or 'none'}; KV pool "
               f"peak {peak_tokens} of {on['pool_tokens']} tokens; first token of the short chats "
               f"{spread(m['short_ttft_s'])}, of the long prompts {spread(m['long_ttft_s'])}")
-    pairs = [*zip(on["shared"], off["shared"])]
+    pairs = [*zip(on["shared"], off["shared"]), *zip(eagle.get(True, []), eagle.get(False, []))]
     pairs += [pair for follow_up in FOLLOW_UPS for pair in zip(on["turns"][follow_up], off["turns"][follow_up])]
     same = all(a["answer"] == b["answer"] for a, b in pairs)
     print("answers identical with and without prefix caching:", same)
-    return 0 if same and mixed_ok else 1
+    sys.stdout.flush()
+    steps = subprocess.run([sys.executable, "-m", "services.bench.kv_step_speed", "--model", args.model])
+    return 0 if same and mixed_ok and steps.returncode == 0 else 1
 
 
 if __name__ == "__main__":

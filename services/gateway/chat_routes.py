@@ -35,8 +35,8 @@ def create_router(require_api_key: Any, call_format: ToolCallFormat) -> APIRoute
         ids = await chat_prompt_ids(admitted.tokenizer, req, tools)
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, (await state.model_info()).max_model_len)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        plan = Choices([ids], [""], req.requested_max_tokens, logprobs, PromptReturn(prompt_logprobs=req.prompt_logprobs),
-                       tool_output(req, tools, call_format))
+        plan = Choices([ids], [""], req.requested_max_tokens, logprobs,
+                       PromptReturn(prompt_logprobs=req.prompt_logprobs), tool_output(req, tools, call_format))
         return await unless_disconnected(request, generate(state, "chat", req, admitted.served, plan))
 
     return router

@@ -17,7 +17,8 @@ async def model_card(state: GatewayState, name: str | None = None) -> s.ModelCar
     """The served model's card; a 404 when `name` names another."""
     info = await state.model_info()
     served = await state.check_model(name)
-    return s.ModelCard(id=served, created=int(time.time()), root=info.model_id, max_model_len=info.max_model_len or None)
+    return s.ModelCard(id=served, created=int(time.time()), root=info.model_id,
+                       max_model_len=info.max_model_len or None)
 
 
 def create_router(require_api_key: Any) -> APIRouter:

@@ -120,7 +120,8 @@ class CompletionResponses:
     def usage_chunk(self) -> BaseModel:
         ctx = self.ctx
         return s.CompletionChunk(id=ctx.rid, created=ctx.created, model=ctx.served, choices=[],
-                                 usage=ctx.accounting.usage(), speculative_decoding=ctx.accounting.speculation().model())
+                                 usage=ctx.accounting.usage(),
+                                 speculative_decoding=ctx.accounting.speculation().model())
 
 
 class ChatResponses:

@@ -1,7 +1,8 @@
 """Structured output requested through OpenAI's `response_format`, vLLM's `structured_outputs` or its older
-`guided_*` extensions, as the verifier's StructuredOutput (proto/specserve/v1/verifier.proto). The verifier compiles it against the target's
-tokenizer (a schema, regex or grammar that does not compile is its INVALID_ARGUMENT, a 400 here) and masks every
-verified position with it, so output under speculation always parses."""
+`guided_*` extensions, as the verifier's StructuredOutput (proto/specserve/v1/verifier.proto). The verifier
+compiles it against the target's tokenizer (a schema, regex or grammar that does not compile is its
+INVALID_ARGUMENT, a 400 here) and masks every verified position with it, so output under speculation always
+parses."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ class StructuredOutputs(BaseModel):
         if self.json_object:
             return pb.StructuredOutput(json_object=True)
         if self.json_ is not None:
-            return pb.StructuredOutput(json_schema=self.json_ if isinstance(self.json_, str) else json.dumps(self.json_))
+            text = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return pb.StructuredOutput(json_schema=text)
         if self.regex is not None:
             return pb.StructuredOutput(regex=self.regex)
         if self.choice is not None:

@@ -100,7 +100,8 @@ class SamplingParams:
         # the upper bound is the server's (--max-logprobs): the engine checks it
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs):
             yield f"logprobs must be an integer >= 0, got {self.logprobs!r}"
-        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs):
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs):
             yield f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}"
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             yield f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}"

@@ -140,4 +140,5 @@ async def test_tokens_positions_and_late_proposals_per_method(model):
         assert sample(registry, f"vllm:spec_decode_{name}_total") == sum(
             getattr(s, name) for s in engine.stats_by_method.values()), name
     for position, accepted in enumerate(stats.accepted_per_position):
-        assert sample(registry, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(position)) == accepted
+        per_pos = sample(registry, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(position))
+        assert per_pos == accepted
