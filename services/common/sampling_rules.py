@@ -16,3 +16,8 @@ LOGPROB_FLOOR = -9999.0
 # pattern (the wire carries uint64, the engine int64).
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+
+# bad_words are matched against each verified position's preceding output on the verifier's host, every step:
+# bounded in number (token sequences: a word can be two, as written and as a word start) and in tokens each.
+MAX_BAD_WORD_SEQUENCES = 128
+MAX_BAD_WORD_TOKENS = 32

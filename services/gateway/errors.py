@@ -108,6 +108,8 @@ def from_validation(error: ValidationError | RequestValidationError) -> ApiError
     # Unions report the branch tried (e.g. `prompt.str`); the field path is what the caller wrote.
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value")
+    if first.get("type") == "value_error":  # our validators' own words, without pydantic's "Value error, "
+        message = message.removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
     extra = len(problems) - 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS
+from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS, MAX_BAD_WORD_TOKENS
 from services.gateway.errors import ApiError
 from services.gateway.schemas import SamplingFields
 from services.gateway.verifier_client import pb
@@ -74,9 +74,12 @@ def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     without leading spaces, and also with one leading space where that tokenizes to a different first token and
     as many tokens, so the word is banned both at the start of the text and inside it."""
     sequences: list[list[int]] = []
-    for word in words:
+    for index, word in enumerate(words):
         plain = list(tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"])
         spaced = list(tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"])
+        if max(len(plain), len(spaced)) > MAX_BAD_WORD_TOKENS:
+            raise ApiError(400, f"bad_words[{index}] is {max(len(plain), len(spaced))} tokens; at most "
+                                f"{MAX_BAD_WORD_TOKENS} each", param="bad_words")
         sequences.append(plain)
         if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
             sequences.append(spaced)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.common.sampling_rules import SEED_MAX, SEED_MIN
+from services.common.sampling_rules import MAX_BAD_WORD_SEQUENCES, SEED_MAX, SEED_MIN
 from services.gateway.structured_output import OutputConstraintFields
 from services.gateway.tools.schemas import MAX_TOOLS, ToolCall, ToolCallDelta, ToolFields
 
@@ -29,7 +29,7 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit
 # Alternatives per position: the verifier's --max-logprobs bounds them (20 by default, vLLM's), and refuses more
 # with a 400 that names the flag; this bound only keeps a request from asking beyond any vocabulary.
 MAX_LOGPROBS = 2**20
-MAX_BAD_WORDS = 64  # each is up to two token sequences (as written, and as a word start): the verifier's bound is 128
+MAX_BAD_WORDS = MAX_BAD_WORD_SEQUENCES // 2  # each is up to two token sequences: as written, and as a word start
 MAX_BAD_WORD_CHARS = 100
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS, SEED_MAX, SEED_MIN
+from services.common.sampling_rules import (
+    GREEDY_TEMPERATURE_EPS,
+    MAX_BAD_WORD_SEQUENCES,
+    MAX_BAD_WORD_TOKENS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 # Every emitted token is checked against the stop ids on the engine's loop, which all requests share: a bound
 # keeps one request's list from slowing everyone's steps.
@@ -13,9 +19,6 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar is compiled at admission: bound the work one request asks for
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-# bad_words are matched against each verified position's preceding output on the host, every step: bound them.
-MAX_BAD_WORDS = 128
-MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,8 @@ class SamplingParams:
             yield f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
         if not all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids):
             yield "allowed_token_ids must be non-negative integers"
-        if len(self.bad_words) > MAX_BAD_WORDS:
-            yield f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}"
+        if len(self.bad_words) > MAX_BAD_WORD_SEQUENCES:
+            yield f"at most {MAX_BAD_WORD_SEQUENCES} bad_words, got {len(self.bad_words)}"
         elif not all(0 < len(word) <= MAX_BAD_WORD_TOKENS and all(isinstance(t, int) and t >= 0 for t in word)
                      for word in self.bad_words):
             yield f"each of bad_words must be 1 to {MAX_BAD_WORD_TOKENS} tokens (non-negative integers)"

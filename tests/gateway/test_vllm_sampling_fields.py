@@ -42,6 +42,7 @@ async def test_token_rules_reach_the_verifier(client, verifier):
     ({"bad_words": [" "]}, "bad_words"),
     ({"bad_words": ["x"] * 65}, "bad_words"),
     ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words": ["ok", "x" * 40]}, "bad_words[1] is 41 tokens; at most 32"),  # a byte a token, and a space
     ({"skip_special_tokens": "sometimes"}, "skip_special_tokens"),
 ])
 async def test_bad_values_are_400s(client, body, message):
