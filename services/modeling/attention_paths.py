@@ -5,12 +5,13 @@
 - Row by row: each row's blocks, which the pool keeps in order, read as a view of the pool and attended on their
   own, unpadded; one pair of matmuls per row, so more small operations per layer.
 
-Measured on a 2-core AMD EPYC with SmolLM2-135M (decode steps, ms, `stepbench` in the issue-22 note): at 300
-positions per row the two are within noise (8 rows: 111-161 vs 93-118, 16 rows: 169-188 vs 158-191); at 1,000
-row by row wins (8 rows: 158-183 vs 197-219; 16 rows: 220-243 vs 306-412). A start-up probe on synthetic
-tensors was tried and dropped: the gather's cost swung 3-10x with whether its buffer's pages were fresh, so it
-chose differently from run to run. An accelerator gathers at memory speed and keeps the padded batch (a paged
-attention kernel replaces both there: issue 29).
+Measured on a 2-core AMD EPYC with SmolLM2-135M (decode steps of one token a row, ms; `make bench-prefix` prints
+these rows from services/bench/kv_step_speed.py): at 150 positions per row the gather wins (8 rows: 106 vs 117,
+16 rows: 137 vs 183); at 1,000 row by row wins (8 rows: 193 vs 197, 16 rows: 267 vs 341). A start-up probe on
+synthetic tensors was tried and dropped: the gather's cost swung 3-10x with whether its buffer's pages were fresh,
+so it chose differently from run to run. Gathering whole blocks instead of positions was tried too and was no
+faster (the span rounds up to whole blocks). An accelerator gathers at memory speed and keeps the padded batch (a
+paged attention kernel replaces both there: issue 29).
 """
 
 from __future__ import annotations
