@@ -27,6 +27,7 @@ from services.supervision import (
     StartInterrupted,
     Supervisor,
     free_ports,
+    parse_cpu_list,
     spawn_child,
     stop_processes,
     wait_for_port,
@@ -124,9 +125,9 @@ def plan(args: argparse.Namespace) -> list[Child]:
             "--host", args.host, "--port", str(args.drafter_port),
             "--metrics-port", str(args.drafter_metrics_port), *tls.server_flags,
         ]
-        children.append(Child("drafter", drafter, args.host, args.drafter_port))
+        children.append(Child("drafter", drafter, args.host, args.drafter_port, args.drafter_cpus or ()))
         verifier += ["--drafter", f"{spec.method}={args.host}:{args.drafter_port}", *tls.drafter_client_flags]
-    children.append(Child("verifier", verifier, args.host, args.verifier_port))
+    children.append(Child("verifier", verifier, args.host, args.verifier_port, args.verifier_cpus or ()))
     gateway = [  # without --model the gateway loads the tokenizer of the model the verifier reports
         *python, "gateway", "--host", args.host, "--port", str(args.port),
         "--verifier", f"{args.host}:{args.verifier_port}", *tls.gateway_flags,
@@ -212,6 +213,13 @@ def with_free_ports(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **dict(zip(zero, free_ports(len(zero), args.host), strict=True))})
 
 
+def cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -243,6 +251,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert-file", default=None, help="PEM certificate: the verifier and drafter serve TLS")
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     parser.add_argument("--tls-root-cert", default=None, help="PEM root the gRPC clients trust (default: the cert)")
+    parser.add_argument("--verifier-cpus", type=cpu_list, default=None, metavar="LIST",
+                        help="run the verifier on these CPUs only (taskset's syntax, e.g. 0-5); its torch threads "
+                        "follow. Default: all of the launcher's")
+    parser.add_argument("--drafter-cpus", type=cpu_list, default=None, metavar="LIST",
+                        help="run the drafter on these CPUs only (e.g. 6,7), so drafting and verifying do not "
+                        "share cores. Default: all of the launcher's")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--start-timeout-s", type=float, default=300.0,
                         help="at start-up, how long each service may go without working (using CPU) and without "

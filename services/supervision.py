@@ -26,6 +26,32 @@ class Child:
     argv: list[str]
     host: str
     port: int
+    cpus: tuple[int, ...] = ()  # the CPUs it may run on (its torch threads follow); empty: the launcher's
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """taskset's list syntax ("0-3,6") as sorted CPU numbers; ValueError for anything else, or for CPUs this
+    process may not run on (a child can only be placed within the launcher's own set)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list (e.g. 0-3,6)")
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"{part.strip()!r}: the range runs backwards")
+        cpus.update(range(low, high + 1))
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("placing services on CPUs needs Linux (sched_setaffinity)")
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"CPUs {sorted(cpus - allowed)} are not available here (this process may use "
+                         f"{format_cpu_list(allowed)})")
+    return tuple(sorted(cpus))
+
+
+def format_cpu_list(cpus: Sequence[int] | set[int]) -> str:
+    return ",".join(str(cpu) for cpu in sorted(cpus))
 
 
 class StartInterrupted(Exception):
@@ -226,8 +252,10 @@ def spawn_child(child: Child) -> subprocess.Popen:
 
     On Linux each child starts through die_with_parent.py, which sets PR_SET_PDEATHSIG and execs the real argv:
     when the launcher dies without stopping its children (SIGKILL, OOM killer), the kernel sends each SIGTERM, so
-    no orphan keeps the stack's ports or memory. The shim module says why this is not a preexec_fn."""
+    no orphan keeps the stack's ports or memory. The shim module says why this is not a preexec_fn. The shim also
+    pins a child to its `cpus`, before exec, so every thread the program starts runs there."""
     argv = child.argv
     if sys.platform == "linux":
-        argv = [sys.executable, str(DIE_WITH_PARENT_SHIM), str(os.getpid()), *argv]
+        placement = ["--cpus", format_cpu_list(child.cpus)] if child.cpus else []
+        argv = [sys.executable, str(DIE_WITH_PARENT_SHIM), str(os.getpid()), *placement, *argv]
     return subprocess.Popen(argv)

@@ -225,3 +225,38 @@ def test_a_port_out_of_range_is_a_usage_error(port, capsys):
     with pytest.raises(SystemExit):
         parse("--drafter-port", port)
     assert "is not a port number" in capsys.readouterr().err
+
+
+def test_max_logprobs_reaches_the_verifier_when_given():
+    _, verifier, _ = launcher.plan(parse("--max-logprobs", "50"))
+    assert flag(verifier.argv, "--max-logprobs") == "50"
+    assert flag(launcher.plan(parse())[1].argv, "--max-logprobs") is None
+
+
+def test_verifier_and_drafter_can_be_placed_on_cpu_sets():
+    """taskset's list syntax, within the launcher's own CPUs; the gateway is not pinned."""
+    mine = sorted(supervision.os.sched_getaffinity(0))
+    first, last = mine[0], mine[-1]
+    everything = ",".join(map(str, reversed(mine)))  # the launcher's own CPUs, in any order
+    drafter, verifier, gateway = launcher.plan(parse("--verifier-cpus", everything, "--drafter-cpus", str(last)))
+    assert verifier.cpus == tuple(mine) and drafter.cpus == (last,) and gateway.cpus == ()
+    assert launcher.plan(parse())[1].cpus == ()
+    assert supervision.parse_cpu_list(f"{last}-{last}, {first},{first}") == tuple(sorted({first, last}))  # merged
+    for bad, why in (("x", "not a CPU list"), ("3-1", "backwards"), (str(last + 1000), "not available here")):
+        with pytest.raises(ValueError, match=why):
+            supervision.parse_cpu_list(bad)
+        with pytest.raises(SystemExit):
+            parse("--verifier-cpus", bad)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="CPU placement is Linux's sched_setaffinity")
+def test_a_placed_child_runs_on_its_cpus_only_and_torch_follows():
+    cpu = max(supervision.os.sched_getaffinity(0))
+    code = "import os, torch; print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())"
+    child = supervision.Child("placed", [sys.executable, "-c", code], "127.0.0.1", 0, (cpu,))
+    out = subprocess.run([sys.executable, "-c", (
+        "import sys; from services.supervision import Child, spawn_child\n"
+        f"process = spawn_child(Child(*{[child.name, child.argv, child.host, child.port, child.cpus]!r}))\n"
+        "raise SystemExit(process.wait())")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [f"[{cpu}]", "1"], out.stdout
