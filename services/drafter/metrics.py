@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "specserve_drafter"
@@ -55,6 +55,11 @@ class DrafterMetrics:
         self._resyncs.labels(self.method).inc(step.num_resyncs)
         self._seconds.labels(self.method).observe(step.seconds)
 
+    def watch_pipelining(self, counts: Callable[[], object]) -> None:
+        """Report, when scraped, a model drafter's pre-drafts (draft_pipelining.PipelineCounts: used, discarded,
+        hidden_seconds)."""
+        self.registry.register(_PipelineCollector(self.method, counts))
+
     def watch_links(self, open_links: Callable[[], Iterable[int]]) -> None:
         """Report, when scraped, the open Draft streams and their sequences (`open_links` yields, per stream,
         its number of open sequences)."""
@@ -75,3 +80,21 @@ class _LinkCollector(Collector):
         )
         sequences.add_metric([self.method], sum(sizes))
         return [streams, sequences]
+
+
+class _PipelineCollector(Collector):
+    def __init__(self, method: str, counts: Callable[[], object]) -> None:
+        self.method = method
+        self.counts = counts
+
+    def collect(self) -> Iterable[Metric]:
+        counts = self.counts()
+        for name, value, doc in (
+            ("predrafts_used", counts.used, "Pre-drafts answered: the guess that the whole draft was accepted held."),
+            ("predrafts_discarded", counts.discarded, "Pre-drafts dropped: the guess failed, or a call stopped them."),
+            ("predraft_hidden_seconds", counts.hidden_seconds,
+             "Drafting seconds of the used pre-drafts: computed while the verifier verified, off its critical path."),
+        ):
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["method"])
+            family.add_metric([self.method], value)
+            yield family

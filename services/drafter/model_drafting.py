@@ -18,6 +18,9 @@ proposer (methods/draft_model.py) owns that thread. One call drafts every sequen
 The tokens fed while drafting stay in the slot: when the verifier accepts them, the next call finds them in the
 common prefix and does not feed them again.
 
+With pipelining (draft_pipelining.py), `predraft` runs right after a call, on the guess that its drafts are
+accepted whole, and the next call answers from it when the guess held.
+
 Sequences that cannot be drafted get an empty draft, never an error: K of 0, no committed token, longer than the
 runner's max_model_len (K is also clamped so the drafts fit), a token id outside the draft model's vocabulary,
 or no free slot because every slot belongs to a sequence of the same call.
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.drafter.draft_pipelining import PreDraft, PreDrafts
 from services.drafter.sequence_slots import SequenceSlots, common_prefix_length
 from services.modeling.runner import ModelRunner, RowInput
 
@@ -91,6 +95,7 @@ class ModelDrafter:
         self.runner = runner
         self.slots = SequenceSlots(runner.max_num_seqs)
         self.catch_up = catch_up if catch_up is not None else CatchUpBudget()
+        self.predrafts = PreDrafts()
 
     def measure_catch_up(self, num_tokens: int = 4 * MIN_CATCH_UP_TOKENS, repeats: int = 2) -> None:
         """Time a prefill of `num_tokens` (the first one warms up) so that the first prompt is already fed in
@@ -111,6 +116,7 @@ class ModelDrafter:
 
     def forget(self, seq_id: Hashable) -> None:
         """Free the sequence's slot, if it holds one."""
+        self.predrafts.forget(seq_id)
         if self.slots.drop(seq_id):
             self.runner.remove_sequence(seq_id)
 
@@ -118,8 +124,14 @@ class ModelDrafter:
         """Up to K argmax tokens per request, in order; () where it cannot be drafted (module docstring)."""
         drafts: list[tuple[int, ...]] = [()] * len(requests)
         chosen = self._draftable(requests)
+        ready = {}  # pre-drafts whose guess held: the very drafts this call would compute (draft_pipelining.py)
+        for i in chosen:
+            tokens = self.predrafts.take(requests[i].seq_id, requests[i].token_ids, self._room(requests[i]))
+            if tokens:
+                ready[i] = drafts[i] = tokens
         assignment = self.slots.assign([requests[i].seq_id for i in chosen])
         for seq_id in assignment.evicted:
+            self.predrafts.forget(seq_id)
             self.runner.remove_sequence(seq_id)
         by_id = {requests[i].seq_id: requests[i] for i in chosen}
         for seq_id in assignment.admitted:  # from the longest cached prefix of its tokens (prefix caching)
@@ -128,7 +140,7 @@ class ModelDrafter:
             if cached:
                 self.slots.set_tokens(seq_id, tokens[:cached])
         refused = set(assignment.refused)
-        rows = [i for i in chosen if requests[i].seq_id not in refused]
+        rows = [i for i in chosen if requests[i].seq_id not in refused and i not in ready]
         if not rows:
             return drafts
         try:
@@ -151,6 +163,54 @@ class ModelDrafter:
             self.slots.set_tokens(request.seq_id, np.concatenate([request.token_ids, fed]))
             drafts[i] = tuple(tokens)
         return drafts
+
+    def predraft(self, requests: Sequence[DraftRequest], drafts: Sequence[tuple[int, ...]],
+                 stop: Callable[[], bool] = lambda: False) -> None:
+        """Draft each sequence's next step now, on the guess that `drafts` (this call's answer to `requests`) are
+        accepted whole and the verifier's bonus token is the draft model's own next argmax: feed d_K, take that
+        argmax g, then draft K after it, for the committed tokens committed + d + g (draft_pipelining.py).
+        `stop` is asked between forwards: a new call is waiting, so the rest is left to it."""
+        started = self.catch_up.clock()
+        rows = [i for i, draft in enumerate(drafts) if draft and requests[i].seq_id in self.slots]
+        rows = [i for i in rows if self._next_room(requests[i], drafts[i]) > 0]
+        if not rows or stop():
+            return
+        seq_ids = [requests[i].seq_id for i in rows]
+        ks = [self._next_room(requests[i], drafts[i]) for i in rows]
+        fed = [list(map(int, requests[i].token_ids)) + list(drafts[i][:-1]) for i in rows]  # what each slot holds
+        feeding = [drafts[i][-1] for i in rows]
+        guesses: list[int] = []
+        chains: list[list[int]] = [[] for _ in rows]
+        try:
+            for position in range(max(ks) + 1):
+                active = [b for b, k in enumerate(ks) if position <= k]
+                logits = self.runner.forward([RowInput(seq_ids[b], [feeding[b]], 1) for b in active]).logits
+                for b, token in zip(active, logits[:, 0].argmax(dim=-1).tolist(), strict=True):
+                    fed[b].append(feeding[b])
+                    if position == 0:
+                        guesses.append(int(token))
+                    else:
+                        chains[b].append(int(token))
+                    feeding[b] = int(token)
+                if position < max(ks) and stop():
+                    break
+        except BaseException:
+            for seq_id in seq_ids:  # what the slots hold is unknown now: start these sequences afresh next time
+                self.forget(seq_id)
+            raise
+        seconds = self.catch_up.clock() - started
+        for b, i in enumerate(rows):
+            self.slots.set_tokens(seq_ids[b], np.asarray(fed[b], dtype=np.int64))
+            if len(chains[b]) < ks[b]:
+                self.predrafts.stopped()
+                continue
+            base = np.concatenate([requests[i].token_ids, np.asarray([*drafts[i], guesses[b]], dtype=np.int64)])
+            self.predrafts.keep(seq_ids[b], PreDraft(base, tuple(chains[b]), seconds))
+
+    def _next_room(self, request: DraftRequest, draft: tuple[int, ...]) -> int:
+        """K of the next step, when its committed tokens are these plus the draft and a bonus token."""
+        base = len(request.token_ids) + len(draft) + 1
+        return min(request.num_speculative_tokens, self.runner.max_model_len - base + 1)
 
     def _room(self, request: DraftRequest) -> int:
         """K clamped so that the committed tokens and the K - 1 drafts fed after them fit in a slot."""

@@ -107,6 +107,8 @@ async def run(settings: DrafterSettings, proposer: Proposer) -> int:
     """Serve `proposer` (built from `settings`) until SIGTERM."""
     speculation = settings.speculation
     metrics = DrafterMetrics(proposer.method)
+    if getattr(proposer, "pipelining", False):
+        metrics.watch_pipelining(lambda: proposer.pipeline_counts)
     server, port = await serve(
         proposer,
         settings.host,

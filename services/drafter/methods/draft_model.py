@@ -12,6 +12,10 @@ The drafter declares its vocabulary size and tokenizer fingerprint in Info (attr
 `tokenizer_fingerprint`, see services/common/proposer.declared_vocabulary), so a verifier whose target has
 another vocabulary refuses it instead of verifying token ids that mean something else.
 
+Pipelining (`draft_pipelining`): after answering a call, the proposer pre-drafts the next step on the compute
+thread while the verifier verifies (services/drafter/draft_pipelining.py); the next call stops it if it is still
+running, and uses it when its guess held.
+
 Threads: every tensor operation runs on one compute thread, off the event loop, so the drafter keeps answering
 Info, health checks and other links while it drafts. Which thread is measured at start-up exactly as for the
 verifier engine (services/modeling/compute_placement.py: the main thread where its torch pool is faster, the
@@ -55,6 +59,7 @@ class DraftModelSettings:
     dtype: str = "auto"
     max_num_seqs: int = 16
     max_model_len: int | None = None  # None: the model's whole context (services/modeling/context_length.py)
+    pipelining: bool = False  # pre-draft the next step while the verifier verifies (draft_pipelining.py)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -70,15 +75,18 @@ class DraftModelSettings:
             dtype=config.draft_dtype,
             max_num_seqs=config.draft_max_num_seqs,
             max_model_len=config.max_model_len,
+            pipelining=config.draft_pipelining,
         )
 
 
 class DraftModelProposer:
     method = "draft_model"
 
-    def __init__(self, runner: ModelRunner, tokenizer_fingerprint: str = "", compute: Executor | None = None) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer_fingerprint: str = "", compute: Executor | None = None,
+                 pipelining: bool = False) -> None:
         """`runner`: the draft model's, empty (its max_num_seqs slots and max_model_len bound what is drafted).
-        `compute`: the executor for the tensor work, one thread (default: a worker thread of its own)."""
+        `compute`: the executor for the tensor work, one thread (default: a worker thread of its own).
+        `pipelining`: after each call, pre-draft the next step on the guess that this one is accepted whole."""
         self.vocab_size = runner.vocab_size  # declared in Info
         self.tokenizer_fingerprint = tokenizer_fingerprint  # declared in Info; "" when unknown
         self._drafter = ModelDrafter(runner)
@@ -86,6 +94,14 @@ class DraftModelProposer:
         self._released_lock = threading.Lock()
         self._owns_compute = compute is None
         self._compute = compute if compute is not None else worker_thread()
+        self.pipelining = pipelining
+        self._call_waiting = threading.Event()  # a call arrived: a running pre-draft stops after its forward
+        self._predrafting: asyncio.Future | None = None
+
+    @property
+    def pipeline_counts(self):
+        """Pre-drafts used and discarded, and the drafting seconds they hid (draft_pipelining.PipelineCounts)."""
+        return self._drafter.predrafts.counts
 
     @property
     def runner(self) -> ModelRunner:
@@ -115,7 +131,14 @@ class DraftModelProposer:
         ]
         if not requests:
             return []
-        drafted = await asyncio.get_running_loop().run_in_executor(self._compute, self._draft, requests)
+        loop = asyncio.get_running_loop()
+        self._call_waiting.set()
+        drafted = await loop.run_in_executor(self._compute, self._draft, requests)
+        if self.pipelining:  # queued behind nothing: the compute thread is free until the next call
+            self._call_waiting.clear()
+            self._predrafting = loop.run_in_executor(self._compute, self._drafter.predraft, requests, drafted,
+                                                     self._call_waiting.is_set)
+            self._predrafting.add_done_callback(_log_failure)
         return [Draft(tokens) for tokens in drafted]
 
     def release(self, seq_id: Hashable) -> None:
@@ -137,6 +160,12 @@ class DraftModelProposer:
         return self._drafter.draft(requests)
 
 
+def _log_failure(future: asyncio.Future) -> None:
+    """A pre-draft that failed only costs the next call a fresh draft (its sequences start afresh)."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("a pre-draft failed: %r", future.exception())
+
+
 def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:
     """The registry's entry point: load the draft model (as the verifier loads its target) and its runner."""
     settings = DraftModelSettings.from_config(config)
@@ -144,11 +173,11 @@ def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, owns_model=True)
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
-    proposer = DraftModelProposer(runner, fingerprint)
+    proposer = DraftModelProposer(runner, fingerprint, pipelining=settings.pipelining)
     proposer.measure_catch_up()
     logger.info(
         "draft model %s: vocabulary %d (tokenizer %s), %d sequences of up to %d positions; prefills fed in chunks of "
-        "up to %d tokens per call", loaded.model_id, runner.vocab_size, fingerprint[:12] or "unknown",
-        settings.max_num_seqs, max_model_len, proposer.catch_up_limit(),
+        "up to %d tokens per call; pipelining %s", loaded.model_id, runner.vocab_size, fingerprint[:12] or "unknown",
+        settings.max_num_seqs, max_model_len, proposer.catch_up_limit(), "on" if settings.pipelining else "off",
     )
     return proposer

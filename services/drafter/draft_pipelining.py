@@ -1,0 +1,74 @@
+"""Pipelined drafting for model drafters: draft step t+1 while the verifier verifies step t.
+
+Right after answering a call with draft d1..dK, the drafter goes on, on the guess that the verifier accepts the
+whole draft: it feeds dK, takes its own argmax g as the guessed bonus token, and drafts e1..eK after it. That is
+the draft it would give for the committed tokens `base` = committed + d1..dK + g. When the next call comes:
+
+- its committed tokens equal `base` (the guess held): e1..eK is answered at once, its forwards already done while
+  the verifier verified (they ran on the drafter's own device or cores);
+- otherwise the pre-draft is dropped and the call drafts as always. The tokens the pre-draft fed stay in the
+  sequence's slot as long as they are a prefix of the committed tokens, so even a rejected bonus guess loses only
+  what came after it.
+
+A pre-draft is answered only for exactly its base, so it is the very draft a fresh call would compute (argmax
+chains are deterministic): pipelining never changes a draft, only when it is ready, and losslessness does not
+depend on the guess. A call that arrives while a pre-draft still runs stops it after its current forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PreDraft:
+    base: np.ndarray  # the committed tokens it drafts after: committed + draft + guessed bonus
+    tokens: tuple[int, ...]
+    seconds: float  # what computing it took (hidden from the verifier's step when used)
+
+
+@dataclass
+class PipelineCounts:
+    """Pre-drafts answered (their guess held), dropped (it did not, or they were stopped), and the drafting
+    seconds the used ones took off the verifier's critical path."""
+
+    used: int = 0
+    discarded: int = 0
+    hidden_seconds: float = 0.0
+
+
+@dataclass
+class PreDrafts:
+    """The finished pre-drafts, one per sequence at most, and their counts."""
+
+    counts: PipelineCounts = field(default_factory=PipelineCounts)
+    _by_seq: dict[Hashable, PreDraft] = field(default_factory=dict)
+
+    def keep(self, seq_id: Hashable, predraft: PreDraft) -> None:
+        if self._by_seq.pop(seq_id, None) is not None:
+            self.counts.discarded += 1
+        self._by_seq[seq_id] = predraft
+
+    def take(self, seq_id: Hashable, committed: np.ndarray, k: int) -> tuple[int, ...] | None:
+        """The draft for `committed` if a pre-draft was made for exactly these tokens (at most k of its tokens);
+        None otherwise. Either way the sequence's pre-draft is gone afterwards."""
+        predraft = self._by_seq.pop(seq_id, None)
+        if predraft is None:
+            return None
+        if len(committed) == len(predraft.base) and np.array_equal(committed, predraft.base) and k > 0:
+            self.counts.used += 1
+            self.counts.hidden_seconds += predraft.seconds
+            return predraft.tokens[:k]
+        self.counts.discarded += 1
+        return None
+
+    def forget(self, seq_id: Hashable) -> None:
+        if self._by_seq.pop(seq_id, None) is not None:
+            self.counts.discarded += 1
+
+    def stopped(self) -> None:
+        """A pre-draft stopped before it finished."""
+        self.counts.discarded += 1

@@ -1,0 +1,106 @@
+"""Pipelined drafting (services/drafter/draft_pipelining.py) with tiny random models: a pre-draft is answered only
+for exactly the committed tokens it guessed, so every draft equals the one a fresh drafter proposes, whether the
+guess held (then the call runs no forward at all), failed, or was stopped by a call that came early; greedy output
+through the engine is the same as without speculation."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from services.common.proposer import DraftInput
+from services.drafter.methods.draft_model import DraftModelProposer
+from services.drafter.model_drafting import DraftRequest, ModelDrafter
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.verifier.sampling_params import SpeculationParams
+from tests.prompts import repetitive_prompt
+from tests.tiny_models import tiny_llama, tiny_qwen2
+from tests.unit.test_draft_model import MAX_MODEL_LEN, commit, fresh_draft, make_engine, run_requests
+
+
+def pipelined(model, max_num_seqs: int = 4) -> DraftModelProposer:
+    return DraftModelProposer(LlamaFamilyRunner(model, max_num_seqs, MAX_MODEL_LEN, pack_weights=False),
+                              pipelining=True)
+
+
+def counting_forwards(proposer: DraftModelProposer) -> list[int]:
+    calls: list[int] = []
+    runner = proposer.runner
+    forward = runner.forward
+    runner.forward = lambda rows: calls.append(len(rows)) or forward(rows)
+    return calls
+
+
+async def test_a_guess_that_holds_answers_the_next_call_without_a_forward():
+    model = tiny_qwen2(seed=21)
+    proposer = pipelined(model)
+    forwards = counting_forwards(proposer)
+    committed = list(repetitive_prompt(random.Random(3), 20))
+    try:
+        for step in range(4):
+            draft = tuple((await proposer.propose([DraftInput("a", committed, 3)]))[0].token_ids)
+            assert draft == await fresh_draft(model, committed, 3), step
+            await proposer._predrafting  # the verifier verifies meanwhile
+            # the verifier accepts the whole draft and its bonus is the draft model's own next token
+            committed = committed + list(draft) + list(await fresh_draft(model, committed + list(draft), 1))
+            forwards.clear()
+            ahead = tuple((await proposer.propose([DraftInput("a", committed, 3)]))[0].token_ids)
+            assert forwards == [] and ahead == await fresh_draft(model, committed, 3), step
+            await proposer._predrafting
+            committed = committed + list(ahead[:1]) + [(ahead[1] + 1) % 96]  # now a rejection
+        assert proposer.pipeline_counts.used == 4 and proposer.pipeline_counts.hidden_seconds > 0
+    finally:
+        proposer.close()
+
+
+async def test_a_failed_guess_is_dropped_and_the_draft_is_a_fresh_drafters():
+    model = tiny_qwen2(seed=21)
+    rng = random.Random(5)
+    proposer = pipelined(model)
+    committed = list(repetitive_prompt(rng, 20))
+    try:
+        for step in range(10):
+            k = rng.randint(1, 5)
+            draft = (await proposer.propose([DraftInput("a", committed, k)]))[0].token_ids
+            assert tuple(draft) == await fresh_draft(model, committed, k), step
+            await proposer._predrafting
+            committed = commit(rng, committed, draft)  # a random bonus: the guess practically never holds
+        counts = proposer.pipeline_counts
+        assert counts.used + counts.discarded == 9 and counts.discarded > 0
+    finally:
+        proposer.close()
+
+
+async def test_a_call_that_comes_early_stops_the_predraft_and_drafts_as_fresh():
+    model = tiny_qwen2(seed=21)
+    drafter = ModelDrafter(LlamaFamilyRunner(model, 2, MAX_MODEL_LEN, pack_weights=False))
+    committed = np.asarray(repetitive_prompt(random.Random(9), 16), dtype=np.int64)
+    request = DraftRequest("a", committed, 4)
+    draft = drafter.draft([request])[0]
+    asked = []
+    drafter.predraft([request], [draft], stop=lambda: asked.append(1) or len(asked) > 2)  # stops after 2 forwards
+    assert drafter.predrafts.counts.discarded == 1 and drafter.predrafts.counts.used == 0
+    guess = list(committed) + list(draft) + list(await fresh_draft(model, list(committed) + list(draft), 1))
+    again = drafter.draft([DraftRequest("a", np.asarray(guess, dtype=np.int64), 4)])[0]
+    assert again == await fresh_draft(model, guess, 4)  # the partly fed guess was kept in the slot and used
+
+
+async def test_greedy_output_with_pipelining_equals_no_speculation():
+    target = tiny_llama(seed=3)
+    rng = random.Random(17)
+    prompts = [repetitive_prompt(rng, rng.randint(4, 40)) for _ in range(6)]
+    max_tokens = [rng.randint(10, 40) for _ in range(6)]
+    baseline = await run_requests(make_engine(target, {}), prompts, max_tokens, SpeculationParams())
+    for drafter in (tiny_llama(seed=3), tiny_qwen2(seed=21)):  # the target itself (guesses hold), another model
+        proposer = pipelined(drafter, max_num_seqs=3)
+        proposer.method = "draft_model"
+        try:
+            engine = make_engine(target, {"draft_model": proposer})
+            result = await run_requests(engine, prompts, max_tokens, SpeculationParams("draft_model", 3))
+            assert all(result[f"r{i}"].tokens == baseline[f"r{i}"].tokens for i in range(len(prompts)))
+            assert engine.stats.num_fallbacks == 0
+        finally:
+            proposer.close()
+        if drafter.config.model_type == "llama":
+            assert proposer.pipeline_counts.used > 0
