@@ -177,7 +177,7 @@ class ModelDrafter:
             return
         seq_ids = [requests[i].seq_id for i in rows]
         ks = [self._next_room(requests[i], drafts[i]) for i in rows]
-        fed = [list(map(int, requests[i].token_ids)) + list(drafts[i][:-1]) for i in rows]  # what each slot holds
+        fed: list[list[int]] = [[] for _ in rows]  # fed after what each slot held: committed + d1..d(K-1)
         feeding = [drafts[i][-1] for i in rows]
         guesses: list[int] = []
         chains: list[list[int]] = [[] for _ in rows]
@@ -200,7 +200,8 @@ class ModelDrafter:
             raise
         seconds = self.catch_up.clock() - started
         for b, i in enumerate(rows):
-            self.slots.set_tokens(seq_ids[b], np.asarray(fed[b], dtype=np.int64))
+            held = np.asarray([*drafts[i][:-1], *fed[b]], dtype=np.int64)
+            self.slots.set_tokens(seq_ids[b], np.concatenate([requests[i].token_ids, held]))
             if len(chains[b]) < ks[b]:
                 self.predrafts.stopped()
                 continue
