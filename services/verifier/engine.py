@@ -46,7 +46,7 @@ from services.verifier.speculation_planner import SpeculationPlanner
 from services.verifier.step_cost import StepCostModel, profile_step_cost
 from services.verifier.step_execution import SampledRow, StepResult, execute_isolating_faults
 from services.verifier.step_planning import PrefillChunk, plan_prefill, speculation_cap
-from services.verifier.structured_output import GrammarCompiler, build_constraint
+from services.verifier.structured_output import GrammarCompiler, OutputConstraintError, build_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ class EngineOverloadedError(RuntimeError):
 class RequestFailedError(RuntimeError):
     """The engine could not compute this request's next tokens (a server fault, gRPC INTERNAL); the requests that
     shared its step are not affected."""
+
+
+class RequestConstraintError(ValueError):
+    """The request's own constraints (grammar, token rules) allow no continuation (gRPC INVALID_ARGUMENT)."""
 
 
 class RequestIdInUseError(ValueError):
@@ -462,7 +466,11 @@ class Engine:
         """End one request with an error (its stream raises it); the other requests of the step go on."""
         if not state.finished:
             state.finish_reason = FinishReason.ABORT
-            state.outputs.put_nowait(RequestFailedError(f"request {state.request_id} failed in the engine: {error!r}"))
+            if isinstance(error, OutputConstraintError):
+                failure: Exception = RequestConstraintError(f"request {state.request_id}: {error}")
+            else:
+                failure = RequestFailedError(f"request {state.request_id} failed in the engine: {error!r}")
+            state.outputs.put_nowait(failure)
 
     def _finish(
         self,

@@ -34,6 +34,11 @@ from services.verifier.sampling_params import OutputGrammar, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+class OutputConstraintError(ValueError):
+    """A request's own constraints (its grammar, or its token rules) allow no continuation of its output: the
+    request's fault, failing it alone as invalid (gRPC INVALID_ARGUMENT), never the step or its neighbours."""
+
+
 COMPILED_GRAMMARS_KEPT = 128  # the same schema sent again skips llguidance's (up to ~1 s) compilation
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -148,11 +153,14 @@ class OutputConstraint:
 
     def commit(self, token: int) -> bool:
         """Advance the grammar over one committed token; True when the grammar is complete (nothing may follow).
-        A token the mask allowed never fails; if one does, the request fails (RuntimeError), not the step."""
+        A token the mask allowed should never fail; llguidance can still refuse one for some grammars (seen with a
+        regular expression of unusual code points, whose mask admits a partial UTF-8 byte the matcher then
+        rejects). That ends the request as invalid (OutputConstraintError), not the step."""
         if self.matcher is None:
             return False
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused committed token {token}: {self.matcher.get_error()}")
+            raise OutputConstraintError(f"the grammar could not be followed: it refused token {token} that its own "
+                                        f"mask allowed ({self.matcher.get_error()[:200]})")
         return self.matcher.is_stopped()
 
 
@@ -204,7 +212,7 @@ def constrain_logits(logits: torch.Tensor, constraints: Sequence[OutputConstrain
     """In place on [B, P, V] raw logits (row b verifies drafts[b] after committed output tokens outputs[b]): add
     each row's bias, mask each grammar row and each row's token rules at every position. Rows without a
     constraint cost nothing; a step without any costs one loop over the rows. A row whose constraints allow no
-    token at its committed state is a RuntimeError (the engine fails that request only).
+    token at its committed state is an OutputConstraintError (the engine fails that request only).
 
     Returns {row: j} for rows whose token rules allow nothing at a later position j (reached through the drafts
     d1..dj; its logits are left finite so the batch samples without NaNs): a row that accepts those j drafts
@@ -234,7 +242,7 @@ def _mask_token_rules(logits: torch.Tensor, constraints: Sequence[OutputConstrai
     positions = torch.isfinite(logits[rows]).any(dim=-1)  # [N, P]
     if not positions[:, 0].all():
         stuck = [rows[i] for i in (~positions[:, 0]).nonzero().flatten().tolist()]
-        raise RuntimeError(f"the output constraints of batch rows {stuck} allow no next token")
+        raise OutputConstraintError(f"the output constraints of batch rows {stuck} allow no next token")
     dead: dict[int, int] = {}
     for i, j in (~positions).nonzero().tolist():
         dead.setdefault(rows[i], j)
@@ -264,6 +272,6 @@ def _mask_grammars(logits: torch.Tensor, constraints: Sequence[OutputConstraint 
     allowed = _allowed(bitmask, vocab).reshape(len(grammar_rows), positions, vocab)
     if not allowed[:, 0].any(dim=-1).all():  # the committed state allows nothing: a grammar in error
         stuck = [grammar_rows[i] for i in (~allowed[:, 0].any(dim=-1)).nonzero().flatten().tolist()]
-        raise RuntimeError(f"the grammar of batch rows {stuck} allows no next token")
+        raise OutputConstraintError(f"the grammar of batch rows {stuck} allows no next token")
     allowed |= ~allowed.any(dim=-1, keepdim=True)  # unreachable positions (past a forbidden draft): unmasked
     logits[grammar_rows] = logits[grammar_rows].masked_fill(~allowed.to(logits.device), float("-inf"))

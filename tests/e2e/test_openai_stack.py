@@ -295,6 +295,11 @@ def test_what_the_verifier_refuses_is_a_400(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, logit_bias={"999999": 1})
     with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"stop_token_ids": [49153]})
+    # found by the fuzz run: llguidance's mask for this regular expression (a supplementary-plane character first)
+    # admits a byte token its matcher then refuses, so the grammar cannot be followed: the request's fault, a 400
+    with pytest.raises(openai.BadRequestError, match="grammar could not be followed"):
+        client.completions.create(model=MODEL, prompt=" waving", max_tokens=5, top_p=0.28,
+                                  extra_body={"guided_regex": "\U0006946c\f\u00dd\u0007\u0017"})
 
 
 WEATHER_TOOL = {"type": "function", "function": {

@@ -20,7 +20,7 @@ import torch
 
 from services.drafter.methods.ngram import NgramProposer
 from services.modeling.llama_runner import LlamaFamilyRunner
-from services.verifier.engine import Engine
+from services.verifier.engine import Engine, RequestConstraintError
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
@@ -178,7 +178,7 @@ async def outcome(engine: Engine, request: GenerationRequest) -> tuple[list[int]
             try:
                 for output in stream.ready_outputs():
                     tokens[rid] += output.token_ids
-            except RuntimeError as failure:
+            except RequestConstraintError as failure:
                 error = str(failure)
         if engine.num_running == 0 and engine.num_waiting == 0:
             break
