@@ -40,8 +40,13 @@ def serve(args: argparse.Namespace, pipelining: bool, log: Path) -> tuple[subpro
             json.dumps(spec), "--verifier-cpus", args.verifier_cpus, "--drafter-cpus", args.drafter_cpus,
             "--port", str(port), "--verifier-port", str(verifier), "--drafter-port", str(drafter),
             "--verifier-metrics-port", str(verifier_metrics), "--drafter-metrics-port", str(drafter_metrics),
-            "--kv-cache-memory-bytes", args.kv_cache_memory_bytes, "--no-adaptive-speculation"]
-    process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+            "--kv-cache-memory-bytes", args.kv_cache_memory_bytes, "--max-model-len", str(args.max_model_len),
+            "--no-adaptive-speculation"]
+    # a draft model on a core of its own takes longer than the default 0.5 s draft deadline for K tokens: the
+    # verifier waits for it (both settings alike), or it would verify without drafts
+    env = {**os.environ, "SPECSERVE_VERIFIER_DRAFT_TIMEOUT_S": str(args.draft_timeout_s),
+           "SPECSERVE_VERIFIER_MAX_DRAFT_TIMEOUT_S": str(args.draft_timeout_s)}
+    process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     base = f"http://{HOST}:{port}"
     deadline = time.monotonic() + args.start_timeout_s
     while time.monotonic() < deadline:
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verifier-cpus", default=",".join(map(str, cpus[:half])))
     parser.add_argument("--drafter-cpus", default=",".join(map(str, cpus[half:] or cpus[:1])))
     parser.add_argument("--kv-cache-memory-bytes", default="1GiB")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--draft-timeout-s", type=float, default=5.0)
     parser.add_argument("--start-timeout-s", type=float, default=900)
     args = parser.parse_args(argv)
     print(json.dumps(describe_hardware()))
