@@ -2,12 +2,13 @@
 
 `specserve serve --model TARGET --speculative-config '{"method": "draft_model", ..., "draft_pipelining": B}'` with
 the verifier and the drafter on CPU sets of their own (`--verifier-cpus`, `--drafter-cpus`: the issue's "as on
-separate hardware"), greedy HumanEval chats through the HTTP API one at a time, the same prompts for both
-settings. Prints the hardware, tokens/s per prompt and their median for each setting, the ratio, the pre-drafts
+separate hardware"), greedy HumanEval chats through the HTTP API, one at a time or `--concurrency` at once, the
+same prompts for both settings. Prints the hardware, tokens/s per prompt and their median for each setting, the ratio, the pre-drafts
 used and discarded (the drafter's metrics), and whether every output was identical (exit 1 if not).
 
     python -m services.bench.draft_pipelining [--target qwen2.5-coder-1.5b-instruct]
         [--draft qwen2.5-coder-0.5b-instruct] [--verifier-cpus 0] [--drafter-cpus 1] [--prompts 3]
+        [--concurrency 1]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -66,20 +68,27 @@ def counter(metrics: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{"))
 
 
+def chat(client: httpx.Client, base: str, args: argparse.Namespace, message: str) -> dict:
+    body = {"model": args.target, "messages": [{"role": "user", "content": message}],
+            "max_tokens": args.max_tokens, "temperature": 0}
+    started = time.perf_counter()
+    reply = client.post(f"{base}/v1/chat/completions", json=body).json()
+    seconds = time.perf_counter() - started
+    return {"text": reply["choices"][0]["message"]["content"],
+            "tok_s": reply["usage"]["completion_tokens"] / seconds, "speculation": reply["speculative_decoding"]}
+
+
 def run(args: argparse.Namespace, pipelining: bool, messages: list[str], log: Path) -> dict:
+    """Each prompt alone, or with --concurrency > 1, groups of that many prompts sent at once (per-request tok/s;
+    a group's requests share the verifier's steps)."""
     process, base, drafter_metrics = serve(args, pipelining, log)
     try:
         client = httpx.Client(timeout=1800)
         results = []
-        for message in messages:
-            body = {"model": args.target, "messages": [{"role": "user", "content": message}],
-                    "max_tokens": args.max_tokens, "temperature": 0}
-            started = time.perf_counter()
-            reply = client.post(f"{base}/v1/chat/completions", json=body).json()
-            seconds = time.perf_counter() - started
-            tokens = reply["usage"]["completion_tokens"]
-            results.append({"text": reply["choices"][0]["message"]["content"], "tok_s": tokens / seconds,
-                            "speculation": reply["speculative_decoding"]})
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for start in range(0, len(messages), args.concurrency):
+                group = messages[start : start + args.concurrency]
+                results += list(pool.map(lambda message: chat(client, base, args, message), group))
         metrics = httpx.get(drafter_metrics).text
         used = counter(metrics, "specserve_drafter_predrafts_used_total")
         discarded = counter(metrics, "specserve_drafter_predrafts_discarded_total")
@@ -96,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=3, help="HumanEval problems")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests sent at once")
     parser.add_argument("--max-tokens", type=int, default=64)
     cpus = sorted(os.sched_getaffinity(0))
     half = max(1, len(cpus) // 2)
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(describe_hardware()))
     print(f"verifier CPUs {args.verifier_cpus}, drafter CPUs {args.drafter_cpus}; {args.target} with "
           f"{args.draft} drafting K = {args.k} (adaptive speculation off), {args.prompts} HumanEval chats, "
-          f"{args.max_tokens} tokens, greedy, one at a time", flush=True)
+          f"{args.max_tokens} tokens, greedy, {args.concurrency} at a time", flush=True)
     messages = humaneval_messages(args.prompts)
     logs = Path(tempfile.mkdtemp(prefix="specserve-pipelining-"))
     runs = {on: run(args, on, messages, logs / f"serve-{'on' if on else 'off'}.log") for on in (False, True)}
