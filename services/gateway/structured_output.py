@@ -96,14 +96,22 @@ class StructuredOutputs(BaseModel):
     def proto(self) -> Any:
         if self.json_object:
             return pb.StructuredOutput(json_object=True)
-        if self.json_ is not None:
-            text = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
-            return pb.StructuredOutput(json_schema=text)
-        if self.regex is not None:
-            return pb.StructuredOutput(regex=self.regex)
-        if self.choice is not None:
-            return pb.StructuredOutput(choice=pb.ChoiceList(choices=self.choice))
-        return pb.StructuredOutput(grammar=self.grammar)
+        return grammar_proto(self.json_, self.regex, self.choice, self.grammar)
+
+
+def grammar_proto(schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None,
+                  grammar: str | None) -> Any | None:
+    """The proto StructuredOutput of the first of these that is set (a JSON schema as an object or JSON text), or
+    None: one mapping for vLLM's structured_outputs and its older guided_* fields."""
+    if schema is not None:
+        return pb.StructuredOutput(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
+    if regex is not None:
+        return pb.StructuredOutput(regex=regex)
+    if choice is not None:
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=choice))
+    if grammar is not None:
+        return pb.StructuredOutput(grammar=grammar)
+    return None
 
 
 class OutputConstraintFields(BaseModel):
@@ -143,13 +151,4 @@ class OutputConstraintFields(BaseModel):
             return pb.StructuredOutput(json_schema=json.dumps(schema))
         if self.structured_outputs is not None:
             return self.structured_outputs.proto()
-        if self.guided_json is not None:
-            text = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
-            return pb.StructuredOutput(json_schema=text)
-        if self.guided_regex is not None:
-            return pb.StructuredOutput(regex=self.guided_regex)
-        if self.guided_choice is not None:
-            return pb.StructuredOutput(choice=pb.ChoiceList(choices=self.guided_choice))
-        if self.guided_grammar is not None:
-            return pb.StructuredOutput(grammar=self.guided_grammar)
-        return None
+        return grammar_proto(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
