@@ -32,6 +32,7 @@ class DrafterDescription:
     max_speculative_tokens: int = 0
     hidden_size: int = 0  # with needs_hidden_states: the target state width it was built for
     hidden_layers: tuple[int, ...] = (-1,)  # target layers it reads (-1: the final, normed one)
+    pre_drafts: bool = False  # drafts a sequence's next step while the verifier verifies (draft_model, eagle)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class SequenceUpdate:
     num_speculative_tokens: int
     # float16 [rows, H]: target states of the committed tokens the drafter has none for yet (see the proto)
     hidden_states: np.ndarray | None = None
+    draft_pipelining: bool | None = None  # pre-draft the next step; None: the drafter's own setting
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ def description_to_proto(info: DrafterDescription):
         max_speculative_tokens=info.max_speculative_tokens,
         hidden_size=info.hidden_size,
         hidden_layers=info.hidden_layers if info.needs_hidden_states else (),
+        pre_drafts=info.pre_drafts,
     )
 
 
@@ -108,6 +111,7 @@ def description_from_proto(message) -> DrafterDescription:
         max_speculative_tokens=message.max_speculative_tokens,
         hidden_size=message.hidden_size,
         hidden_layers=tuple(message.hidden_layers) or (-1,),
+        pre_drafts=message.pre_drafts,
     )
 
 
@@ -123,6 +127,7 @@ def step_to_proto(step: DraftStep):
                 num_speculative_tokens=u.num_speculative_tokens,
                 hidden_states_fp16=b"" if u.hidden_states is None else u.hidden_states.astype("<f2").tobytes(),
                 hidden_size=0 if u.hidden_states is None else u.hidden_states.shape[1],
+                draft_pipelining=u.draft_pipelining,
             )
             for u in step.updates
         ],
@@ -135,7 +140,8 @@ def step_from_proto(message) -> DraftStep:
         step_id=message.step_id,
         updates=tuple(
             SequenceUpdate(u.seq_id, u.base_length, tuple(u.new_token_ids), u.num_speculative_tokens,
-                           decode_hidden(u.hidden_states_fp16, u.hidden_size))
+                           decode_hidden(u.hidden_states_fp16, u.hidden_size),
+                           u.draft_pipelining if u.HasField("draft_pipelining") else None)
             for u in message.updates
         ),
         closed_seq_ids=tuple(message.closed_seq_ids),

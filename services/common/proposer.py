@@ -28,6 +28,9 @@ class DraftInput:
     # tokens it has run on, [n, H], row i belonging to token_ids[i]. n = len(token_ids) - 1: the last committed
     # token (the bonus one) has not been through the target yet; its state comes with the next step.
     hidden_states: torch.Tensor | None = None
+    # For proposers that pre-draft (`pre_drafts`, draft_model and EAGLE): draft this sequence's next step while
+    # the verifier verifies this one (the request's draft_pipelining); None: the proposer's own setting.
+    pipelining: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.common.proposer import DraftInput
+
+
+def wants_predraft(item: DraftInput, default: bool) -> bool:
+    """The request's draft_pipelining where it set one, else the drafter's setting."""
+    return default if item.pipelining is None else item.pipelining
+
 
 @dataclass(frozen=True)
 class PreDraft:

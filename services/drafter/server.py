@@ -52,6 +52,7 @@ async def serve(
         max_speculative_tokens=num_speculative_tokens,
         hidden_size=int(getattr(proposer, "hidden_size", 0) or 0),
         hidden_layers=tuple(getattr(proposer, "hidden_layers", (-1,))),
+        pre_drafts=bool(getattr(proposer, "pre_drafts", False)),
     )
     servicer = DrafterServicer(proposer, description, metrics)
     server = await start_grpc_server(

@@ -139,7 +139,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if self.description.max_speculative_tokens:
                 k = min(k, self.description.max_speculative_tokens)
             inputs.append(DraftInput(link.key(update.seq_id), link.sequences[update.seq_id], k,
-                                     self._hidden_states(link, update.seq_id)))
+                                     self._hidden_states(link, update.seq_id), update.draft_pipelining))
         wanted = [j for j, item in enumerate(inputs) if item.num_speculative_tokens > 0]
         proposed = list(await self.proposer.propose([inputs[j] for j in wanted])) if wanted else []
         if len(proposed) != len(wanted):

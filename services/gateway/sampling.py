@@ -124,5 +124,7 @@ def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int]
         speculation.method = req.speculative_config.method
         if req.speculative_config.num_speculative_tokens is not None:
             speculation.num_speculative_tokens = req.speculative_config.num_speculative_tokens
+        if req.speculative_config.draft_pipelining is not None:
+            speculation.draft_pipelining = req.speculative_config.draft_pipelining
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
                               speculation=speculation)

@@ -37,11 +37,14 @@ TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 class SpeculativeConfig(BaseModel):
     """Per-request speculation (extension): `{"method": "ngram", "num_speculative_tokens": 3}` or
-    `{"method": "none"}`. `method` names a drafter attached to the verifier; the verifier rejects unknown ones."""
+    `{"method": "none"}`. `method` names a drafter attached to the verifier; the verifier rejects unknown ones.
+    `draft_pipelining` (draft_model, eagle): the drafter drafts the next step while this one is verified; unset,
+    the drafter's own setting; the verifier refuses it for drafters that do not pre-draft."""
 
     model_config = ConfigDict(extra="forbid")
     method: str = Field("", max_length=128)
     num_speculative_tokens: int | None = Field(None, ge=0, le=64)
+    draft_pipelining: bool | None = None
 
 
 class StreamOptions(BaseModel):

@@ -284,6 +284,11 @@ class Engine:
         if spec.enabled and spec.method not in self.proposers:
             available = ", ".join(sorted(self.proposers)) or "none configured"
             raise ValueError(f"unknown speculative method {spec.method!r}; available: {available}")
+        if spec.draft_pipelining and not spec.enabled:
+            raise ValueError("draft_pipelining needs speculation; this request has none")
+        if spec.draft_pipelining and not getattr(self.proposers[spec.method], "pre_drafts", False):
+            raise ValueError(f"draft_pipelining: the {spec.method!r} drafter does not pre-draft (draft_model and "
+                             "eagle do)")
 
     # -- the step loop --------------------------------------------------------------------------------------
     async def _run(self) -> None:

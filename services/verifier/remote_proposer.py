@@ -134,6 +134,7 @@ class RemoteProposer:
         self.config = config
         self.method = method  # replaced by the drafter's own method once Info has answered
         self.needs_hidden_states = False  # likewise (an EAGLE drafter reads the target's hidden states)
+        self.pre_drafts = False  # likewise (a model drafter can draft the next step while this one is verified)
         self._channel: grpc.aio.Channel | None = None
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
@@ -156,6 +157,7 @@ class RemoteProposer:
         check_compatible(described, self.config)
         self.method = described.method
         self.needs_hidden_states = described.needs_hidden_states  # the engine then keeps its requests' states
+        self.pre_drafts = described.pre_drafts
         self._retry_at = 0.0  # it answers and fits: no reason to keep backing off
         return described
 
@@ -244,7 +246,7 @@ class RemoteProposer:
             if link.info.needs_hidden_states and item.hidden_states is not None:
                 states = item.hidden_states.detach().to("cpu", torch.float16).numpy()
                 hidden = new_hidden_rows(states, base, len(committed))
-            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), k, hidden))
+            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), k, hidden, item.pipelining))
         step = DraftStep(link.next_step_id, tuple(updates), tuple(link.closed))
         link.next_step_id += 1
         try:

@@ -138,10 +138,12 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpeculationParams:
-    """Which proposer drafts for a request and how many tokens per step (K). method None: no speculation."""
+    """Which proposer drafts for a request and how many tokens per step (K). method None: no speculation.
+    `draft_pipelining`: let the drafter draft the next step while this one is verified; None: its own setting."""
 
     method: str | None = None
     num_speculative_tokens: int = 0
+    draft_pipelining: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 64:

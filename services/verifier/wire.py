@@ -84,10 +84,11 @@ def speculation_from_proto(message, default: DefaultSpeculation) -> SpeculationP
     """"" -> the server default; "none" -> off; a name -> that drafter (unknown names are the engine's to
     refuse). An unset K takes the default K."""
     method = message.method or default.method
+    pipelining = message.draft_pipelining if message.HasField("draft_pipelining") else None
     if method is None or method == NO_SPECULATION:
-        return SpeculationParams()
+        return SpeculationParams(draft_pipelining=pipelining)  # kept so that the engine can refuse it
     k = message.num_speculative_tokens if message.HasField("num_speculative_tokens") else default.num_tokens
-    return SpeculationParams(method, k)
+    return SpeculationParams(method, k, pipelining)
 
 
 def request_from_proto(message, request_id: str, default: DefaultSpeculation) -> GenerationRequest:

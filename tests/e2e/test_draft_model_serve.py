@@ -63,3 +63,15 @@ def test_per_request_k_and_sampling_work_with_the_draft_model(draft_model_stack)
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == spec["num_drafts"], spec  # one token per draft
     assert first.choices[0].message.content == again.choices[0].message.content  # seeded sampling is reproducible
     assert first.model_extra["speculative_decoding"]["num_drafts"] > 0
+
+
+def test_per_request_draft_pipelining_keeps_greedy_output_and_is_refused_without_a_model_drafter(draft_model_stack):
+    pipelined, plain = at_once(
+        lambda: _chat(draft_model_stack, temperature=0,
+                      extra_body={"speculative_config": {"draft_pipelining": True}}),
+        lambda: _chat(draft_model_stack, temperature=0, extra_body=NO_SPEC))
+    assert pipelined.choices[0].message.content == plain.choices[0].message.content
+    assert pipelined.model_extra["speculative_decoding"]["num_drafts"] > 0
+    with pytest.raises(openai.BadRequestError) as refused:
+        _chat(draft_model_stack, extra_body={"speculative_config": {"method": "none", "draft_pipelining": True}})
+    assert "draft_pipelining" in refused.value.message

@@ -9,11 +9,14 @@ import grpc
 import torch
 
 from services.common.drafter_wire import (
+    DrafterDescription,
     DraftReply,
     DraftStep,
     SequenceDraft,
     SequenceUpdate,
     decode_probs,
+    description_from_proto,
+    description_to_proto,
     drafter_pb2,
     drafter_pb2_grpc,
     encode_probs,
@@ -162,6 +165,12 @@ async def test_closed_and_abandoned_sequences_are_forgotten_and_released():
 def test_wire_round_trip_keeps_everything():
     step = DraftStep(7, (SequenceUpdate("s", 3, (4, 5), 2), SequenceUpdate("t", 0, (1,), 0)), ("gone",))
     assert step_from_proto(step_to_proto(step)) == step
+    for pipelining in (True, False, None):  # None (unset) is the drafter's own setting, not False
+        update = SequenceUpdate("s", 3, (4, 5), 2, draft_pipelining=pipelining)
+        assert step_from_proto(step_to_proto(DraftStep(8, (update,)))).updates == (update,)
+    for pre_drafts in (True, False):
+        info = DrafterDescription("draft_model", 11, "f", max_speculative_tokens=4, pre_drafts=pre_drafts)
+        assert description_from_proto(description_to_proto(info)) == info
     probs = torch.softmax(torch.randn(2, 11), dim=-1)
     reply = reply_from_proto(
         reply_to_proto(

@@ -108,6 +108,19 @@ async def test_logprobs_and_none_method(model, ngram_drafter):
     assert messages[-1].speculation.num_drafts == 0 and messages[-1].speculation.method == ""
 
 
+async def test_draft_pipelining_is_refused_for_a_drafter_that_does_not_pre_draft(model, ngram_drafter):
+    _, drafter_port = ngram_drafter
+    async with verifier(model, drafters=[f"ngram=127.0.0.1:{drafter_port}"], speculative_config=NGRAM) as (_, stub):
+        for method in ("ngram", "none"):
+            request = greedy(f"p-{method}", [1, 2, 3, 1, 2, 3], 5, method=method)
+            request.speculation.draft_pipelining = True
+            details = await expect_status(collect(stub, request), grpc.StatusCode.INVALID_ARGUMENT)
+            assert "draft_pipelining" in details
+        request = greedy("p-off", [1, 2, 3, 1, 2, 3], 5, method="ngram")
+        request.speculation.draft_pipelining = False  # off is what this drafter does anyway
+        assert sum(len(m.token_ids) for m in await collect(stub, request)) == 5
+
+
 async def expect_status(call, code: grpc.StatusCode) -> str:
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await call

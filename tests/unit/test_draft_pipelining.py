@@ -54,6 +54,22 @@ async def test_a_guess_that_holds_answers_the_next_call_without_a_forward():
         proposer.close()
 
 
+async def test_each_request_can_turn_pre_drafting_on_or_off_whatever_the_drafters_setting():
+    model = tiny_qwen2(seed=21)
+    committed = list(repetitive_prompt(random.Random(4), 20))
+    for setting in (False, True):
+        proposer = DraftModelProposer(LlamaFamilyRunner(model, 4, MAX_MODEL_LEN, pack_weights=False),
+                                      pipelining=setting)
+        try:
+            inputs = [DraftInput("own", committed, 3), DraftInput("on", committed, 3, pipelining=True),
+                      DraftInput("off", committed, 3, pipelining=False)]
+            await proposer.propose(inputs)
+            await proposer._predrafting
+            assert set(proposer._drafter.predrafts._by_seq) == ({"own", "on"} if setting else {"on"})
+        finally:
+            proposer.close()
+
+
 async def test_a_failed_guess_is_dropped_and_the_draft_is_a_fresh_drafters():
     model = tiny_qwen2(seed=21)
     rng = random.Random(5)

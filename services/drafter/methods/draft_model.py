@@ -39,6 +39,7 @@ import numpy as np
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput
 from services.common.speculative_config import SpeculativeConfig
+from services.drafter.draft_pipelining import wants_predraft
 from services.drafter.model_drafting import DraftRequest, ModelDrafter
 from services.modeling.context_length import resolve_max_model_len
 from services.modeling.loading import load_model
@@ -81,12 +82,14 @@ class DraftModelSettings:
 
 class DraftModelProposer:
     method = "draft_model"
+    pre_drafts = True  # declared in Info: a request may set draft_pipelining
 
     def __init__(self, runner: ModelRunner, tokenizer_fingerprint: str = "", compute: Executor | None = None,
                  pipelining: bool = False) -> None:
         """`runner`: the draft model's, empty (its max_num_seqs slots and max_model_len bound what is drafted).
         `compute`: the executor for the tensor work, one thread (default: a worker thread of its own).
-        `pipelining`: after each call, pre-draft the next step on the guess that this one is accepted whole."""
+        `pipelining`: after each call, pre-draft the next step on the guess that this one is accepted whole, for
+        the sequences whose request does not say otherwise (DraftInput.pipelining)."""
         self.vocab_size = runner.vocab_size  # declared in Info
         self.tokenizer_fingerprint = tokenizer_fingerprint  # declared in Info; "" when unknown
         self._drafter = ModelDrafter(runner)
@@ -134,9 +137,11 @@ class DraftModelProposer:
         loop = asyncio.get_running_loop()
         self._call_waiting.set()
         drafted = await loop.run_in_executor(self._compute, self._draft, requests)
-        if self.pipelining:  # queued behind nothing: the compute thread is free until the next call
+        ahead = [i for i, item in enumerate(inputs) if wants_predraft(item, self.pipelining)]
+        if ahead:  # queued behind nothing: the compute thread is free until the next call
             self._call_waiting.clear()
-            self._predrafting = loop.run_in_executor(self._compute, self._drafter.predraft, requests, drafted,
+            self._predrafting = loop.run_in_executor(self._compute, self._drafter.predraft,
+                                                     [requests[i] for i in ahead], [drafted[i] for i in ahead],
                                                      self._call_waiting.is_set)
             self._predrafting.add_done_callback(_log_failure)
         return [Draft(tokens) for tokens in drafted]
