@@ -17,12 +17,18 @@ depend on the guess. A call that arrives while a pre-draft still runs stops it a
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from services.common.proposer import DraftInput
+
+logger = logging.getLogger(__name__)
 
 
 def wants_predraft(item: DraftInput, default: bool) -> bool:
@@ -34,7 +40,7 @@ def wants_predraft(item: DraftInput, default: bool) -> bool:
 class PreDraft:
     base: np.ndarray  # the committed tokens it drafts after: committed + draft + guessed bonus
     tokens: tuple[int, ...]
-    seconds: float  # what computing it took (hidden from the verifier's step when used)
+    seconds: float  # its share of the pre-draft's time (hidden from the verifier's step when used)
 
 
 @dataclass
@@ -59,13 +65,14 @@ class PreDrafts:
             self.counts.discarded += 1
         self._by_seq[seq_id] = predraft
 
-    def take(self, seq_id: Hashable, committed: np.ndarray, k: int) -> tuple[int, ...] | None:
+    def take(self, seq_id: Hashable, committed: Sequence[int], k: int) -> tuple[int, ...] | None:
         """The draft for `committed` if a pre-draft was made for exactly these tokens (at most k of its tokens);
         None otherwise. Either way the sequence's pre-draft is gone afterwards."""
         predraft = self._by_seq.pop(seq_id, None)
         if predraft is None:
             return None
-        if len(committed) == len(predraft.base) and np.array_equal(committed, predraft.base) and k > 0:
+        same = len(committed) == len(predraft.base) and np.array_equal(np.asarray(committed), predraft.base)
+        if same and k > 0:
             self.counts.used += 1
             self.counts.hidden_seconds += predraft.seconds
             return predraft.tokens[:k]
@@ -79,3 +86,29 @@ class PreDrafts:
     def stopped(self) -> None:
         """A pre-draft stopped before it finished."""
         self.counts.discarded += 1
+
+
+class PreDraftRunner:
+    """Starts a proposer's pre-draft on its compute thread right after a call was answered (the thread is free
+    until the next call), and tells a running one to stop as soon as the next call arrives."""
+
+    def __init__(self) -> None:
+        self._call_waiting = threading.Event()
+        self.running: asyncio.Future | None = None  # the last pre-draft started (tests await it)
+
+    def call_arrived(self) -> None:
+        """A call is waiting for the compute thread: a running pre-draft stops after its current forward."""
+        self._call_waiting.set()
+
+    def start(self, compute: Executor, predraft: Callable[..., None], *args) -> None:
+        """Run `predraft(*args, stop)` on `compute`; `stop()` says whether a call is waiting."""
+        self._call_waiting.clear()
+        self.running = asyncio.get_running_loop().run_in_executor(compute, predraft, *args,
+                                                                  self._call_waiting.is_set)
+        self.running.add_done_callback(_log_failure)
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    """A pre-draft that failed only costs the next call a fresh draft (its sequences start afresh)."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("a pre-draft failed: %r", future.exception())

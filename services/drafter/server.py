@@ -108,7 +108,7 @@ async def run(settings: DrafterSettings, proposer: Proposer) -> int:
     """Serve `proposer` (built from `settings`) until SIGTERM."""
     speculation = settings.speculation
     metrics = DrafterMetrics(proposer.method)
-    if getattr(proposer, "pipelining", False):
+    if getattr(proposer, "pre_drafts", False):  # on for requests that ask, whatever the server's setting
         metrics.watch_pipelining(lambda: proposer.pipeline_counts)
     server, port = await serve(
         proposer,

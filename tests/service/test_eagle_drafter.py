@@ -38,10 +38,10 @@ def eagle_for(target, draft_vocab: tuple[int, ...] = ()) -> EagleProposer:
     return EagleProposer(head, target.get_input_embeddings(), target.get_output_embeddings(), V)
 
 
-async def with_eagle(target, run, draft_vocab: tuple[int, ...] = ()):
-    server, port = await serve(eagle_for(target, draft_vocab), "127.0.0.1", 0, num_speculative_tokens=3)
+async def with_eagle(proposer: EagleProposer, run):
+    server, port = await serve(proposer, "127.0.0.1", 0, num_speculative_tokens=3)
     remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", V, step_timeout_s=None))
-    assert remote.method == "eagle" and remote.needs_hidden_states
+    assert remote.method == "eagle" and remote.needs_hidden_states and remote.pre_drafts
     try:
         return await run(remote)
     finally:
@@ -61,8 +61,9 @@ def target():
     return tiny_llama(seed=21, vocab_size=V)
 
 
-@pytest.mark.parametrize("draft_vocab", [(), (1, 3, 4, 5, 6, 7, 9)], ids=["whole vocabulary", "reduced vocabulary"])
-async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab):
+@pytest.mark.parametrize(("draft_vocab", "pipelining"), [((), None), ((1, 3, 4, 5, 6, 7, 9), None), ((), True)],
+                         ids=["whole vocabulary", "reduced vocabulary", "pipelined"])
+async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab, pipelining):
     prompts = [PROMPT, (3, 3, 4, 4, 5, 5, 6), tuple(range(1, 12))]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = await run_schedule(engine(target, {}), {0: [GenerationRequest(f"r{i}", p, params)
@@ -70,15 +71,18 @@ async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_v
 
     async def run(remote):
         e = engine(target, {"eagle": remote})
-        spec = SpeculationParams("eagle", 3)
+        spec = SpeculationParams("eagle", 3, pipelining)
         results = await run_schedule(e, {0: [GenerationRequest(f"r{i}", p, params, spec)
                                              for i, p in enumerate(prompts)]})
         return results, e.stats
 
-    results, stats = await with_eagle(target, run, draft_vocab)
+    proposer = eagle_for(target, draft_vocab)
+    results, stats = await with_eagle(proposer, run)
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == plain[f"r{i}"].tokens
     assert stats.num_draft_tokens > 0 and stats.num_fallbacks == 0
+    counts = proposer.pipeline_counts
+    assert (counts.used + counts.discarded > 0) if pipelining else counts == type(counts)()
 
 
 def exact_joint(model, params: SamplingParams) -> np.ndarray:
@@ -95,17 +99,21 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target):
+@pytest.mark.parametrize("pipelining", [False, True], ids=["plain", "pipelined"])
+async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining):
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     samples = 2000
 
     async def run(remote):
         e = engine(target, {"eagle": remote}, slots=200)
         requests = [GenerationRequest(f"s{i}", PROMPT, SamplingParams(**{**params.__dict__, "seed": 7000 + i}),
-                                      SpeculationParams("eagle", 2)) for i in range(samples)]
+                                      SpeculationParams("eagle", 2, pipelining)) for i in range(samples)]
         return await run_schedule(e, {0: requests}), e.stats
 
-    results, stats = await with_eagle(target, run)
+    proposer = eagle_for(target)
+    results, stats = await with_eagle(proposer, run)
+    counts = proposer.pipeline_counts
+    assert (counts.used + counts.discarded > 0) == pipelining  # pre-drafts were made (the request asked), or none
     joint = np.zeros((V, V))
     for result in results.values():
         joint[result.tokens[1], result.tokens[2]] += 1

@@ -41,13 +41,13 @@ async def test_a_guess_that_holds_answers_the_next_call_without_a_forward():
         for step in range(4):
             draft = tuple((await proposer.propose([DraftInput("a", committed, 3)]))[0].token_ids)
             assert draft == await fresh_draft(model, committed, 3), step
-            await proposer._predrafting  # the verifier verifies meanwhile
+            await proposer.predrafting.running  # the verifier verifies meanwhile
             # the verifier accepts the whole draft and its bonus is the draft model's own next token
             committed = committed + list(draft) + list(await fresh_draft(model, committed + list(draft), 1))
             forwards.clear()
             ahead = tuple((await proposer.propose([DraftInput("a", committed, 3)]))[0].token_ids)
             assert forwards == [] and ahead == await fresh_draft(model, committed, 3), step
-            await proposer._predrafting
+            await proposer.predrafting.running
             committed = committed + list(ahead[:1]) + [(ahead[1] + 1) % 96]  # now a rejection
         assert proposer.pipeline_counts.used == 4 and proposer.pipeline_counts.hidden_seconds > 0
     finally:
@@ -64,7 +64,7 @@ async def test_each_request_can_turn_pre_drafting_on_or_off_whatever_the_drafter
             inputs = [DraftInput("own", committed, 3), DraftInput("on", committed, 3, pipelining=True),
                       DraftInput("off", committed, 3, pipelining=False)]
             await proposer.propose(inputs)
-            await proposer._predrafting
+            await proposer.predrafting.running
             assert set(proposer._drafter.predrafts._by_seq) == ({"own", "on"} if setting else {"on"})
         finally:
             proposer.close()
@@ -80,7 +80,7 @@ async def test_a_failed_guess_is_dropped_and_the_draft_is_a_fresh_drafters():
             k = rng.randint(1, 5)
             draft = (await proposer.propose([DraftInput("a", committed, k)]))[0].token_ids
             assert tuple(draft) == await fresh_draft(model, committed, k), step
-            await proposer._predrafting
+            await proposer.predrafting.running
             committed = commit(rng, committed, draft)  # a random bonus: the guess practically never holds
         counts = proposer.pipeline_counts
         assert counts.used + counts.discarded == 9 and counts.discarded > 0
@@ -109,8 +109,8 @@ def after_each_predraft(proposer: DraftModelProposer) -> None:
     propose = proposer.propose
 
     async def propose_after_predraft(inputs):
-        if proposer._predrafting is not None:
-            await proposer._predrafting
+        if proposer.predrafting.running is not None:
+            await proposer.predrafting.running
         return await propose(inputs)
 
     proposer.propose = propose_after_predraft

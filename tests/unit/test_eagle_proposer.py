@@ -4,6 +4,7 @@ changes the cost of drafting, never a draft."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import torch
@@ -16,8 +17,10 @@ from tests.tiny_models import tiny_llama
 V = 96
 
 
-def reference_chain(head: EagleHead, embed, weight, tokens: list[int], states: torch.Tensor, k: int) -> list[int]:
-    """One sequence alone: commit positions 0..n-2, then K argmax steps feeding back the head's own features."""
+def reference_chain(head: EagleHead, embed, weight, tokens: list[int], states: torch.Tensor, k: int,
+                    forced: Sequence[int] = ()) -> list[int]:
+    """One sequence alone: commit positions 0..n-2, then K argmax steps feeding back the head's own features
+    (the first ones taking the `forced` tokens instead of their argmax)."""
     n = len(tokens) - 1
     cache = None
     if n > 1:
@@ -25,7 +28,7 @@ def reference_chain(head: EagleHead, embed, weight, tokens: list[int], states: t
     token, feature, chain = tokens[n], states[None, n - 1 : n], []
     for j in range(k):
         out, cache = head.step(embed(torch.tensor([[token]])), feature, n - 1 + j, cache)
-        token = int(head.token_ids((out[:, -1] @ weight.T).argmax(-1)))
+        token = forced[j] if j < len(forced) else int(head.token_ids((out[:, -1] @ weight.T).argmax(-1)))
         chain.append(token)
         feature = out
     return chain
@@ -92,3 +95,48 @@ def test_a_repeated_prefix_takes_the_head_cache_and_drafts_the_same():
             assert catch_up == len(sequences[name]) - 2 - 32 and proposer.prefix_cache.hits == 32
         else:
             assert catch_up == len(sequences[name]) - 2, name
+
+
+def test_a_pre_draft_continues_the_chain_past_the_answered_draft_and_answers_exactly_its_guess():
+    """Pipelining: after a call, the chain runs on past the answered draft d (its argmax g, then K more). The
+    next call gets that pre-draft only if its committed tokens are exactly committed + d + g, without a chain
+    of its own; the pre-draft after it forces the answered tokens onto a chain over the target's new states.
+    Any other committed tokens get a fresh chain."""
+    target = tiny_llama(seed=5, vocab_size=V)
+    torch.manual_seed(10)
+    head = EagleHead(EagleConfig.for_target(target.config)).eval()
+    with torch.no_grad():
+        head.fc.weight.mul_(4)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    proposer = EagleProposer(head, embed, lm_head, V, pipelining=True)
+
+    def states_of(ids):
+        with torch.no_grad():
+            return target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+
+    def reference(ids, k, forced=()):
+        with torch.no_grad():
+            return reference_chain(head, embed, lm_head.weight, ids, states_of(ids), k, forced)
+
+    committed = torch.randint(0, V, (12,)).tolist()
+    draft = list(proposer._draft_all([DraftInput("a", committed, 3, states_of(committed))])[0].token_ids)
+    assert draft == reference(committed, 3)
+    proposer._predraft([(DraftInput("a", tuple(committed), 3, states_of(committed)), tuple(draft))], lambda: False)
+    chain = reference(committed, 7)  # d, then g, then the pre-draft
+    guess = committed + chain[:4]
+    chains = []
+    head_step = head.step_rows
+    head.step_rows = lambda *args: chains.append(1) or head_step(*args)
+    answered = list(proposer._draft_all([DraftInput("a", guess, 3, states_of(guess))])[0].token_ids)
+    assert answered == chain[4:] and chains == [] and proposer.pipeline_counts.used == 1
+    proposer._predraft([(DraftInput("a", tuple(guess), 3, states_of(guess)), tuple(answered))], lambda: False)
+    after = reference(guess, 7, forced=answered)
+    assert after[3:] != reference(guess, 7)[3:]  # with this head, forcing the answered tokens matters
+    pending = proposer.predrafts._by_seq["a"]
+    assert pending.base.tolist() == guess + answered + after[3:4] and list(pending.tokens) == after[4:]
+    wrong_bonus = guess + answered + [(after[3] + 1) % V]
+    fresh = list(proposer._draft_all([DraftInput("a", wrong_bonus, 3, states_of(wrong_bonus))])[0].token_ids)
+    assert fresh == reference(wrong_bonus, 3) and proposer.pipeline_counts.discarded == 1
+    proposer._predraft([(DraftInput("a", tuple(wrong_bonus), 3, states_of(wrong_bonus)), tuple(fresh))],
+                       lambda: True)  # a call came at once: stopped
+    assert proposer.pipeline_counts.discarded == 2 and not proposer.predrafts.take("a", wrong_bonus, 3)

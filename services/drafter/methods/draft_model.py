@@ -39,7 +39,7 @@ import numpy as np
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput
 from services.common.speculative_config import SpeculativeConfig
-from services.drafter.draft_pipelining import wants_predraft
+from services.drafter.draft_pipelining import PreDraftRunner, wants_predraft
 from services.drafter.model_drafting import DraftRequest, ModelDrafter
 from services.modeling.context_length import resolve_max_model_len
 from services.modeling.loading import load_model
@@ -98,8 +98,7 @@ class DraftModelProposer:
         self._owns_compute = compute is None
         self._compute = compute if compute is not None else worker_thread()
         self.pipelining = pipelining
-        self._call_waiting = threading.Event()  # a call arrived: a running pre-draft stops after its forward
-        self._predrafting: asyncio.Future | None = None
+        self.predrafting = PreDraftRunner()
 
     @property
     def pipeline_counts(self):
@@ -134,16 +133,12 @@ class DraftModelProposer:
         ]
         if not requests:
             return []
-        loop = asyncio.get_running_loop()
-        self._call_waiting.set()
-        drafted = await loop.run_in_executor(self._compute, self._draft, requests)
+        self.predrafting.call_arrived()
+        drafted = await asyncio.get_running_loop().run_in_executor(self._compute, self._draft, requests)
         ahead = [i for i, item in enumerate(inputs) if wants_predraft(item, self.pipelining)]
-        if ahead:  # queued behind nothing: the compute thread is free until the next call
-            self._call_waiting.clear()
-            self._predrafting = loop.run_in_executor(self._compute, self._drafter.predraft,
-                                                     [requests[i] for i in ahead], [drafted[i] for i in ahead],
-                                                     self._call_waiting.is_set)
-            self._predrafting.add_done_callback(_log_failure)
+        if ahead:
+            self.predrafting.start(self._compute, self._drafter.predraft, [requests[i] for i in ahead],
+                                   [drafted[i] for i in ahead])
         return [Draft(tokens) for tokens in drafted]
 
     def release(self, seq_id: Hashable) -> None:
@@ -163,12 +158,6 @@ class DraftModelProposer:
         for seq_id in released:
             self._drafter.forget(seq_id)
         return self._drafter.draft(requests)
-
-
-def _log_failure(future: asyncio.Future) -> None:
-    """A pre-draft that failed only costs the next call a fresh draft (its sequences start afresh)."""
-    if not future.cancelled() and future.exception() is not None:
-        logger.error("a pre-draft failed: %r", future.exception())
 
 
 def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:

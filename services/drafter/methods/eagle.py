@@ -11,6 +11,16 @@ sequence in a step run together, one batched head step per draft position; a hea
 scores only those rows of the LM head. A new sequence starts from the head cache of its longest cached prefix
 (head_prefix_cache.py), so a repeated prompt costs the head no prefill either.
 
+Pipelining (`draft_pipelining`, services/drafter/draft_pipelining.py): after answering a call, the proposer
+goes on drafting while the verifier verifies, on the guess that the whole draft d is accepted: it runs the chain
+again with d forced, takes its next argmax as the guessed bonus g and K more after it, for the committed tokens
+committed + d + g. Unlike the draft model's, this pre-draft is not the draft a fresh call would give: the head
+has no target features for d and g yet and reads its own, as it does inside any chain. It is still a draft of
+exactly those committed tokens (answered only when the next call brings them), and the verifier checks it like
+any other, so losslessness does not depend on it; whether its lower acceptance pays for the hidden drafting time
+is measured (services/bench/draft_pipelining.py). The target features of d and g are fed into the head's cache
+with the next pre-draft or call.
+
 Threads: every tensor operation runs on one worker thread, off the event loop (the drafter keeps answering
 Info and health checks), as the draft-model drafter does; `release` only queues the id.
 """
@@ -20,16 +30,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput
 from services.common.speculative_config import SpeculativeConfig
+from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
 from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle_head import EagleHead
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
@@ -53,23 +66,40 @@ class EagleProposer:
     tokenizer_fingerprint: str = ""
     method: str = "eagle"
     needs_hidden_states: bool = True
+    pre_drafts: bool = True  # declared in Info: a request may set draft_pipelining
+    pipelining: bool = False  # pre-draft for the sequences whose request does not say (DraftInput.pipelining)
     _sequences: dict[Hashable, HeadSequence] = field(default_factory=dict)
     _released: list[Hashable] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compute: Executor | None = None
     _draft_weight: torch.Tensor | None = None  # the target's LM head rows of the head's draft vocabulary
     prefix_cache: HeadPrefixCache = field(default_factory=HeadPrefixCache)
+    predrafts: PreDrafts = field(default_factory=PreDrafts)
+    predrafting: PreDraftRunner = field(default_factory=PreDraftRunner)
 
     @property
     def hidden_size(self) -> int:
         """The target state width the head reads (declared in Info, checked by the verifier)."""
         return self.head.config.hidden_size
 
+    @property
+    def pipeline_counts(self):
+        """Pre-drafts used and discarded, and the drafting seconds they hid (draft_pipelining.PipelineCounts)."""
+        return self.predrafts.counts
+
     async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
         if self._compute is None:
             self._compute = worker_thread()
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._compute, self._draft_all, list(inputs))
+        # A pre-draft reads its inputs after this call returned, when the caller appends to token_ids: a snapshot.
+        inputs = [replace(item, token_ids=tuple(item.token_ids)) if wants_predraft(item, self.pipelining) else item
+                  for item in inputs]
+        self.predrafting.call_arrived()
+        drafts = await asyncio.get_running_loop().run_in_executor(self._compute, self._draft_all, inputs)
+        ahead = [(item, tuple(draft.token_ids)) for item, draft in zip(inputs, drafts, strict=True)
+                 if draft.token_ids and wants_predraft(item, self.pipelining)]
+        if ahead:
+            self.predrafting.start(self._compute, self._predraft, ahead)
+        return drafts
 
     def release(self, seq_id: Hashable) -> None:
         with self._lock:
@@ -81,14 +111,46 @@ class EagleProposer:
             released, self._released = self._released, []
         for seq_id in released:
             self._sequences.pop(seq_id, None)
-        rows = [self._catch_up(item) for item in inputs]
-        ready = [(i, row) for i, row in enumerate(rows) if row is not None]
+            self.predrafts.forget(seq_id)
         drafts = [Draft([]) for _ in inputs]
+        ready = []
+        for i, item in enumerate(inputs):
+            held = self.predrafts.take(item.seq_id, item.token_ids, item.num_speculative_tokens)
+            if held:  # drafted while the verifier verified; its new target features wait for the next pre-draft
+                drafts[i] = Draft(list(held))
+                continue
+            row = self._catch_up(item)
+            if row is not None:
+                ready.append((i, row))
         if ready:
             chains = self._chains([row for _, row in ready])
             for (i, row), chain in zip(ready, chains, strict=True):
                 drafts[i] = Draft(chain[: row.k])
         return drafts
+
+    @torch.no_grad()
+    def _predraft(self, ahead: list[tuple[DraftInput, tuple[int, ...]]], stop: Callable[[], bool]) -> None:
+        """Draft each sequence's next step on the guess that its draft d (this call's answer) is accepted whole:
+        the chain again with d forced, its next argmax as the bonus g, then K more (module docstring). `stop` is
+        asked between chain steps: a new call is waiting, so the rest is left to it."""
+        started = time.perf_counter()
+        rows = []
+        for item, draft in ahead:
+            start = self._catch_up(item)  # a no-op unless this call was answered by a pre-draft
+            if start is not None:
+                rows.append((item, draft, replace(start, k=len(draft) + 1 + item.num_speculative_tokens)))
+        chains = self._chains([start for *_, start in rows], [draft for _, draft, _ in rows], stop) if rows else None
+        if chains is None:
+            for _ in rows:
+                self.predrafts.stopped()
+            return
+        seconds = (time.perf_counter() - started) / len(rows)  # each row's share of the batched chain
+        for (item, draft, _), chain in zip(rows, chains, strict=True):
+            n = len(draft)
+            if len(chain) > n + 1:  # else an id past the target's vocabulary cut the chain before it drafted
+                base = np.asarray([*item.token_ids, *draft, chain[n]], dtype=np.int64)
+                tokens = tuple(chain[n + 1 : n + 1 + item.num_speculative_tokens])
+                self.predrafts.keep(item.seq_id, PreDraft(base, tokens, seconds))
 
     def _catch_up(self, item: DraftInput) -> ChainStart | None:
         """Feed the sequence's newly committed positions into its cache; where the chain starts, or None when
@@ -110,9 +172,12 @@ class EagleProposer:
             seq.published = self.prefix_cache.publish(tokens, seq.cache, seq.fed, seq.published)
         return ChainStart(seq.cache, n - 1, int(tokens[n]), states[n - 1 : n], item.num_speculative_tokens)
 
-    def _chains(self, rows: list[ChainStart]) -> list[list[int]]:
+    def _chains(self, rows: list[ChainStart], forced: list[tuple[int, ...]] | None = None,
+                stop: Callable[[], bool] | None = None) -> list[list[int]] | None:
         """Argmax chains for every row at once: their caches padded to one length (a mask hides the padding),
-        one batched head step per draft position, from copies (drafts never enter a sequence's own cache)."""
+        one batched head step per draft position, from copies (drafts never enter a sequence's own cache).
+        `forced[b]`: tokens row b's chain takes instead of its argmax at its first steps (a pre-draft's answered
+        draft). None when `stop()` said so between steps."""
         if self._draft_weight is None:
             self._draft_weight = self.head.draft_weight(self.lm_head.weight)
         ref = self.head.fc.weight
@@ -130,9 +195,15 @@ class EagleProposer:
         positions = torch.tensor([r.position for r in rows])
         cache, chains = (keys, values), []
         for j in range(max(r.k for r in rows)):
+            if j and stop is not None and stop():
+                return None
             out, cache, mask = self.head.step_rows(self.embed(tokens[:, None]), features, positions + j, cache, mask)
             tokens = self.head.token_ids((out[:, -1] @ self._draft_weight.T).argmax(-1))  # [B]
-            chains.append(tokens.tolist())
+            picked = tokens.tolist()
+            if forced is not None and any(j < len(f) for f in forced):
+                picked = [f[j] if j < len(f) else t for f, t in zip(forced, picked, strict=True)]
+                tokens = torch.tensor(picked)
+            chains.append(picked)
             features = out
         by_row = [list(chain) for chain in zip(*chains, strict=True)]
         return [row[: next((i for i, t in enumerate(row) if t >= self.vocab_size), len(row))] for row in by_row]
@@ -166,4 +237,4 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     embed, lm_head = loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings()
     logger.info("EAGLE head %s for %s (hidden %d)", head_dir, target_spec, head.config.hidden_size)
     return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
-                         tokenizer_fingerprint(loaded.tokenizer))
+                         tokenizer_fingerprint(loaded.tokenizer), pipelining=config.draft_pipelining)
