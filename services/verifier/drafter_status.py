@@ -55,6 +55,11 @@ class TrackedProposer:
         """Whether the engine must keep its requests' target hidden states (an EAGLE drafter)."""
         return self.proposer.needs_hidden_states
 
+    @property
+    def pre_drafts(self) -> bool | None:
+        """Whether the drafter can pre-draft (a request may set draft_pipelining); None until it was reached."""
+        return self.proposer.pre_drafts
+
     async def probe(self) -> None:
         """Ask the drafter's Info once (under its own deadline) and record the outcome; never raises."""
         try:

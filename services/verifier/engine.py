@@ -286,7 +286,8 @@ class Engine:
             raise ValueError(f"unknown speculative method {spec.method!r}; available: {available}")
         if spec.draft_pipelining and not spec.enabled:
             raise ValueError("draft_pipelining needs speculation; this request has none")
-        if spec.draft_pipelining and not getattr(self.proposers[spec.method], "pre_drafts", False):
+        # a drafter not reached yet (None) is given the benefit of the doubt: its requests run at K = 0 meanwhile
+        if spec.draft_pipelining and getattr(self.proposers[spec.method], "pre_drafts", False) is False:
             raise ValueError(f"draft_pipelining: the {spec.method!r} drafter does not pre-draft (draft_model and "
                              "eagle do)")
 

@@ -134,7 +134,8 @@ class RemoteProposer:
         self.config = config
         self.method = method  # replaced by the drafter's own method once Info has answered
         self.needs_hidden_states = False  # likewise (an EAGLE drafter reads the target's hidden states)
-        self.pre_drafts = False  # likewise (a model drafter can draft the next step while this one is verified)
+        # likewise: whether it can draft the next step while this one is verified (None: not known yet)
+        self.pre_drafts: bool | None = None
         self._channel: grpc.aio.Channel | None = None
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
