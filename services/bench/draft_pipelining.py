@@ -4,7 +4,9 @@ One `specserve serve` stack per CPU placement: `separate` gives the verifier and
 own (`--verifier-cpus`, `--drafter-cpus`: the issue's "as on separate hardware"), `shared` lets both use every
 CPU. On each stack, rounds alternate the two settings request by request through the per-request
 `speculative_config.draft_pipelining` (the stack's own default is off), so drift and noise fall on both alike:
-greedy chats through the HTTP API, one at a time or groups of `--concurrency` at once.
+greedy chats through the HTTP API, one at a time or groups of `--concurrency` at once. Each prompt is sent once
+before the rounds, so that every measured request finds its prompt in the prefix caches (verifier and draft
+model alike) and the rounds time decoding, which is what pipelining changes.
 
 Two pairs (`--pair`): `draft_model`, the Qwen2.5-Coder 1.5B target with its 0.5B drafting, on HumanEval chats;
 `eagle`, SmolLM2 with its shipped EAGLE head, on held-out ShareGPT chats. Prints the hardware, then per placement
@@ -96,9 +98,10 @@ def serve(args: argparse.Namespace, placement: str, log: Path) -> Stack:
     raise RuntimeError(f"the stack did not become healthy in {args.start_timeout_s} s; see {log}")
 
 
-def chat(client: httpx.Client, stack: Stack, args: argparse.Namespace, message: str, pipelining: bool) -> dict:
+def chat(client: httpx.Client, stack: Stack, args: argparse.Namespace, message: str, pipelining: bool,
+         max_tokens: int | None = None) -> dict:
     body = {"model": PAIRS[args.pair][0], "messages": [{"role": "user", "content": message}],
-            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+            "max_tokens": max_tokens or args.max_tokens, "temperature": 0, "ignore_eos": True,
             "speculative_config": {"draft_pipelining": pipelining}}
     started = time.perf_counter()
     response = client.post(f"{stack.base}/v1/chat/completions", json=body)
@@ -123,6 +126,8 @@ def measure(stack: Stack, args: argparse.Namespace, messages: list[str], concurr
     """Rounds of every prompt under both settings, the order of the settings alternating between rounds."""
     settings = {False: Setting(), True: Setting()}
     client = httpx.Client(timeout=1800)
+    for message in messages:  # unmeasured: the prompts' K/V then come from the prefix caches in every round
+        chat(client, stack, args, message, False, max_tokens=2)
     with ThreadPoolExecutor(concurrency) as pool:
         for round_index in range(args.rounds):
             order = (False, True) if round_index % 2 == 0 else (True, False)

@@ -26,9 +26,10 @@ class SpeculativeConfig(BaseModel):
     draft_device: str = "auto"
     draft_dtype: str = "auto"
     draft_max_num_seqs: int = Field(16, ge=1)  # room for two verifiers at their default of 8
-    # draft_model: draft the next step while the verifier verifies this one, on the guess that this draft is
-    # accepted whole (services/drafter/draft_pipelining.py); pays where drafter and verifier do not share cores
-    draft_pipelining: bool = False
+    # draft_model, eagle: draft the next step while the verifier verifies this one, on the guess that this draft
+    # is accepted whole (services/drafter/draft_pipelining.py); each request may override it. None: where it
+    # measured faster, i.e. a draft model with compute of its own (draft_pipelining.default_pipelining)
+    draft_pipelining: bool | None = None
     # suffix decoding (Arctic Inference)
     suffix_decoding_max_tree_depth: int = Field(24, ge=1)
     suffix_decoding_max_cached_requests: int = Field(10_000, ge=0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor
@@ -29,6 +30,23 @@ import numpy as np
 from services.common.proposer import DraftInput
 
 logger = logging.getLogger(__name__)
+
+
+def default_pipelining(device_type: str) -> tuple[bool, str]:
+    """A draft model's pipelining where the config leaves it unset, and why: on where it measured faster.
+
+    Pre-drafting pays when it runs beside the verifier rather than in its place: with the Qwen2.5-Coder 1.5B/0.5B
+    pair (services/bench/draft_pipelining.py) the drafter on a CPU of its own was faster pipelined, sharing the
+    verifier's CPUs it was slower. So: on for a draft model on an accelerator, or on a CPU set narrower than the
+    machine's (`specserve serve --drafter-cpus`, taskset, a container's cpuset); off on every CPU of the machine.
+    EAGLE's pre-drafts measured slower in both placements, so it does not use this (off unless asked)."""
+    if device_type != "cpu":
+        return True, f"the draft model runs on {device_type}"
+    machine = os.cpu_count() or 0
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    if mine < machine:
+        return True, f"the drafter has {mine} of the machine's {machine} CPUs to itself"
+    return False, "the drafter shares the machine's CPUs with the verifier"
 
 
 def wants_predraft(item: DraftInput, default: bool) -> bool:

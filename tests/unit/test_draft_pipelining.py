@@ -5,11 +5,13 @@ through the engine is the same as without speculation."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
 
 from services.common.proposer import DraftInput
+from services.drafter.draft_pipelining import default_pipelining
 from services.drafter.methods.draft_model import DraftModelProposer
 from services.drafter.model_drafting import DraftRequest, ModelDrafter
 from services.modeling.llama_runner import LlamaFamilyRunner
@@ -138,3 +140,13 @@ async def test_greedy_output_with_pipelining_equals_no_speculation():
             proposer.close()
         if slow_verifier:
             assert proposer.pipeline_counts.used > 0
+
+
+def test_unset_pipelining_is_on_only_where_the_draft_model_has_compute_of_its_own(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert default_pipelining("cpu")[0] is False  # every CPU: it would compete with the verifier
+    assert default_pipelining("cuda") == (True, "the draft model runs on cuda")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 7}, raising=False)  # --drafter-cpus 6,7
+    on, why = default_pipelining("cpu")
+    assert on and "2 of the machine's 8 CPUs" in why

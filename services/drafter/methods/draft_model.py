@@ -39,7 +39,7 @@ import numpy as np
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput
 from services.common.speculative_config import SpeculativeConfig
-from services.drafter.draft_pipelining import PreDraftRunner, wants_predraft
+from services.drafter.draft_pipelining import PreDraftRunner, default_pipelining, wants_predraft
 from services.drafter.model_drafting import DraftRequest, ModelDrafter
 from services.modeling.context_length import resolve_max_model_len
 from services.modeling.loading import load_model
@@ -60,7 +60,7 @@ class DraftModelSettings:
     dtype: str = "auto"
     max_num_seqs: int = 16
     max_model_len: int | None = None  # None: the model's whole context (services/modeling/context_length.py)
-    pipelining: bool = False  # pre-draft the next step while the verifier verifies (draft_pipelining.py)
+    pipelining: bool | None = None  # pre-draft the next step while the verifier verifies; None: where it pays
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -167,11 +167,14 @@ def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, owns_model=True)
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
-    proposer = DraftModelProposer(runner, fingerprint, pipelining=settings.pipelining)
+    pipelining, why = (settings.pipelining, "draft_pipelining") if settings.pipelining is not None else \
+        default_pipelining(runner.device.type)
+    proposer = DraftModelProposer(runner, fingerprint, pipelining=pipelining)
     proposer.measure_catch_up()
     logger.info(
         "draft model %s: vocabulary %d (tokenizer %s), %d sequences of up to %d positions; prefills fed in chunks of "
-        "up to %d tokens per call; pipelining %s", loaded.model_id, runner.vocab_size, fingerprint[:12] or "unknown",
-        settings.max_num_seqs, max_model_len, proposer.catch_up_limit(), "on" if settings.pipelining else "off",
+        "up to %d tokens per call; pipelining %s (%s)", loaded.model_id, runner.vocab_size,
+        fingerprint[:12] or "unknown", settings.max_num_seqs, max_model_len, proposer.catch_up_limit(),
+        "on" if pipelining else "off", why,
     )
     return proposer

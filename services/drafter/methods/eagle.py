@@ -67,7 +67,9 @@ class EagleProposer:
     method: str = "eagle"
     needs_hidden_states: bool = True
     pre_drafts: bool = True  # declared in Info: a request may set draft_pipelining
-    pipelining: bool = False  # pre-draft for the sequences whose request does not say (DraftInput.pipelining)
+    # pre-draft for the sequences whose request does not say (DraftInput.pipelining); off unless configured: its
+    # pre-drafts measured slower (draft_pipelining.default_pipelining)
+    pipelining: bool = False
     _sequences: dict[Hashable, HeadSequence] = field(default_factory=dict)
     _released: list[Hashable] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -237,4 +239,4 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     embed, lm_head = loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings()
     logger.info("EAGLE head %s for %s (hidden %d)", head_dir, target_spec, head.config.hidden_size)
     return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
-                         tokenizer_fingerprint(loaded.tokenizer), pipelining=config.draft_pipelining)
+                         tokenizer_fingerprint(loaded.tokenizer), pipelining=bool(config.draft_pipelining))
