@@ -18,7 +18,7 @@ PIP_INSTALL := $(BIN)/python -m pip install -q
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-eagle eagle-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-pipelining bench-eagle eagle-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -67,6 +67,7 @@ bench: fetch-model
 	$(MAKE) bench-grammar
 	$(MAKE) bench-eagle
 	$(MAKE) bench-draft-model
+	$(MAKE) bench-pipelining
 
 # The shipped EAGLE head on held-out ShareGPT prompts: no speculation, ngram K=4, eagle at K = 1..5 and adaptive, at
 # 1 and 4 requests, both drafters as gRPC processes; exit 1 if a speculative output differs (EAGLE_BENCH_ARGS).
@@ -104,6 +105,16 @@ bench-draft-model: install
 	$(BIN)/specserve fetch $(DRAFT_MODEL)
 	$(BIN)/python -m services.bench.draft_model_pair --target $(DRAFT_TARGET) --draft $(DRAFT_MODEL) \
 	  $(DRAFT_MODEL_BENCH_ARGS)
+
+# Pipelined drafting vs plain, switched per request in interleaved rounds, on separate and on shared CPUs, at 1 and 4
+# requests: the Qwen2.5-Coder pair, then SmolLM2 with its EAGLE head; exit 1 if an output differs
+# (PIPELINING_BENCH_ARGS, e.g. --rounds 5).
+bench-pipelining: install
+	$(BIN)/specserve fetch qwen2.5-coder-1.5b-instruct
+	$(BIN)/specserve fetch qwen2.5-coder-0.5b-instruct
+	$(BIN)/specserve fetch $(MODEL)
+	$(BIN)/python -m services.bench.draft_pipelining --pair draft_model $(PIPELINING_BENCH_ARGS)
+	$(BIN)/python -m services.bench.draft_pipelining --pair eagle --prompts 4 --max-tokens 64 $(PIPELINING_BENCH_ARGS)
 
 # Reproduce the shipped EAGLE head (services/modeling/eagle_heads/$(MODEL)/): the target answers EAGLE_PROMPTS
 # ShareGPT prompts (extract_hidden_states), the head trains on them, its held-out acceptance is measured, and the
