@@ -167,8 +167,10 @@ def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, owns_model=True)
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
-    pipelining, why = (settings.pipelining, "draft_pipelining") if settings.pipelining is not None else \
-        default_pipelining(runner.device.type)
+    if settings.pipelining is None:
+        pipelining, why = default_pipelining(runner.device.type)
+    else:
+        pipelining, why = settings.pipelining, "set in the speculative config"
     proposer = DraftModelProposer(runner, fingerprint, pipelining=pipelining)
     proposer.measure_catch_up()
     logger.info(
