@@ -24,8 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.bench.hardware import describe_hardware
 from services.bench.prompts import humaneval_messages
-from services.supervision import free_ports
+from services.soak.serve_process import ServeProcess
 
-HOST = "127.0.0.1"
 PAIRS = {  # target, speculative config (without draft_pipelining: each request sets it)
     "draft_model": ("qwen2.5-coder-1.5b-instruct", {"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct"}),
     "eagle": ("smollm2-135m-instruct", {"method": "eagle"}),
@@ -46,65 +44,38 @@ PAIRS = {  # target, speculative config (without draft_pipelining: each request 
 COUNTERS = ("used", "discarded", "hidden_seconds")
 
 
-@dataclass
-class Stack:
-    process: subprocess.Popen
-    base: str
-    drafter_metrics: str
-
-    def counters(self) -> dict[str, float]:
-        """The drafter's pre-draft counters now."""
-        text = httpx.get(self.drafter_metrics, timeout=30).text
-        names = {"used": "specserve_drafter_predrafts_used_total",
-                 "discarded": "specserve_drafter_predrafts_discarded_total",
-                 "hidden_seconds": "specserve_drafter_predraft_hidden_seconds_total"}
-        return {key: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-                for key, name in names.items()}
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=120)
-
-
-def serve(args: argparse.Namespace, placement: str, log: Path) -> Stack:
+def serve(args: argparse.Namespace, placement: str, log: Path) -> ServeProcess:
     """A `specserve serve` stack on free ports, its drafter placed as `placement` says."""
-    port, verifier, drafter, verifier_metrics, drafter_metrics = free_ports(5, HOST)
     target, spec = PAIRS[args.pair]
-    spec = {**spec, "num_speculative_tokens": args.k}
-    argv = [sys.executable, "-m", "services.cli", "serve", "--model", target, "--speculative-config",
-            json.dumps(spec), "--port", str(port), "--verifier-port", str(verifier), "--drafter-port", str(drafter),
-            "--verifier-metrics-port", str(verifier_metrics), "--drafter-metrics-port", str(drafter_metrics),
-            "--kv-cache-memory-bytes", args.kv_cache_memory_bytes, "--max-model-len", str(args.max_model_len),
-            "--no-adaptive-speculation"]
+    flags = ["--speculative-config", json.dumps({**spec, "num_speculative_tokens": args.k}),
+             "--kv-cache-memory-bytes", args.kv_cache_memory_bytes, "--no-adaptive-speculation"]
     if placement == "separate":
-        argv += ["--verifier-cpus", args.verifier_cpus, "--drafter-cpus", args.drafter_cpus]
+        flags += ["--verifier-cpus", args.verifier_cpus, "--drafter-cpus", args.drafter_cpus]
     # a draft model on a core of its own takes longer than the default 0.5 s draft deadline for K tokens: the
     # verifier waits for it (both settings alike), or it would verify without drafts
-    env = {**os.environ, "SPECSERVE_VERIFIER_DRAFT_TIMEOUT_S": str(args.draft_timeout_s),
-           "SPECSERVE_VERIFIER_MAX_DRAFT_TIMEOUT_S": str(args.draft_timeout_s)}
-    process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    base = f"http://{HOST}:{port}"
-    deadline = time.monotonic() + args.start_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"specserve serve exited ({process.returncode}); see {log}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return Stack(process, base, f"http://{HOST}:{drafter_metrics}/metrics")
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    process.terminate()
-    raise RuntimeError(f"the stack did not become healthy in {args.start_timeout_s} s; see {log}")
+    deadline = {"SPECSERVE_VERIFIER_DRAFT_TIMEOUT_S": str(args.draft_timeout_s),
+                "SPECSERVE_VERIFIER_MAX_DRAFT_TIMEOUT_S": str(args.draft_timeout_s)}
+    stack = ServeProcess(log, model=target, max_model_len=args.max_model_len, extra_flags=flags, extra_env=deadline)
+    return stack.start(timeout_s=args.start_timeout_s)
 
 
-def chat(client: httpx.Client, stack: Stack, args: argparse.Namespace, message: str, pipelining: bool,
+def predraft_counters(stack: ServeProcess) -> dict[str, float]:
+    """The drafter's pre-draft counters now."""
+    text = httpx.get(stack.drafter_metrics_url, timeout=30).text
+    names = {"used": "specserve_drafter_predrafts_used_total",
+             "discarded": "specserve_drafter_predrafts_discarded_total",
+             "hidden_seconds": "specserve_drafter_predraft_hidden_seconds_total"}
+    return {key: sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                     if sample.name == name) for key, name in names.items()}
+
+
+def chat(client: httpx.Client, stack: ServeProcess, args: argparse.Namespace, message: str, pipelining: bool,
          max_tokens: int | None = None) -> dict:
     body = {"model": PAIRS[args.pair][0], "messages": [{"role": "user", "content": message}],
             "max_tokens": max_tokens or args.max_tokens, "temperature": 0, "ignore_eos": True,
             "speculative_config": {"draft_pipelining": pipelining}}
     started = time.perf_counter()
-    response = client.post(f"{stack.base}/v1/chat/completions", json=body)
+    response = client.post(f"{stack.base_url}/v1/chat/completions", json=body)
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
     reply = response.json()
@@ -122,22 +93,21 @@ class Setting:
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
 
 
-def measure(stack: Stack, args: argparse.Namespace, messages: list[str], concurrency: int) -> dict[bool, Setting]:
+def measure(stack: ServeProcess, args: argparse.Namespace, messages: list[str], concurrency: int) -> dict[bool, Setting]:
     """Rounds of every prompt under both settings, the order of the settings alternating between rounds."""
     settings = {False: Setting(), True: Setting()}
-    client = httpx.Client(timeout=1800)
-    for message in messages:  # unmeasured: the prompts' K/V then come from the prefix caches in every round
-        chat(client, stack, args, message, False, max_tokens=2)
-    with ThreadPoolExecutor(concurrency) as pool:
+    with httpx.Client(timeout=1800) as client, ThreadPoolExecutor(concurrency) as pool:
+        for message in messages:  # unmeasured: the prompts' K/V then come from the prefix caches in every round
+            chat(client, stack, args, message, False, max_tokens=2)
         for round_index in range(args.rounds):
             order = (False, True) if round_index % 2 == 0 else (True, False)
             for pipelining in order:
-                before = stack.counters()
+                before = predraft_counters(stack)
                 results = []
                 for start in range(0, len(messages), concurrency):
                     group = messages[start : start + concurrency]
                     results += list(pool.map(lambda m: chat(client, stack, args, m, pipelining), group))
-                after = stack.counters()
+                after = predraft_counters(stack)
                 setting = settings[pipelining]
                 setting.speeds += [r["tok_s"] for r in results]
                 setting.texts.append([r["text"] for r in results])

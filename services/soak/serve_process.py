@@ -54,6 +54,8 @@ class ServeProcess:
     max_model_len: int = 1024
     max_num_seqs: int = 8
     extra_flags: list[str] = field(default_factory=list)
+    # settings the caller means the children to have (no flag sets them), applied after foreign ones are dropped
+    extra_env: dict[str, str] = field(default_factory=dict)
     ports: ServePorts = field(default_factory=ServePorts.free)
     process: subprocess.Popen | None = None
     _seen_children: set[int] = field(default_factory=set)
@@ -66,6 +68,10 @@ class ServeProcess:
     def verifier_metrics_url(self) -> str:
         return f"http://{HOST}:{self.ports.verifier_metrics}/metrics"
 
+    @property
+    def drafter_metrics_url(self) -> str:
+        return f"http://{HOST}:{self.ports.drafter_metrics}/metrics"
+
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "services.cli", "serve", "--model", self.model, "--device", self.device,
                 "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
@@ -73,7 +79,7 @@ class ServeProcess:
 
     def start(self, timeout_s: float = 300.0) -> Self:
         """Start the launcher and wait until the gateway reports the whole stack healthy."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_ENV)}
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_ENV)}, **self.extra_env}
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(self.argv(), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.wait_healthy(timeout_s)
