@@ -34,6 +34,17 @@ def reference_chain(head: EagleHead, embed, weight, tokens: list[int], states: t
     return chain
 
 
+def random_head(seed: int):
+    """The tiny target, a random head over its whole vocabulary (seeded), and the target's embedding and LM head.
+    A random head drafts poorly: its features are scaled so that they count and chains differ per sequence."""
+    target = tiny_llama(seed=5, vocab_size=V)
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.for_target(target.config)).eval()
+    with torch.no_grad():
+        head.fc.weight.mul_(4)
+    return target, head, target.get_input_embeddings(), target.get_output_embeddings()
+
+
 def test_batched_chains_over_a_reduced_vocabulary_equal_each_sequence_alone():
     target = tiny_llama(seed=5, vocab_size=V)
     torch.manual_seed(1)
@@ -70,12 +81,7 @@ def test_a_repeated_prefix_takes_the_head_cache_and_drafts_the_same():
     """A second sequence whose tokens start like the first's takes the head's K/V of their shared full blocks
     from the prefix cache, feeds only the rest, and drafts exactly what it drafts alone; a sequence that differs
     inside the first block takes nothing."""
-    target = tiny_llama(seed=5, vocab_size=V)
-    torch.manual_seed(2)
-    head = EagleHead(EagleConfig.for_target(target.config)).eval()
-    with torch.no_grad():
-        head.fc.weight.mul_(4)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    target, head, embed, lm_head = random_head(seed=2)
     shared = torch.randint(0, V, (40,)).tolist()
     sequences = {"first": shared + [5, 6], "second": shared + [9, 10, 11], "other": [1] + shared[1:] + [5]}
     with torch.no_grad():
@@ -102,12 +108,7 @@ def test_a_pre_draft_continues_the_chain_past_the_answered_draft_and_answers_exa
     next call gets that pre-draft only if its committed tokens are exactly committed + d + g, without a chain
     of its own; the pre-draft after it forces the answered tokens onto a chain over the target's new states.
     Any other committed tokens get a fresh chain."""
-    target = tiny_llama(seed=5, vocab_size=V)
-    torch.manual_seed(10)
-    head = EagleHead(EagleConfig.for_target(target.config)).eval()
-    with torch.no_grad():
-        head.fc.weight.mul_(4)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    target, head, embed, lm_head = random_head(seed=10)
     proposer = EagleProposer(head, embed, lm_head, V, pipelining=True)
 
     def states_of(ids):
