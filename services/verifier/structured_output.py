@@ -34,6 +34,7 @@ from services.verifier.sampling_params import OutputGrammar, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
 class OutputConstraintError(ValueError):
     """A request's own constraints (its grammar, or its token rules) allow no continuation of its output: the
     request's fault, failing it alone as invalid (gRPC INVALID_ARGUMENT), never the step or its neighbours."""

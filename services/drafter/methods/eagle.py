@@ -92,13 +92,14 @@ class EagleProposer:
     async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
         if self._compute is None:
             self._compute = worker_thread()
+        wanted = [wants_predraft(item, self.pipelining) for item in inputs]
         # A pre-draft reads its inputs after this call returned, when the caller appends to token_ids: a snapshot.
-        inputs = [replace(item, token_ids=tuple(item.token_ids)) if wants_predraft(item, self.pipelining) else item
-                  for item in inputs]
+        inputs = [replace(item, token_ids=tuple(item.token_ids)) if want else item
+                  for item, want in zip(inputs, wanted, strict=True)]
         self.predrafting.call_arrived()
         drafts = await asyncio.get_running_loop().run_in_executor(self._compute, self._draft_all, inputs)
-        ahead = [(item, tuple(draft.token_ids)) for item, draft in zip(inputs, drafts, strict=True)
-                 if draft.token_ids and wants_predraft(item, self.pipelining)]
+        ahead = [(item, tuple(draft.token_ids)) for item, draft, want in zip(inputs, drafts, wanted, strict=True)
+                 if want and draft.token_ids]
         if ahead:
             self.predrafting.start(self._compute, self._predraft, ahead)
         return drafts
