@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -81,12 +82,17 @@ class KernelChoice:
     def uses(self, name: str) -> bool:
         return name in self.chosen
 
-    def one_kernel(self, margin: float = DEFAULT_MARGIN) -> KernelChoice:
-        """The same decision with one kernel at every M: the one with the least time summed over the measured
-        M (the first unless another is faster by more than `margin`), so that one layout of the weights is
-        kept."""
-        totals = tuple(sum(per_m[i] for per_m in self.seconds) for i in range(len(self.names)))
-        name = self.names[_pick(totals, margin)]
+    def one_kernel(self) -> KernelChoice:
+        """The same decision with one kernel at every M, so that one layout of the weights is kept: the candidate
+        whose time relative to the first's has the lowest geometric mean over the measured M (ties: the first).
+
+        Each M counts alike, relatively: summed seconds let the largest M (the slowest calls, rare in decode)
+        decide, and on a noisy machine that flipped SmolLM2's down_proj to plain from one start to the next
+        while packed was faster at most M (16 one-token rows: 10 ms more a step). No margin favours the first
+        candidate here: either way one copy of the weights is kept."""
+        logs = [sum(math.log(per_m[i] / per_m[0]) for per_m in self.seconds if per_m[0] > 0 and per_m[i] > 0)
+                for i in range(len(self.names))]
+        name = self.names[min(range(len(logs)), key=lambda i: (logs[i], i))]
         return KernelChoice(self.names, self.rows, (name,) * len(self.rows), self.seconds)
 
     def describe(self) -> str:
