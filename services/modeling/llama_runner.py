@@ -113,7 +113,7 @@ class LlamaFamilyRunner:
             self._kernels = [LayerKernels.build(layer, linears[4 * i : 4 * i + 4]) for i, layer in enumerate(layers)]
             self._lm_head = linears[-1] or head
             if owns_model:
-                self.freed_weight_bytes = free_packed_modules(layers, linears[:-1])
+                self.freed_weight_bytes = free_packed_modules(layers, linears[:-1]) + free_packed_head(model, linears[-1])
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
         self.attention_paths = AttentionPaths.for_device(self.device)
         kv_cache = kv_cache or KVCacheConfig()
@@ -327,6 +327,24 @@ def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[Lin
                 module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     release_mapped(freed)  # a weight in a memory-mapped checkpoint is not freed by dropping it alone
     return sum(weight.nbytes for weight in freed)
+
+
+def free_packed_head(model: torch.nn.Module, head: LinearFn | None) -> int:
+    """The LM head's counterpart of free_packed_modules, when its packed copy runs at every M; returns the bytes
+    given back. An untied head's weight is freed like a layer's. A head tied to the input embedding (SmolLM2,
+    Qwen2.5) cannot be freed: the embedding looks rows up in it. Where that weight lies in the checkpoint's file
+    mapping, its resident pages are dropped instead (the packing read all of it): a lookup faults back the page
+    of the row it reads, so only the rows of tokens actually seen stay resident, and the pages are the file's,
+    which the kernel can drop again under pressure (SmolLM2: 108 MiB of the 49152 x 576 table)."""
+    choice = getattr(head, "choice", None)
+    if choice is None or set(choice.chosen) != {"packed"}:
+        return 0
+    weight = model.lm_head.weight.detach()
+    if weight.untyped_storage().data_ptr() == model.get_input_embeddings().weight.untyped_storage().data_ptr():
+        return release_mapped([weight])
+    model.lm_head.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=False)
+    release_mapped([weight])  # in a file mapping, dropping the tensor alone frees nothing
+    return weight.nbytes
 
 
 def read_layer(

@@ -255,3 +255,57 @@ def test_a_runner_that_owns_its_model_keeps_one_layout_of_each_weight():
         r.add_sequence("a")
     torch.testing.assert_close(runner.forward([RowInput("a", tokens, 3)]).logits,
                                reference.forward([RowInput("a", tokens, 3)]).logits, atol=1e-4, rtol=1e-4)
+
+
+def _mapping_rss(address: int) -> int:
+    """Resident bytes of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the address")
+
+
+def _packed_everywhere(name, kernel, x):
+    kernel(x)
+    return 1e-6 if name == "packed" else 2e-6
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_that_runs_packed_keeps_one_copy(tmp_path, tied):
+    """owns_model and a head packed at every M: an untied head's plain weight is freed; a tied one is the
+    embedding's table, so only its resident pages in the checkpoint's mapping are dropped (lookups read rows back
+    from the file) - and the logits are the plain modules'."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)  # safetensors, mapped when loaded
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    table = model.get_input_embeddings().weight
+    assert (model.lm_head.weight.data_ptr() == table.data_ptr()) is tied
+    head_bytes = model.lm_head.weight.nbytes  # 2 MiB
+    float(table.detach().sum())  # every page of the table resident
+    before = _mapping_rss(table.data_ptr())
+
+    runner = LlamaFamilyRunner(model, max_num_seqs=1, max_model_len=64, owns_model=True,
+                               kernel_chooser=KernelChooser(_packed_everywhere, one_layout=True))
+    if tied:
+        assert model.lm_head.weight.numel() == table.numel()
+        assert before - _mapping_rss(table.data_ptr()) >= head_bytes - 8192  # whole pages only
+    else:
+        assert model.lm_head.weight.numel() == 0
+    assert runner.freed_weight_bytes >= head_bytes - 8192
+
+    plain = LlamaFamilyRunner(reference, max_num_seqs=1, max_model_len=64, pack_weights=False)
+    tokens = torch.randint(0, config.vocab_size, (24,)).tolist()
+    for r in (runner, plain):
+        r.add_sequence("a")
+    torch.testing.assert_close(runner.forward([RowInput("a", tokens, 4)]).logits,
+                               plain.forward([RowInput("a", tokens, 4)]).logits, atol=1e-4, rtol=1e-4)
