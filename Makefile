@@ -81,9 +81,11 @@ bench-stall: fetch-model
 	$(BIN)/python -m services.bench.drafter_stall --model $(MODEL) $(STALL_BENCH_ARGS)
 
 # The paged KV cache: a 4-turn chat's and a shared 1,000-token system prompt's time to first token with prefix
-# caching on vs off (exit 1 if an answer differs), and a 6,000-token prompt answered with the default flags.
+# caching on vs off (exit 1 if an answer differs), and a 6,000-token prompt answered with the default flags; then
+# the decode/verify step against the slot cache it replaced (its revision checked out in a temporary worktree).
 bench-prefix: fetch-model
 	$(BIN)/python -m services.bench.prefix_cache --model $(MODEL) $(PREFIX_BENCH_ARGS)
+	$(BIN)/python -m services.bench.kv_before_after --model $(MODEL)
 
 # JSON-schema requests with ngram speculation vs without (tok/s, acceptance; exit 1 if outputs differ), the grammar
 # mask's cost per verify step and the share of tokens the grammar forces.
