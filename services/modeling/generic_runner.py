@@ -71,6 +71,8 @@ class GenericRunner:
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         logits, hidden = [], []
         for row in rows:
+            if row.parents is not None:
+                raise ValueError("the generic transformers runner feeds chains only (no supports_trees)")
             start, n = self._lengths[row.seq_id], len(row.token_ids)
             if start + n > self.max_model_len:
                 raise ValueError(f"row {row.seq_id!r} would exceed max_model_len={self.max_model_len}")

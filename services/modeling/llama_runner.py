@@ -20,7 +20,7 @@ from services.modeling.cpu_linear import LinearFn
 from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
-from services.modeling.runner import ForwardOutput, KVUsage, RowInput
+from services.modeling.runner import ForwardOutput, KVUsage, RowInput, tree_ancestors, tree_depths
 from services.modeling.weight_release import release_mapped
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -185,6 +185,11 @@ class LlamaFamilyRunner:
             raise ValueError("truncate can only shorten a sequence")
         self.cache.truncate(seq_id, length)
 
+    supports_trees = True  # forward takes RowInput.parents; keep_path keeps one path of a fed tree
+
+    def keep_path(self, seq_id: Hashable, start: int, path: Sequence[int]) -> None:
+        self.cache.keep_path(seq_id, start, path)
+
     def kv_blocks_needed(self, seq_id: Hashable | None, length: int) -> int:
         return self.cache.blocks_needed(seq_id, length)
 
@@ -232,7 +237,16 @@ class LlamaFamilyRunner:
             [list(r.token_ids) + [0] * (width - n) for r, n in zip(rows, lengths, strict=True)], device=device
         )  # [B, L]
         start_t = torch.tensor(starts, device=device)
-        positions = start_t[:, None] + torch.arange(width, device=device)[None, :]  # [B, L]
+        fed_order = start_t[:, None] + torch.arange(width, device=device)[None, :]  # [B, L] where each is stored
+        trees = [(b, tree_depths(r.parents)) for b, r in enumerate(rows) if r.parents is not None]
+        for b, depths in trees:
+            if len(depths) != lengths[b]:
+                raise ValueError(f"row {rows[b].seq_id!r}: {len(depths)} parents for {lengths[b]} tokens")
+        positions = fed_order
+        if trees:  # a tree node's position is its depth past the cached tokens
+            positions = fed_order.clone()
+            for b, depths in trees:
+                positions[b, : len(depths)] = starts[b] + torch.tensor(depths, device=device)
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.cache.reserve(row.seq_id, start + n)
         row_of = [b for b, n in enumerate(lengths) for _ in range(n)]
@@ -253,12 +267,19 @@ class LlamaFamilyRunner:
             gathered = (torch.empty(shape, dtype=self.dtype, device=device),
                         torch.empty(shape, dtype=self.dtype, device=device))
 
-        key_positions = torch.arange(span, device=device)
-        causal = key_positions[None, None, :] <= positions[:, :, None]  # [B, L, T]
+        key_index = torch.arange(span, device=device)  # where each key is stored: its position, in a chain
+        causal = key_index[None, None, :] <= fed_order[:, :, None]  # [B, L, T]
+        key_positions = key_index[None, :].expand(batch, span)
+        if trees:
+            key_positions = key_positions.clone()
+            for b, depths in trees:
+                n, start = len(depths), starts[b]
+                causal[b, :n, start : start + n] = torch.tensor(tree_ancestors(rows[b].parents), device=device)
+                key_positions[b, start : start + n] = positions[b, :n]
         masks: dict[int | None, torch.Tensor] = {}
         for window in set(self._windows):
-            mask = causal if window is None else causal & (key_positions[None, None, :] > positions[:, :, None] - window)
-            masks[window] = additive_mask(mask, torch.float32)  # [B, 1, L, T]
+            near = key_positions[:, None, :] > positions[:, :, None] - window if window is not None else None
+            masks[window] = additive_mask(causal if near is None else causal & near, torch.float32)  # [B, 1, L, T]
 
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids)  # [B, L, H]
@@ -295,7 +316,7 @@ class LlamaFamilyRunner:
             self.cache.hidden[write_slots] = hidden[write_rows, write_cols]
 
         for row in rows:
-            self.cache.append_tokens(row.seq_id, row.token_ids)
+            self.cache.append_tokens(row.seq_id, row.token_ids, publish=row.parents is None)
 
         num_selected = max(r.num_logits for r in rows)
         select = torch.tensor(

@@ -169,16 +169,46 @@ class PagedKVCache:
         blocks, size = self._seqs[seq_id].blocks, self.block_size
         return [blocks[p // size] * size + p % size for p in range(start, stop)]
 
-    def append_tokens(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """The forward wrote `tokens` at the sequence's end; publish the blocks they filled."""
+    def append_tokens(self, seq_id: Hashable, tokens: Sequence[int], publish: bool = True) -> None:
+        """The forward wrote `tokens` at the sequence's end; publish the blocks they filled. publish=False for a
+        token tree, whose nodes are not a prefix of anything until keep_path has put one path in order."""
         seq = self._seqs[seq_id]
         seq.tokens.extend(tokens)
+        if publish:
+            self._publish_full_blocks(seq)
+
+    def _publish_full_blocks(self, seq: _Sequence) -> None:
         size = self.block_size
         while seq.published < len(seq.tokens) // size:
             index = seq.published
             previous = seq.blocks[index - 1] if index else None
             self.pool.publish(seq.blocks[index], self.pool.key(previous, seq.tokens[index * size : (index + 1) * size]))
             seq.published += 1
+
+    def keep_path(self, seq_id: Hashable, start: int, path: Sequence[int]) -> None:
+        """Keep, of the token tree fed at `start` (appended with publish=False), only the nodes `path` (indices
+        among the fed tokens, increasing, as a root-to-node path is): each one's K/V in every layer (and its kept
+        hidden state) moves to position start + k, and the sequence ends after the path, its full blocks
+        published. The K/V of a node depend only on its ancestors, which the path holds, so they are exactly what
+        feeding the path as a chain would have written."""
+        seq = self._seqs[seq_id]
+        fed = len(seq.tokens) - start
+        if any(b <= a for a, b in zip(path, path[1:])) or (path and not 0 <= path[0] <= path[-1] < fed):
+            raise ValueError(f"path {list(path)} is not an increasing list of the {fed} fed tokens")
+        moves = [(k, j) for k, j in enumerate(path) if j != k]
+        if moves:
+            slots = self.slots(seq_id, start, start + fed)
+            to_slots = torch.tensor([slots[k] for k, _ in moves], device=self.keys.device)
+            from_slots = torch.tensor([slots[j] for _, j in moves], device=self.keys.device)
+            # the right-hand side is a gathered copy, so no move overwrites a node another still reads
+            self.keys[:, :, to_slots] = self.keys[:, :, from_slots]
+            self.values[:, :, to_slots] = self.values[:, :, from_slots]
+            if self.hidden is not None:
+                self.hidden[to_slots] = self.hidden[from_slots]
+        kept = [seq.tokens[start + j] for j in path]
+        self.truncate(seq_id, start + len(path))
+        seq.tokens[start:] = kept
+        self._publish_full_blocks(seq)
 
     def row_read(self, seq_id: Hashable, span: int) -> torch.Tensor | slice:
         """Where to read the sequence's positions [0, span): a slice of the pool when its blocks lie in order

@@ -20,11 +20,39 @@ from services.modeling.block_pool import PrefixCacheStats
 
 @dataclass(frozen=True)
 class RowInput:
-    """One sequence's part of a forward: tokens fed now, and how many of the last fed positions need logits."""
+    """One sequence's part of a forward: tokens fed now, and how many of the last fed positions need logits.
+
+    parents makes the fed tokens a tree (drafts that branch): parents[i] is the index among the fed tokens of
+    token i's parent, -1 where it follows the cached tokens directly, and every parent comes before its children.
+    Token i then sits at position length + depth(i) and attends to the cached tokens and its own ancestors only,
+    so its logits are those of the path that leads to it. None: a chain (parents[i] = i - 1)."""
 
     seq_id: Hashable
     token_ids: Sequence[int]
     num_logits: int = 1
+    parents: Sequence[int] | None = None
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node of a token tree (0 for a node whose parent is -1); ValueError unless every parent is -1
+    or an earlier node."""
+    depths: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"tree node {i} has parent {parent}: a parent must be -1 or an earlier node")
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_ancestors(parents: Sequence[int]) -> list[list[bool]]:
+    """[i][j]: node j is node i or one of its ancestors."""
+    tree_depths(parents)  # validates
+    rows: list[list[bool]] = []
+    for i, parent in enumerate(parents):
+        row = list(rows[parent]) if parent >= 0 else [False] * len(parents)
+        row[i] = True
+        rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -69,6 +97,11 @@ class ModelRunner(Protocol):
 
     def truncate(self, seq_id: Hashable, length: int) -> None:
         """Roll back to `length` tokens (drop rejected drafts)."""
+
+    def keep_path(self, seq_id: Hashable, start: int, path: Sequence[int]) -> None:
+        """After a forward that fed a token tree at `start`: keep only the nodes `path` (indices among the fed
+        tokens, root first, each the parent of the next), moved to positions start, start + 1, ...; the rest of
+        the tree is dropped. Runners without `supports_trees` need not have it."""
 
     def kv_blocks_needed(self, seq_id: Hashable | None, length: int) -> int:
         """KV blocks a sequence (None: a new one) still needs to hold `length` tokens."""
