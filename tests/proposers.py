@@ -111,3 +111,44 @@ class FailingProposer:
 
     def release(self, seq_id: Hashable) -> None:
         pass
+
+
+class TreeProposer:
+    """Sends token trees of K nodes: random branches (duplicate siblings included) and, with `references`, the
+    reference continuation as one branch placed after the others, so that accepting it moves K/V into place.
+    Parents come before children, as the protocol asks."""
+
+    method = "tree"
+
+    def __init__(self, vocab_size: int, seed: int = 0,
+                 references: Mapping[Hashable, Sequence[int]] | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.references = references
+        self.calls = 0
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        self.calls += 1
+        return [self._tree(item) for item in inputs]
+
+    def _tree(self, item: DraftInput) -> Draft:
+        k = item.num_speculative_tokens
+        true_path: list[int] = []
+        if self.references is not None:
+            reference = list(self.references[item.seq_id])
+            true_path = reference[len(item.token_ids) : len(item.token_ids) + max(1, k // 2)]
+        tokens: list[int] = []
+        parents: list[int] = []
+        while len(tokens) < k - len(true_path):
+            parent = self.rng.randint(-1, len(tokens) - 1)
+            siblings = [tokens[j] for j in range(len(tokens)) if parents[j] == parent]
+            duplicate = siblings and self.rng.random() < 0.3
+            tokens.append(self.rng.choice(siblings) if duplicate else self.rng.randrange(self.vocab_size))
+            parents.append(parent)
+        for depth, token in enumerate(true_path):
+            parents.append(-1 if depth == 0 else len(tokens) - 1)
+            tokens.append(token)
+        return Draft(tokens, parents=parents)
+
+    def release(self, seq_id: Hashable) -> None:
+        pass

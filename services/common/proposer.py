@@ -37,6 +37,11 @@ class DraftInput:
 class Draft:
     token_ids: Sequence[int]  # at most K proposed tokens (fewer, or none, is fine)
     probs: torch.Tensor | None = None  # [len(token_ids), V] q, only from drafters that really sample
+    # A token tree instead of a chain: parents[i] is the index in token_ids of token i's parent, -1 for a token
+    # that follows the committed ones; parents come before their children, so the first k tokens are a tree too
+    # (K counts tokens, i.e. the verify width, as for a chain). None: a chain. Trees are verified as
+    # deterministic drafts (their probs are not used).
+    parents: Sequence[int] | None = None
 
 
 class Proposer(Protocol):

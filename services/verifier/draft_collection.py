@@ -28,6 +28,14 @@ from services.verifier.spec_stats import SpecDecodeStats
 class ProposedDraft:
     tokens: list[int]
     probs: torch.Tensor | None  # [len(tokens), V]
+    parents: list[int] | None = None  # a token tree (Draft.parents; never with probs); None: a chain
+
+    def cut(self, k: int) -> ProposedDraft:
+        """The first k tokens (a tree's first k nodes are a tree: parents come first)."""
+        if k <= 0:
+            return NO_DRAFT
+        return ProposedDraft(self.tokens[:k], None if self.probs is None else self.probs[:k],
+                             None if self.parents is None else self.parents[:k])
 
 
 NO_DRAFT = ProposedDraft([], None)
@@ -177,7 +185,14 @@ class DraftCollector:
         vocab = self.vocab_size
         if not tokens or min(tokens) < 0 or max(tokens) >= vocab:
             return NO_DRAFT
+        parents = None if draft.parents is None else [int(p) for p in list(draft.parents)[: len(tokens)]]
+        if parents is not None:
+            if len(parents) < len(tokens) or any(not -1 <= p < i for i, p in enumerate(parents)):
+                return NO_DRAFT
+            if parents == list(range(-1, len(tokens) - 1)):
+                parents = None  # a chain after all
         probs = draft.probs
-        if probs is not None and (probs.dim() != 2 or probs.shape[0] < len(tokens) or probs.shape[1] != vocab):
-            probs = None
-        return ProposedDraft(tokens, None if probs is None else probs[: len(tokens)])
+        if parents is not None or (probs is not None and (probs.dim() != 2 or probs.shape[0] < len(tokens)
+                                                          or probs.shape[1] != vocab)):
+            probs = None  # a tree is verified as deterministic drafts: lossless whatever q was
+        return ProposedDraft(tokens, None if probs is None else probs[: len(tokens)], parents)

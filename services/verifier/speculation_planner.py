@@ -128,7 +128,7 @@ class SpeculationPlanner:
         if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
             width = 2  # a probe pays for one column, which every drafted row then uses
             self.probes.spend(self._probe_column_s)
-        return [d if len(d.tokens) < width else _cut(d, width - 1) for d in drafts]
+        return [d if len(d.tokens) < width else d.cut(width - 1) for d in drafts]
 
     def observe_row(self, state: RequestState, num_draft: int, num_accepted: int) -> None:
         """A row's step outcome: a verified draft updates its estimates; none counts toward a re-probe."""
@@ -166,9 +166,3 @@ class SpeculationPlanner:
 
 def _span(decode: Sequence[RequestState]) -> int:
     return max(len(s.token_ids) for s in decode)
-
-
-def _cut(draft: ProposedDraft, k: int) -> ProposedDraft:
-    if k <= 0:
-        return ProposedDraft([], None)
-    return ProposedDraft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])

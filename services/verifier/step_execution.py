@@ -14,6 +14,7 @@ import torch
 
 from services.modeling.runner import ModelRunner, RowInput
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
+from services.verifier.draft_trees import best_lines, fed_parents, first_path, verify_lines
 from services.verifier.outputs import TokenLogprob
 from services.verifier.prompt_scoring import score_positions
 from services.verifier.rejection import verify
@@ -143,48 +144,61 @@ def execute(
     states = list(decode) + [state for state, _ in first_token_logits]
     if not states:
         return []
-    max_k = max((len(d.tokens) for d in drafts), default=0)
+    # A tree's first path only, where the runner cannot feed trees or one grammar matcher would walk its paths
+    trees_ok = getattr(runner, "supports_trees", False)
+    drafts = [d if trees_ok and s.constraint is None else first_path(d) for s, d in zip(decode, drafts, strict=True)]
+    all_drafts = list(drafts) + [NO_DRAFT] * len(first_token_logits)
+    lines = verify_lines(all_drafts)
+    max_k = max(len(line.tokens) for line in lines)
     parts = []
     started = time.perf_counter()
     if decode:
         rows = [
-            RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens))
+            RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens),
+                     parents=None if d.parents is None else fed_parents(d.parents))
             for s, d in zip(decode, drafts, strict=True)
         ]
         verified = runner.forward(rows)
-        parts.append(verified.logits)  # [Bd, K+1, V]
+        if any(d.parents is not None for d in drafts):  # each path's logits, gathered along it
+            index = torch.tensor([[line.state, f] for line in lines[: len(lines) - len(first_token_logits)]
+                                  for f in line.fed + [line.fed[-1]] * (max_k + 1 - len(line.fed))],
+                                 device=verified.logits.device)
+            parts.append(verified.logits[index[:, 0], index[:, 1]].view(-1, max_k + 1, vocab))
+        else:
+            parts.append(verified.logits)  # [Bd, K+1, V]
     for _, logits in first_token_logits:
         parts.append(logits[None])  # [1, 1, V]
     logits = torch.cat(
         [torch.nn.functional.pad(p, (0, 0, 0, max_k + 1 - p.shape[1])) for p in parts]
-    )  # [B, K+1, V]
+    )  # [lines, K+1, V]
 
-    all_drafts = list(drafts) + [NO_DRAFT] * len(first_token_logits)
+    line_states = [states[line.state] for line in lines]
     device = logits.device
     draft_tokens = torch.tensor(
-        [d.tokens + [0] * (max_k - len(d.tokens)) for d in all_drafts], dtype=torch.int64, device=device
-    ).reshape(len(states), max_k)
-    num_draft = torch.tensor([len(d.tokens) for d in all_drafts], dtype=torch.int64, device=device)
-    positions = torch.tensor([len(s.token_ids) for s in states], dtype=torch.int64, device=device)
+        [line.tokens + [0] * (max_k - len(line.tokens)) for line in lines], dtype=torch.int64, device=device
+    ).reshape(len(lines), max_k)
+    num_draft = torch.tensor([len(line.tokens) for line in lines], dtype=torch.int64, device=device)
+    positions = torch.tensor([len(s.token_ids) for s in line_states], dtype=torch.int64, device=device)
     draft_probs = has_probs = None
-    if any(d.probs is not None for d in all_drafts):
-        draft_probs = torch.zeros(len(states), max_k, vocab, dtype=torch.float32, device=device)
-        for b, d in enumerate(all_drafts):
-            if d.probs is not None:
-                draft_probs[b, : len(d.tokens)] = d.probs.to(device=device, dtype=torch.float32)
-        has_probs = torch.tensor([d.probs is not None for d in all_drafts], device=device)
+    line_probs = [all_drafts[line.state].probs for line in lines]  # trees carry none (draft_trees.py)
+    if any(q is not None for q in line_probs):
+        draft_probs = torch.zeros(len(lines), max_k, vocab, dtype=torch.float32, device=device)
+        for b, (line, q) in enumerate(zip(lines, line_probs, strict=True)):
+            if q is not None:
+                draft_probs[b, : len(line.tokens)] = q.to(device=device, dtype=torch.float32)
+        has_probs = torch.tensor([q is not None for q in line_probs], device=device)
     batch = SamplingBatch.build(
-        [s.request.sampling for s in states],
-        [s.seed for s in states],
+        [s.request.sampling for s in line_states],
+        [s.seed for s in line_states],
         vocab,
         device,
-        [s.output_counts for s in states],
-        [s.prompt_mask for s in states],
+        [s.output_counts for s in line_states],
+        [s.prompt_mask for s in line_states],
     )
     dead_ends: dict[int, int] = {}
-    if any(s.constraint is not None for s in states):
-        dead_ends = constrain_logits(logits, [s.constraint for s in states], [d.tokens for d in all_drafts],
-                                     [s.token_ids[s.num_prompt_tokens :] for s in states])
+    if any(s.constraint is not None for s in line_states):
+        dead_ends = constrain_logits(logits, [s.constraint for s in line_states], [line.tokens for line in lines],
+                                     [s.token_ids[s.num_prompt_tokens :] for s in line_states])
     result = verify(logits, draft_tokens, num_draft, positions, batch, draft_probs, has_probs)
 
     tokens = result.tokens.tolist()  # the step's one host transfer of results
@@ -194,29 +208,35 @@ def execute(
     top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
     top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
     if timing is not None and decode:
-        width = max_k + 1
+        width = max(len(d.tokens) for d in drafts) + 1
         timing.append((StepShape(len(decode), width, max(len(s.token_ids) for s in decode) + width),
                        time.perf_counter() - started))
+    best = best_lines(lines, accepted, len(states))
 
     rows_out = []
-    for b, (state, draft) in enumerate(zip(states, all_drafts, strict=True)):
-        n_acc = accepted[b]
-        emitted = tokens[b][: n_acc + 1]
-        if b in dead_ends and n_acc >= dead_ends[b]:
+    for b, (state, r) in enumerate(zip(states, best, strict=True)):
+        line = lines[r]
+        n_acc = accepted[r]
+        emitted = tokens[r][: n_acc + 1]
+        if r in dead_ends and n_acc >= dead_ends[r]:
             # The accepted drafts d1..dj reach a state where the output constraints allow nothing: commit them,
             # as the plain engine would have, and the next step fails the request at that committed state.
-            j = dead_ends[b]
-            n_acc, emitted = j - 1, tokens[b][:j]
+            j = dead_ends[r]
+            n_acc, emitted = j - 1, tokens[r][:j]
+        kept_fed = line.fed[: n_acc + 1]  # [last committed, accepted drafts]: where they are in the forward
         if b < len(decode):
-            runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
+            if all_drafts[b].parents is None:
+                runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
+            else:
+                runner.keep_path(state.request_id, len(state.token_ids) - 1, kept_fed)
         entries = None
         wanted = state.request.sampling.logprobs
         if wanted is not None:
             entries = [
                 TokenLogprob(
                     token_id=t,
-                    logprob=logprobs[b][j],
-                    top=tuple(zip(top_ids[b][j][:wanted], top_lp[b][j][:wanted], strict=True))
+                    logprob=logprobs[r][j],
+                    top=tuple(zip(top_ids[r][j][:wanted], top_lp[r][j][:wanted], strict=True))
                     if wanted and top_ids is not None
                     else (),
                 )
@@ -224,6 +244,6 @@ def execute(
             ]
         kept = None
         if b < len(decode) and state.hidden is not None:  # [last committed, accepted drafts] ran through the target
-            kept = verified.hidden_states[b, : n_acc + 1].detach().cpu()
-        rows_out.append(SampledRow(state, emitted, len(draft.tokens), n_acc, entries, kept))
+            kept = verified.hidden_states[b, kept_fed].detach().cpu()
+        rows_out.append(SampledRow(state, emitted, len(line.tokens), n_acc, entries, kept))
     return rows_out

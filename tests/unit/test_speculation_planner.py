@@ -108,15 +108,15 @@ def test_a_rejected_probe_backs_off_and_an_accepted_one_resets():
     assert probe.interval == PROBE_INTERVAL
 
 
-def test_cut_drafts_keep_their_q_rows(monkeypatch):
+def test_cut_drafts_keep_their_q_rows_and_trees_their_first_nodes(monkeypatch):
     import torch
 
-    from services.verifier.speculation_planner import _cut
-
     draft = ProposedDraft([1, 2, 3], torch.eye(4)[:3])
-    cut = _cut(draft, 2)
+    cut = draft.cut(2)
     assert cut.tokens == [1, 2] and cut.probs.shape == (2, 4)
-    assert _cut(draft, 0).tokens == []
+    assert draft.cut(0).tokens == []
+    tree = ProposedDraft([1, 2, 3], None, [-1, -1, 0])  # parents come first: any first k nodes are a tree
+    assert tree.cut(2) == ProposedDraft([1, 2], None, [-1, -1])
 
 
 def test_probe_columns_are_rationed_to_a_share_of_step_time():

@@ -1,0 +1,83 @@
+"""Verifying a token tree as the set of its root-to-leaf chains, all scored by one forward.
+
+The forward feeds a row's last committed token (the root) and every node of its tree at once (RowInput.parents),
+so the logits at a node are the target's after that node's path. Each root-to-leaf path is then one chain of the
+batch's ordinary verification (rejection.py), with the logits gathered along it: the deterministic rule emits,
+on any path, the tokens speculation-off would sample (noise keyed by position, the drafts only decide how many
+of them are confirmed at once), so the path that confirms the most is the tree's outcome and the output is the
+same whichever tree was sent. Everything that verification does per chain (penalties along the drafts, token
+rules, logprobs) applies unchanged; a request with output constraints feeds only its tree's first path
+(first_path), since one grammar matcher cannot walk several paths at once. Draft probabilities are not used for
+trees (multi-draft rejection sampling would use them to accept more often; the deterministic rule is exact
+without them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.verifier.draft_collection import ProposedDraft
+
+
+@dataclass(frozen=True)
+class VerifyLine:
+    """One chain to verify: a request of the step, the fed positions of its forward that the chain runs through
+    (0 is the last committed token, i + 1 the draft's token i) and the draft tokens along it."""
+
+    state: int  # index among the step's requests
+    fed: list[int]
+    tokens: list[int]
+
+
+def leaf_paths(parents: Sequence[int]) -> list[list[int]]:
+    """The tree's root-to-leaf paths as lists of node indices, depth first with children in index order: the
+    first path follows each node's first child (a drafter's likeliest chain, where it lists children by rank)."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]  # index 0: the roots' (parent -1)
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    paths: list[list[int]] = []
+    stack = [[node] for node in reversed(children[0])]
+    while stack:
+        path = stack.pop()
+        below = children[path[-1] + 1]
+        if not below:
+            paths.append(path)
+        stack.extend(path + [child] for child in reversed(below))
+    return paths
+
+
+def first_path(draft: ProposedDraft) -> ProposedDraft:
+    """A tree draft cut to its first root-to-leaf path (a chain), for a runner without `supports_trees`."""
+    if draft.parents is None:
+        return draft
+    return ProposedDraft([draft.tokens[i] for i in leaf_paths(draft.parents)[0]], None)
+
+
+def fed_parents(parents: Sequence[int]) -> list[int]:
+    """The forward's parents for [last committed token, *tree]: the root first, every node one place later."""
+    return [-1] + [p + 1 for p in parents]
+
+
+def verify_lines(drafts: Sequence[ProposedDraft]) -> list[VerifyLine]:
+    """One line per chain draft (or no draft), one per root-to-leaf path of a tree draft."""
+    lines = []
+    for index, draft in enumerate(drafts):
+        if draft.parents is None:
+            lines.append(VerifyLine(index, list(range(len(draft.tokens) + 1)), list(draft.tokens)))
+            continue
+        for path in leaf_paths(draft.parents):
+            lines.append(VerifyLine(index, [0] + [i + 1 for i in path], [draft.tokens[i] for i in path]))
+    return lines
+
+
+def best_lines(lines: Sequence[VerifyLine], accepted: Sequence[int], num_states: int) -> list[int]:
+    """For each request, the index of its line that confirmed the most drafts (the first on a tie)."""
+    best: list[int | None] = [None] * num_states
+    for index, line in enumerate(lines):
+        current = best[line.state]
+        if current is None or accepted[index] > accepted[current]:
+            best[line.state] = index
+    if any(b is None for b in best):
+        raise ValueError("every request needs a verify line")
+    return best  # type: ignore[return-value]

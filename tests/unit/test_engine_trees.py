@@ -1,0 +1,89 @@
+"""Token trees through the engine: greedy output identical to no speculation (random trees, trees holding the
+true continuation on a later branch, beside chains), sampled output following the target's distribution with
+trees, and a malformed tree dropped rather than trusted."""
+
+from __future__ import annotations
+
+import random
+
+from services.common.proposer import Draft
+from services.modeling.generic_runner import GenericRunner
+from services.verifier.draft_collection import NO_DRAFT, DraftCollector, ProposedDraft
+from services.verifier.draft_trees import first_path, leaf_paths, verify_lines
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.engine_harness import run_schedule
+from tests.prompts import repetitive_prompt
+from tests.proposers import OracleProposer, TreeProposer
+from tests.stats import ALPHA, chi_square_p_value, total_variation
+from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
+from tests.unit.test_engine_distribution import V, exact_joint, sample_pairs
+from tests.unit.test_engine_greedy import build_schedule, make_engine
+
+
+def test_paths_and_lines():
+    assert leaf_paths([-1, 0, 0, 1, -1]) == [[0, 1, 3], [0, 2], [4]]
+    tree = ProposedDraft([7, 8, 9], None, [-1, -1, 1])
+    lines = verify_lines([tree, NO_DRAFT, first_path(tree)])
+    assert [(line.state, line.fed, line.tokens) for line in lines] == [
+        (0, [0, 1], [7]), (0, [0, 2, 3], [8, 9]), (1, [0], []), (2, [0, 1], [7])]
+
+
+def test_a_malformed_tree_is_dropped_and_a_chain_shaped_one_is_a_chain():
+    collector = DraftCollector({}, VOCAB, 1.0)
+    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, 2, 0]), 3) == NO_DRAFT  # a parent after its child
+    assert collector._sanitize(Draft([1, 2], parents=[-1]), 2) == NO_DRAFT  # too few parents
+    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, 0, 1]), 3) == ProposedDraft([1, 2, 3], None, None)
+    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, -1, 0]), 2) == ProposedDraft([1, 2], None, [-1, -1])
+
+
+async def test_greedy_output_with_trees_equals_no_speculation():
+    rng = random.Random(5)
+    for model in (tiny_llama(seed=3), tiny_qwen2(seed=4)):
+        n = 8
+        prompts = [repetitive_prompt(rng, rng.randint(3, 40)) for _ in range(n)]
+        max_tokens = [rng.randint(5, 40) for _ in range(n)]
+        baseline = await run_schedule(make_engine(model, {}), build_schedule([SpeculationParams()] * n, prompts,
+                                                                             max_tokens))
+        references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
+        proposers = {"tree": TreeProposer(VOCAB, seed=1, references=references),
+                     "random_tree": TreeProposer(VOCAB, seed=2), "oracle": OracleProposer(references)}
+        proposers["random_tree"].method = "random_tree"
+        for k in (1, 3, 6):
+            specs = [SpeculationParams(("tree", "random_tree", "oracle")[i % 3], k) for i in range(n)]
+            speculative = await run_schedule(make_engine(model, proposers), build_schedule(specs, prompts, max_tokens))
+            for i in range(n):
+                assert speculative[f"r{i}"].tokens == baseline[f"r{i}"].tokens, f"K={k} r{i} ({specs[i]})"
+            tree_rows = [speculative[f"r{i}"].outputs[-1].spec for i in range(n) if specs[i].method == "tree"]
+            if k > 1:  # the true branch, placed after the random ones, was found and accepted: k // 2 a step
+                drafts = sum(spec.num_drafts for spec in tree_rows)
+                assert sum(spec.num_accepted_tokens for spec in tree_rows) >= 0.8 * (k // 2) * drafts > 0
+
+
+async def test_a_runner_without_trees_verifies_the_first_path():
+    model = tiny_llama(seed=3)
+    prompt = (1, 2, 3, 1, 2, 3, 1)
+    plain = Engine(GenericRunner(model, 2, 64), EngineConfig(log_stats_interval_s=0, adaptive_speculation=False), {},
+                   eos_token_ids=())
+    def request(spec):
+        return {0: [GenerationRequest("a", prompt, SamplingParams(max_tokens=12, temperature=0.0), spec)]}
+
+    baseline = await run_schedule(plain, request(SpeculationParams()))
+    proposer = TreeProposer(VOCAB, seed=3, references={"a": prompt + tuple(baseline["a"].tokens)})
+    engine = Engine(GenericRunner(model, 2, 64), EngineConfig(log_stats_interval_s=0, adaptive_speculation=False),
+                    {"tree": proposer}, eos_token_ids=())
+    speculative = await run_schedule(engine, request(SpeculationParams("tree", 4)))
+    assert speculative["a"].tokens == baseline["a"].tokens and proposer.calls > 0
+
+
+async def test_sampled_output_with_trees_follows_the_target():
+    target = tiny_llama(seed=21, vocab_size=V)
+    params = SamplingParams(temperature=0.9)
+    proposer = TreeProposer(V, seed=7)
+    joint, engine = await sample_pairs(target, params, SpeculationParams("tree", 4), {"tree": proposer})
+    assert engine.stats.num_drafts > 0 and engine.stats.num_accepted_tokens > 0
+    expected = exact_joint(target, params)
+    assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
+    # negative control: the same samples against another temperature's joint
+    assert chi_square_p_value(joint, exact_joint(target, SamplingParams(temperature=0.6))) < ALPHA
