@@ -53,6 +53,7 @@ class SequenceDraft:
     token_ids: tuple[int, ...] = ()
     probs: torch.Tensor | None = None  # [len(token_ids), V]
     resync_needed: bool = False
+    parents: tuple[int, ...] | None = None  # a token tree (Draft.parents); None: a chain
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ def reply_to_proto(reply: DraftReply):
                 token_ids=d.token_ids,
                 probs_fp16=encode_probs(d.probs),
                 resync_needed=d.resync_needed,
+                parents=d.parents or (),
             )
             for d in reply.drafts
         ],
@@ -175,6 +177,7 @@ def reply_from_proto(message) -> DraftReply:
                 token_ids=tuple(d.token_ids),
                 probs=decode_probs(d.probs_fp16, len(d.token_ids)),
                 resync_needed=d.resync_needed,
+                parents=tuple(d.parents) or None,
             )
             for d in message.drafts
         ),

@@ -154,6 +154,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 len(inputs[j].token_ids),
                 tuple(int(t) for t in draft.token_ids) if draft else (),
                 draft.probs if draft else None,
+                parents=tuple(int(p) for p in draft.parents) if draft and draft.parents is not None else None,
             )
         return DraftReply(step.step_id, tuple(answers))
 

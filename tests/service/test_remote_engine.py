@@ -129,3 +129,36 @@ async def test_drafter_outage_falls_back_and_recovers_on_the_same_port(model):
         await server.server.stop(0)
         if restarted is not None:
             await restarted.server.stop(0)
+
+
+async def test_token_trees_cross_the_link_and_stay_greedy_identical(model):
+    """A drafter sending trees over real gRPC: the parents reach the verifier, which finds the true branch (placed
+    after random ones) and emits exactly what speculation off emits."""
+    from tests.proposers import TreeProposer
+
+    rng = random.Random(11)
+    n = 4
+    prompts = [repetitive_prompt(rng, rng.randint(5, 30)) for _ in range(n)]
+    max_tokens = [20] * n
+    baseline = await run_schedule(make_engine(model, {}), {0: requests(prompts, max_tokens, [SpeculationParams()] * n)})
+    references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
+    server, port = await serve(TreeProposer(VOCAB, seed=4, references=_ByKey(references)), "127.0.0.1", 0,
+                               num_speculative_tokens=6)
+    remote = await RemoteProposer.connect(remote_config(port))
+    try:
+        engine = make_engine(model, {"tree": remote})
+        result = await run_schedule(engine, {0: requests(prompts, max_tokens, [SpeculationParams("tree", 6)] * n)})
+        for i in range(n):
+            assert result[f"r{i}"].tokens == baseline[f"r{i}"].tokens, f"r{i}"
+        stats = engine.stats
+        assert stats.num_fallbacks == 0 and stats.num_accepted_tokens >= 2 * stats.num_drafts > 0  # the branch
+    finally:
+        await remote.close()
+        await server.server.stop(0)
+
+
+class _ByKey(dict):
+    """The drafter sees a sequence as (link, seq_id): the references looked up by the seq_id part."""
+
+    def __getitem__(self, key):
+        return super().__getitem__(key[1] if isinstance(key, tuple) else key)
