@@ -70,7 +70,7 @@ def local_proposers(config: SpeculativeConfig, target: tuple[int, str] | None = 
 def default_speculation(config: SpeculativeConfig) -> SpeculationParams:
     if not config.enabled:
         return SpeculationParams()
-    return SpeculationParams(config.method, config.num_speculative_tokens)
+    return SpeculationParams(config.method, config.verify_width)
 
 
 def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None = None) -> tuple[Engine, LoadedModel]:

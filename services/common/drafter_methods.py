@@ -38,6 +38,10 @@ BUILTIN_METHODS = MappingProxyType({
 })
 
 
+# Methods that can send token trees (Draft.parents) when the config sets num_draft_tokens.
+TREE_METHODS = frozenset({"suffix"})
+
+
 # What `specserve serve` drafts with when no --speculative-config is given: the first method here that can run
 # on this machine. `make bench` ranks them: suffix drafts at least as well as ngram on every workload (HumanEval,
 # the code edit, the edit sequence; README "Benchmark"), and ngram needs nothing native.

@@ -6,7 +6,7 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from services.common.drafter_methods import EXTRACT_HIDDEN_STATES, check_method
+from services.common.drafter_methods import EXTRACT_HIDDEN_STATES, TREE_METHODS, check_method
 
 
 class SpeculativeConfig(BaseModel):
@@ -14,6 +14,10 @@ class SpeculativeConfig(BaseModel):
 
     method: str = "ngram"  # a registered drafter method (services/common/drafter_methods.py) or "none"
     num_speculative_tokens: int = Field(5, ge=0, le=64)
+    # Token trees (SGLang's speculative_num_draft_tokens): the drafter sends a tree of up to this many tokens, and
+    # each step verifies them all in one forward (services/verifier/draft_trees.py). None: a chain of
+    # num_speculative_tokens. Methods in TREE_METHODS only.
+    num_draft_tokens: int | None = Field(None, ge=1, le=64)
     # ngram (prompt lookup)
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
@@ -49,6 +53,9 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.method == "draft_model" and not self.model:
             raise ValueError(f"method {self.method!r} needs a 'model'")
+        if self.num_draft_tokens is not None and self.method not in TREE_METHODS:
+            raise ValueError(f"num_draft_tokens asks for token trees, which method {self.method!r} does not draft "
+                             f"(methods that do: {', '.join(sorted(TREE_METHODS))})")
         if self.method == EXTRACT_HIDDEN_STATES and not self.output_dir:
             raise ValueError(f"method {EXTRACT_HIDDEN_STATES!r} needs an 'output_dir' for its files")
         return self
@@ -57,6 +64,11 @@ class SpeculativeConfig(BaseModel):
     def enabled(self) -> bool:
         """A drafter proposes (extract_hidden_states serves without speculation)."""
         return self.method not in ("none", EXTRACT_HIDDEN_STATES) and self.num_speculative_tokens > 0
+
+    @property
+    def verify_width(self) -> int:
+        """Draft tokens each row may have verified per step: a tree's nodes, or a chain's length."""
+        return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_speculative_tokens
 
     @property
     def extract_dir(self) -> str | None:

@@ -114,7 +114,7 @@ async def run(settings: DrafterSettings, proposer: Proposer) -> int:
         proposer,
         settings.host,
         settings.port,
-        num_speculative_tokens=speculation.num_speculative_tokens,
+        num_speculative_tokens=speculation.verify_width,
         credentials=settings.server_credentials(),
         metrics=metrics,
     )

@@ -90,7 +90,7 @@ def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]
     """The configured method when a drafter of that name is attached; with no --speculative-config, the only
     attached drafter; otherwise off. Never an error: speculation is an optimisation, the verifier still serves."""
     config = settings.speculation
-    k = config.num_speculative_tokens if config.enabled else SpeculativeConfig().num_speculative_tokens
+    k = config.verify_width if config.enabled else SpeculativeConfig().num_speculative_tokens
     if not drafter_names:
         if config.enabled:
             logger.warning("--speculative-config asks for %r but no drafter is attached (--drafter name=host:port):"

@@ -34,8 +34,16 @@ def test_empty_flag_means_no_speculation():
         ('{"method": "ngram", "num_speculative_tokens": -1}', "num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"method": "ngram", "bogus": 1}', "bogus"),
+        ('{"method": "ngram", "num_draft_tokens": 8}', "token trees, which method 'ngram' does not draft"),
+        ('{"method": "suffix", "num_draft_tokens": 65}', "num_draft_tokens"),
     ],
 )
 def test_bad_flags_get_clear_errors(text, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(text)
+
+
+def test_a_tree_config_verifies_num_draft_tokens_a_step():
+    tree = SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 4, "num_draft_tokens": 12}')
+    assert tree.verify_width == 12 and default_speculation(tree).num_speculative_tokens == 12
+    assert SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 4}').verify_width == 4

@@ -85,6 +85,25 @@ async def test_a_finished_response_drafts_a_repeated_request_from_its_first_step
     assert await draft(p, "C", [1, 2, 3, 4, 205, 206]) == OUTPUT[7:9]  # 2 matched: 2 drafted (factor 1.0)
 
 
+async def test_with_trees_two_continuations_seen_before_are_both_drafted():
+    """num_draft_tokens set: the drafter sends the tree the match grows, both earlier continuations of the same
+    context as branches; without it, only the best path."""
+    other = [300, 301, 302, 303, 304]
+    for trees in (True, False):
+        p = proposer(trees=trees, min_token_prob=0.0)
+        await run_request(p, "A", PROMPT, OUTPUT)
+        await run_request(p, "B", PROMPT, [OUTPUT[0]] + other)  # same first token, then a continuation of its own
+        [result] = await p.propose([DraftInput("C", PROMPT + OUTPUT[:1], 8)])
+        tokens = list(result.token_ids)
+        if not trees:
+            assert result.parents is None and tokens in (OUTPUT[1:9], other)
+            continue
+        parents = list(result.parents)
+        roots = [tokens[i] for i, parent in enumerate(parents) if parent == -1]
+        assert sorted(roots) == [OUTPUT[1], other[0]], (tokens, parents)  # each seen once
+        assert all(-1 <= parent < i for i, parent in enumerate(parents)) and len(tokens) <= 8
+
+
 async def test_without_the_prompt_tail_in_the_global_tree_the_first_step_has_no_match():
     """vLLM's layout (only output tokens in the global tree): the first view, prompt + first token, is in the
     request's tree only, so a repeated request finds A's output only once its own output matches it."""
@@ -286,6 +305,22 @@ async def test_greedy_output_is_identical_with_suffix_speculation():
         counts = again[f"again{i}"].outputs[-1].spec
         drafted, accepted = drafted + counts.num_draft_tokens, accepted + counts.num_accepted_tokens
     assert drafted >= 6 * 30 and accepted >= 0.9 * drafted, (accepted, drafted)
+
+
+async def test_greedy_output_is_identical_with_suffix_trees():
+    model = tiny_llama(seed=3)
+    rng = random.Random(9)
+    prompts = [repetitive_prompt(rng, rng.randint(8, 40)) for _ in range(6)]
+    plain = await run_schedule(make_engine(model, {}), {0: greedy_requests(prompts, 40, SpeculationParams())})
+    suffix = proposer(trees=True, min_token_prob=0.0)
+    engine = make_engine(model, {"suffix": suffix})
+    spec = SpeculationParams(method="suffix", num_speculative_tokens=8)
+    for round_ in range(2):  # the second round drafts from the first's responses too
+        speculative = await run_schedule(engine, {0: greedy_requests(prompts, 40, spec, f"t{round_}-")})
+        for i in range(6):
+            assert speculative[f"t{round_}-{i}"].tokens == plain[f"r{i}"].tokens, (round_, i)
+    stats = engine.stats
+    assert stats.num_fallbacks == 0 and stats.num_accepted_tokens > 0
 
 
 async def test_sampled_output_follows_the_target_with_suffix_drafts():

@@ -63,6 +63,7 @@ class SuffixSettings:
     max_spec_factor: float = 1.0
     min_token_prob: float = 0.1
     global_context_tokens: int | None = None
+    trees: bool = False  # send the token tree the match grows (num_draft_tokens set) instead of its best path
 
     def __post_init__(self) -> None:
         if self.max_tree_depth < 1:
@@ -89,6 +90,7 @@ class SuffixSettings:
             max_cached_requests=config.suffix_decoding_max_cached_requests,
             max_spec_factor=config.suffix_decoding_max_spec_factor,
             min_token_prob=config.suffix_decoding_min_token_prob,
+            trees=config.num_draft_tokens is not None,
         )
 
 
@@ -171,9 +173,13 @@ class SuffixProposer:
             max_spec_tokens=k,
             max_spec_factor=self.settings.max_spec_factor,
             min_token_prob=self.settings.min_token_prob,
-            use_tree_spec=False,  # the verifier checks one chain per sequence
+            use_tree_spec=self.settings.trees,
         )
-        return Draft(tuple(int(t) for t in result.token_ids[:k]))
+        if not self.settings.trees:
+            return Draft(tuple(int(t) for t in result.token_ids[:k]))
+        # Arctic grows the tree best first (a node after its parent, likelier children first) and gives each
+        # node's parent with -1 for the root's children: the protocol's own shape. k bounds the nodes.
+        return Draft(tuple(int(t) for t in result.token_ids[:k]), parents=tuple(int(p) for p in result.parents[:k]))
 
     def _sync(self, seq_id: Hashable, token_ids: Sequence[int]) -> _Sequence:
         """Bring the sequence's trees up to `token_ids` (the whole committed sequence). Only the new tokens
