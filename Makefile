@@ -18,7 +18,7 @@ PIP_INSTALL := $(BIN)/python -m pip install -q
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-pipelining bench-eagle eagle-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-pipelining bench-trees bench-eagle eagle-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -68,6 +68,12 @@ bench: fetch-model
 	$(MAKE) bench-eagle
 	$(MAKE) bench-draft-model
 	$(MAKE) bench-pipelining
+	$(MAKE) bench-trees
+
+# Token trees: suffix decoding sending trees (num_draft_tokens) vs chains vs no speculation on the edit sequence and
+# the multi-turn conversation, at 1 and 8 requests, modes interleaved; exit 1 if an output differs (TREES_BENCH_ARGS).
+bench-trees: fetch-model
+	$(BIN)/python -m services.bench.suffix_trees --model $(MODEL) $(TREES_BENCH_ARGS)
 
 # The shipped EAGLE head on held-out ShareGPT prompts: no speculation, ngram K=4, eagle at K = 1..5 and adaptive, at
 # 1 and 4 requests, both drafters as gRPC processes; exit 1 if a speculative output differs (EAGLE_BENCH_ARGS).

@@ -20,7 +20,8 @@ from services.modeling.cpu_linear import LinearFn
 from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
-from services.modeling.runner import ForwardOutput, KVUsage, RowInput, tree_ancestors, tree_depths
+from services.common.token_trees import tree_ancestors, tree_depths
+from services.modeling.runner import ForwardOutput, KVUsage, RowInput
 from services.modeling.weight_release import release_mapped
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})

@@ -33,28 +33,6 @@ class RowInput:
     parents: Sequence[int] | None = None
 
 
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Depth of each node of a token tree (0 for a node whose parent is -1); ValueError unless every parent is -1
-    or an earlier node."""
-    depths: list[int] = []
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"tree node {i} has parent {parent}: a parent must be -1 or an earlier node")
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
-def tree_ancestors(parents: Sequence[int]) -> list[list[bool]]:
-    """[i][j]: node j is node i or one of its ancestors."""
-    tree_depths(parents)  # validates
-    rows: list[list[bool]] = []
-    for i, parent in enumerate(parents):
-        row = list(rows[parent]) if parent >= 0 else [False] * len(parents)
-        row[i] = True
-        rows.append(row)
-    return rows
-
-
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor  # [B, max num_logits, V] float32; row b valid in [:num_logits_b], i.e. its last positions

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.common.token_trees import leaf_paths
 from services.verifier.draft_collection import ProposedDraft
 
 
@@ -28,23 +29,6 @@ class VerifyLine:
     state: int  # index among the step's requests
     fed: list[int]
     tokens: list[int]
-
-
-def leaf_paths(parents: Sequence[int]) -> list[list[int]]:
-    """The tree's root-to-leaf paths as lists of node indices, depth first with children in index order: the
-    first path follows each node's first child (a drafter's likeliest chain, where it lists children by rank)."""
-    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]  # index 0: the roots' (parent -1)
-    for node, parent in enumerate(parents):
-        children[parent + 1].append(node)
-    paths: list[list[int]] = []
-    stack = [[node] for node in reversed(children[0])]
-    while stack:
-        path = stack.pop()
-        below = children[path[-1] + 1]
-        if not below:
-            paths.append(path)
-        stack.extend(path + [child] for child in reversed(below))
-    return paths
 
 
 def first_path(draft: ProposedDraft) -> ProposedDraft:

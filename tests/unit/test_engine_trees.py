@@ -9,7 +9,8 @@ import random
 from services.common.proposer import Draft
 from services.modeling.generic_runner import GenericRunner
 from services.verifier.draft_collection import NO_DRAFT, DraftCollector, ProposedDraft
-from services.verifier.draft_trees import first_path, leaf_paths, verify_lines
+from services.common.token_trees import leaf_paths
+from services.verifier.draft_trees import first_path, verify_lines
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams

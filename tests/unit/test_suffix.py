@@ -22,6 +22,7 @@ if os.environ.get("SPECSERVE_NO_SUFFIX") == "1":
 from services.common.drafter_methods import MethodUnavailableError, build_proposer
 from services.common.proposer import DraftInput
 from services.common.speculative_config import SpeculativeConfig
+from services.common.token_trees import tree_depths
 from services.drafter.methods.suffix import SuffixProposer, SuffixSettings
 from services.drafter.server import serve
 from services.modeling.llama_runner import LlamaFamilyRunner
@@ -90,7 +91,7 @@ async def test_with_trees_two_continuations_seen_before_are_both_drafted():
     context as branches; without it, only the best path."""
     other = [300, 301, 302, 303, 304]
     for trees in (True, False):
-        p = proposer(trees=trees, min_token_prob=0.0)
+        p = proposer(trees=trees, min_token_prob=0.0, tree_depth=3)
         await run_request(p, "A", PROMPT, OUTPUT)
         await run_request(p, "B", PROMPT, [OUTPUT[0]] + other)  # same first token, then a continuation of its own
         [result] = await p.propose([DraftInput("C", PROMPT + OUTPUT[:1], 8)])
@@ -102,6 +103,7 @@ async def test_with_trees_two_continuations_seen_before_are_both_drafted():
         roots = [tokens[i] for i, parent in enumerate(parents) if parent == -1]
         assert sorted(roots) == [OUTPUT[1], other[0]], (tokens, parents)  # each seen once
         assert all(-1 <= parent < i for i, parent in enumerate(parents)) and len(tokens) <= 8
+        assert max(tree_depths(parents)) == 2  # tree_depth 3: no path longer than 3 tokens
 
 
 async def test_without_the_prompt_tail_in_the_global_tree_the_first_step_has_no_match():
@@ -237,7 +239,9 @@ def test_build_proposer_from_the_speculative_config():
     )
     built = build_proposer(config)
     assert isinstance(built, SuffixProposer) and built.method == "suffix"
-    assert built.settings == SuffixSettings(16, 7, 2.0, 0.25)
+    assert built.settings == SuffixSettings(16, 7, 2.0, 0.25, tree_depth=5)
+    trees = build_proposer(SpeculativeConfig(method="suffix", num_speculative_tokens=3, num_draft_tokens=9))
+    assert trees.settings.trees and trees.settings.tree_depth == 3
     with pytest.raises(ValueError):
         SuffixSettings(max_tree_depth=0)
     with pytest.raises(ValueError):

@@ -10,7 +10,8 @@ import torch
 
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.llama_runner import LlamaFamilyRunner
-from services.modeling.runner import RowInput, tree_ancestors, tree_depths
+from services.common.token_trees import cut_to_depth, tree_ancestors, tree_depths
+from services.modeling.runner import RowInput
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
 
 BLOCK = 4  # small blocks, so that trees and paths cross block boundaries
@@ -54,6 +55,8 @@ def test_tree_helpers():
     assert [j for j, seen in enumerate(tree_ancestors(parents)[3]) if seen] == [0, 1, 3]
     with pytest.raises(ValueError, match="parent"):
         tree_depths([0])
+    assert cut_to_depth([10, 11, 12, 13, 14, 15], parents, 2) == ([10, 11, 12, 14, 15], [-1, 0, 0, -1, 3])
+    assert cut_to_depth([10, 11, 12, 13, 14, 15], parents, 1) == ([10, 14], [-1, -1])
 
 
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2])

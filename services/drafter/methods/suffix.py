@@ -46,6 +46,7 @@ import numpy as np
 
 from services.common.drafter_methods import MethodUnavailableError
 from services.common.proposer import Draft, DraftInput
+from services.common.token_trees import cut_to_depth
 
 if TYPE_CHECKING:
     from services.common.speculative_config import SpeculativeConfig
@@ -64,6 +65,7 @@ class SuffixSettings:
     min_token_prob: float = 0.1
     global_context_tokens: int | None = None
     trees: bool = False  # send the token tree the match grows (num_draft_tokens set) instead of its best path
+    tree_depth: int = 64  # a tree's paths hold at most this many tokens (num_speculative_tokens)
 
     def __post_init__(self) -> None:
         if self.max_tree_depth < 1:
@@ -91,6 +93,7 @@ class SuffixSettings:
             max_spec_factor=config.suffix_decoding_max_spec_factor,
             min_token_prob=config.suffix_decoding_min_token_prob,
             trees=config.num_draft_tokens is not None,
+            tree_depth=config.num_speculative_tokens,
         )
 
 
@@ -178,8 +181,11 @@ class SuffixProposer:
         if not self.settings.trees:
             return Draft(tuple(int(t) for t in result.token_ids[:k]))
         # Arctic grows the tree best first (a node after its parent, likelier children first) and gives each
-        # node's parent with -1 for the root's children: the protocol's own shape. k bounds the nodes.
-        return Draft(tuple(int(t) for t in result.token_ids[:k]), parents=tuple(int(p) for p in result.parents[:k]))
+        # node's parent with -1 for the root's children: the protocol's own shape. k bounds the nodes (the verify
+        # width), num_speculative_tokens the depth.
+        tokens, parents = cut_to_depth([int(t) for t in result.token_ids[:k]], [int(p) for p in result.parents[:k]],
+                                       self.settings.tree_depth)
+        return Draft(tuple(tokens), parents=tuple(parents))
 
     def _sync(self, seq_id: Hashable, token_ids: Sequence[int]) -> _Sequence:
         """Bring the sequence's trees up to `token_ids` (the whole committed sequence). Only the new tokens
