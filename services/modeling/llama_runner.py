@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from services.common.token_trees import tree_ancestors, tree_depths
 from services.modeling.attention import additive_mask, grouped_attention
 from services.modeling.attention_paths import AttentionPaths
 from services.modeling.cpu_linear import LinearFn
 from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
-from services.common.token_trees import tree_ancestors, tree_depths
 from services.modeling.runner import ForwardOutput, KVUsage, RowInput
 from services.modeling.weight_release import release_mapped
 
