@@ -6,7 +6,9 @@ held-out ShareGPT conversations, which the head never trained on, greedy. Both d
 a `specserve drafter` process each (eagle with the shipped head, ngram), reached over gRPC by the bench's in-process
 engine (the verifier's own engine through its public API), so the EAGLE rows pay for the hidden states on the
 link. Rows: no speculation, ngram at K = 4, eagle at each fixed K (adaptive speculation off: the mean acceptance
-length per K) and eagle with adaptive K, at 1 request and at `concurrency` requests; `rounds` rounds, each
+length per K), eagle with adaptive K, and eagle sending EAGLE-2 token trees (a third drafter process:
+`num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk` expanded per depth; adaptive off), at 1
+request and at `concurrency` requests; `rounds` rounds, each
 running every system once, medians. The link's hidden-state bytes per step are counted from what was committed.
 
 Every speculative output must equal the output without speculation (exit code 1 otherwise).
@@ -56,6 +58,10 @@ class EagleBenchSettings:
     concurrency: int = 4
     rounds: int = 2
     compute_thread: str = "auto"
+    # EAGLE-2 token trees: paths at most tree_depth long, tree_nodes tokens verified, tree_topk expanded per depth
+    tree_depth: int = 4
+    tree_nodes: int = 10
+    tree_topk: int = 4
 
     @property
     def max_k(self) -> int:
@@ -75,7 +81,9 @@ def modes(settings: EagleBenchSettings) -> list[Mode]:
     return [Mode("off", "specserve off", None, 0),
             Mode(f"ngram{settings.ngram_k}", f"ngram K={settings.ngram_k}", "ngram", settings.ngram_k),
             *(Mode(f"eagle{k}", f"eagle K={k}", "eagle", k) for k in settings.ks),
-            Mode("eagle-adaptive", f"eagle adaptive K<={max(settings.ks)}", "eagle", max(settings.ks), True)]
+            Mode("eagle-adaptive", f"eagle adaptive K<={max(settings.ks)}", "eagle", max(settings.ks), True),
+            Mode("eagletree", f"eagle tree depth {settings.tree_depth}, {settings.tree_nodes} tokens, top-"
+                 f"{settings.tree_topk}", "eagle-tree", settings.tree_nodes)]
 
 
 def held_out_prompts(tokenizer, count: int) -> list[tuple[int, ...]]:
@@ -161,11 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
     parser.add_argument("--rounds", type=int, default=defaults.rounds)
     parser.add_argument("--compute-thread", default=defaults.compute_thread, choices=["auto", "main", "worker"])
+    parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
+    parser.add_argument("--tree-nodes", type=int, default=defaults.tree_nodes, help="num_draft_tokens of the tree row")
+    parser.add_argument("--tree-topk", type=int, default=defaults.tree_topk, help="eagle_topk of the tree row")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     settings = EagleBenchSettings(args.model, args.head, args.num_prompts, args.max_tokens,
                                   tuple(int(k) for k in args.ks.split(",")), defaults.ngram_k, args.concurrency,
-                                  args.rounds, args.compute_thread)
+                                  args.rounds, args.compute_thread, args.tree_depth, args.tree_nodes, args.tree_topk)
     from services.modeling.eagle_heads import shipped_head
 
     head = Path(settings.head) if settings.head else shipped_head(settings.model)
@@ -199,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress))[0],
             "ngram": stack.enter_context(drafter_process(
                 ["--method", "ngram", "--num-speculative-tokens", str(settings.max_k)], progress))[0],
+            "eagle-tree": stack.enter_context(drafter_process(
+                ["--speculative-config", json.dumps({
+                    "method": "eagle", "model": str(head), "num_speculative_tokens": settings.tree_depth,
+                    "num_draft_tokens": settings.tree_nodes, "eagle_topk": settings.tree_topk})], progress))[0],
         }
         fingerprint = tokenizer_fingerprint(target.tokenizer)
         for number in range(settings.rounds):

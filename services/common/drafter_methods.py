@@ -39,7 +39,7 @@ BUILTIN_METHODS = MappingProxyType({
 
 
 # Methods that can send token trees (Draft.parents) when the config sets num_draft_tokens.
-TREE_METHODS = frozenset({"suffix"})
+TREE_METHODS = frozenset({"eagle", "suffix"})
 
 
 # What `specserve serve` drafts with when no --speculative-config is given: the first method here that can run

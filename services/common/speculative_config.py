@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from services.common.drafter_methods import EXTRACT_HIDDEN_STATES, TREE_METHODS, check_method
 
 
+DEFAULT_EAGLE_TOPK = 4
+
+
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -18,6 +21,9 @@ class SpeculativeConfig(BaseModel):
     # each step verifies them all in one forward (services/verifier/draft_trees.py). None: a chain of
     # num_speculative_tokens. Methods in TREE_METHODS only.
     num_draft_tokens: int | None = Field(None, ge=1, le=64)
+    # eagle trees (SGLang's speculative_eagle_topk): children each expanded node gets, and nodes expanded per depth
+    # (services/drafter/eagle_trees.py); None: DEFAULT_EAGLE_TOPK where num_draft_tokens asks for trees
+    eagle_topk: int | None = Field(None, ge=1, le=16)
     # ngram (prompt lookup)
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
@@ -56,6 +62,8 @@ class SpeculativeConfig(BaseModel):
         if self.num_draft_tokens is not None and self.method not in TREE_METHODS:
             raise ValueError(f"num_draft_tokens asks for token trees, which method {self.method!r} does not draft "
                              f"(methods that do: {', '.join(sorted(TREE_METHODS))})")
+        if self.eagle_topk is not None and (self.method != "eagle" or self.num_draft_tokens is None):
+            raise ValueError("eagle_topk shapes EAGLE's token trees: it needs method 'eagle' and num_draft_tokens")
         if self.method == EXTRACT_HIDDEN_STATES and not self.output_dir:
             raise ValueError(f"method {EXTRACT_HIDDEN_STATES!r} needs an 'output_dir' for its files")
         return self

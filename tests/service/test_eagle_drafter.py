@@ -26,8 +26,12 @@ V = 12
 PROMPT = (1, 5, 2, 7, 1, 5)
 
 
-def eagle_for(target, draft_vocab: tuple[int, ...] = ()) -> EagleProposer:
-    """A random head; with `draft_vocab`, one that drafts from those tokens only (a reduced vocabulary)."""
+TREE = {"tree_nodes": 6, "tree_topk": 3, "tree_depth": 3}  # EAGLE-2 trees of 6 tokens, 3 deep
+
+
+def eagle_for(target, draft_vocab: tuple[int, ...] = (), trees: bool = False) -> EagleProposer:
+    """A random head; with `draft_vocab`, one that drafts from those tokens only (a reduced vocabulary); with
+    `trees`, sending token trees (TREE)."""
     torch.manual_seed(0)
     config = EagleConfig.for_target(target.config)
     if draft_vocab:
@@ -35,11 +39,12 @@ def eagle_for(target, draft_vocab: tuple[int, ...] = ()) -> EagleProposer:
     head = EagleHead(config).eval()
     if draft_vocab:
         head.draft_vocab.copy_(torch.tensor(draft_vocab))
-    return EagleProposer(head, target.get_input_embeddings(), target.get_output_embeddings(), V)
+    return EagleProposer(head, target.get_input_embeddings(), target.get_output_embeddings(), V,
+                         **(TREE if trees else {}))
 
 
 async def with_eagle(proposer: EagleProposer, run):
-    server, port = await serve(proposer, "127.0.0.1", 0, num_speculative_tokens=3)
+    server, port = await serve(proposer, "127.0.0.1", 0, num_speculative_tokens=proposer.tree_nodes or 3)
     remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", V, step_timeout_s=None))
     assert remote.method == "eagle" and remote.needs_hidden_states and remote.pre_drafts
     try:
@@ -61,9 +66,10 @@ def target():
     return tiny_llama(seed=21, vocab_size=V)
 
 
-@pytest.mark.parametrize(("draft_vocab", "pipelining"), [((), None), ((1, 3, 4, 5, 6, 7, 9), None), ((), True)],
-                         ids=["whole vocabulary", "reduced vocabulary", "pipelined"])
-async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab, pipelining):
+@pytest.mark.parametrize(("draft_vocab", "pipelining", "trees"),
+                         [((), None, False), ((1, 3, 4, 5, 6, 7, 9), None, False), ((), True, False), ((), None, True)],
+                         ids=["whole vocabulary", "reduced vocabulary", "pipelined", "trees"])
+async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab, pipelining, trees):
     prompts = [PROMPT, (3, 3, 4, 4, 5, 5, 6), tuple(range(1, 12))]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = await run_schedule(engine(target, {}), {0: [GenerationRequest(f"r{i}", p, params)
@@ -71,12 +77,12 @@ async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_v
 
     async def run(remote):
         e = engine(target, {"eagle": remote})
-        spec = SpeculationParams("eagle", 3, pipelining)
+        spec = SpeculationParams("eagle", TREE["tree_nodes"] if trees else 3, pipelining)
         results = await run_schedule(e, {0: [GenerationRequest(f"r{i}", p, params, spec)
                                              for i, p in enumerate(prompts)]})
         return results, e.stats
 
-    proposer = eagle_for(target, draft_vocab)
+    proposer = eagle_for(target, draft_vocab, trees)
     results, stats = await with_eagle(proposer, run)
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == plain[f"r{i}"].tokens
@@ -99,18 +105,20 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-@pytest.mark.parametrize("pipelining", [False, True], ids=["plain", "pipelined"])
-async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining):
+@pytest.mark.parametrize(("pipelining", "trees"), [(False, False), (True, False), (False, True)],
+                         ids=["plain", "pipelined", "trees"])
+async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining, trees):
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     samples = 2000
 
     async def run(remote):
         e = engine(target, {"eagle": remote}, slots=200)
         requests = [GenerationRequest(f"s{i}", PROMPT, SamplingParams(**{**params.__dict__, "seed": 7000 + i}),
-                                      SpeculationParams("eagle", 2, pipelining)) for i in range(samples)]
+                                      SpeculationParams("eagle", 6 if trees else 2, pipelining))
+                    for i in range(samples)]
         return await run_schedule(e, {0: requests}), e.stats
 
-    proposer = eagle_for(target)
+    proposer = eagle_for(target, trees=trees)
     results, stats = await with_eagle(proposer, run)
     counts = proposer.pipeline_counts
     assert (counts.used + counts.discarded > 0) == pipelining  # pre-drafts were made (the request asked), or none

@@ -36,6 +36,8 @@ def test_empty_flag_means_no_speculation():
         ('{"method": "ngram", "bogus": 1}', "bogus"),
         ('{"method": "ngram", "num_draft_tokens": 8}', "token trees, which method 'ngram' does not draft"),
         ('{"method": "suffix", "num_draft_tokens": 65}', "num_draft_tokens"),
+        ('{"method": "eagle", "eagle_topk": 2}', "eagle_topk shapes EAGLE's token trees"),
+        ('{"method": "suffix", "num_draft_tokens": 8, "eagle_topk": 2}', "eagle_topk"),
     ],
 )
 def test_bad_flags_get_clear_errors(text, message):

@@ -41,8 +41,9 @@ import torch
 
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput
-from services.common.speculative_config import SpeculativeConfig
+from services.common.speculative_config import DEFAULT_EAGLE_TOPK, SpeculativeConfig
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
+from services.drafter.eagle_trees import TreeStart, draft_trees
 from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle_head import EagleHead
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
@@ -76,6 +77,11 @@ class EagleProposer:
     _compute: Executor | None = None
     _draft_weight: torch.Tensor | None = None  # the target's LM head rows of the head's draft vocabulary
     prefix_cache: HeadPrefixCache = field(default_factory=HeadPrefixCache)
+    # token trees (num_draft_tokens set): up to tree_nodes tokens, expanding eagle_topk nodes per depth, at most
+    # tree_depth deep (eagle_trees.py); None: chains
+    tree_nodes: int | None = None
+    tree_topk: int = DEFAULT_EAGLE_TOPK
+    tree_depth: int = 5
     predrafts: PreDrafts = field(default_factory=PreDrafts)
     predrafting: PreDraftRunner = field(default_factory=PreDraftRunner)
 
@@ -125,11 +131,23 @@ class EagleProposer:
             row = self._catch_up(item)
             if row is not None:
                 ready.append((i, row))
-        if ready:
+        if ready and self.tree_nodes is not None:
+            starts = [TreeStart(row.cache, row.position, row.token, row.feature) for _, row in ready]
+            trees = draft_trees(self.head, self.embed, self._lm_rows(), starts, self.tree_topk, self.tree_depth,
+                                [min(row.k, self.tree_nodes) for _, row in ready], self.vocab_size)
+            for (i, _), (tokens, parents) in zip(ready, trees, strict=True):
+                drafts[i] = Draft(tokens, parents=parents)
+        elif ready:
             chains = self._chains([row for _, row in ready])
             for (i, row), chain in zip(ready, chains, strict=True):
                 drafts[i] = Draft(chain[: row.k])
         return drafts
+
+    def _lm_rows(self) -> torch.Tensor:
+        """The target's LM head rows of the head's draft vocabulary (taken once)."""
+        if self._draft_weight is None:
+            self._draft_weight = self.head.draft_weight(self.lm_head.weight)
+        return self._draft_weight
 
     @torch.no_grad()
     def _predraft(self, ahead: list[tuple[DraftInput, tuple[int, ...]]], stop: Callable[[], bool]) -> None:
@@ -181,8 +199,7 @@ class EagleProposer:
         one batched head step per draft position, from copies (drafts never enter a sequence's own cache).
         `forced[b]`: tokens row b's chain takes instead of its argmax at its first steps (a pre-draft's answered
         draft). None when `stop()` said so between steps."""
-        if self._draft_weight is None:
-            self._draft_weight = self.head.draft_weight(self.lm_head.weight)
+        draft_weight = self._lm_rows()
         ref = self.head.fc.weight
         lengths = [0 if r.cache is None else r.cache[0].shape[2] for r in rows]
         width = max(lengths)
@@ -201,7 +218,7 @@ class EagleProposer:
             if j and stop is not None and stop():
                 return None
             out, cache, mask = self.head.step_rows(self.embed(tokens[:, None]), features, positions + j, cache, mask)
-            tokens = self.head.token_ids((out[:, -1] @ self._draft_weight.T).argmax(-1))  # [B]
+            tokens = self.head.token_ids((out[:, -1] @ draft_weight.T).argmax(-1))  # [B]
             picked = tokens.tolist()
             if forced is not None and any(j < len(f) for f in forced):
                 picked = [f[j] if j < len(f) else t for f, t in zip(forced, picked, strict=True)]
@@ -240,4 +257,6 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     embed, lm_head = loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings()
     logger.info("EAGLE head %s for %s (hidden %d)", head_dir, target_spec, head.config.hidden_size)
     return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
-                         tokenizer_fingerprint(loaded.tokenizer), pipelining=bool(config.draft_pipelining))
+                         tokenizer_fingerprint(loaded.tokenizer), pipelining=bool(config.draft_pipelining),
+                         tree_nodes=config.num_draft_tokens, tree_topk=config.eagle_topk or DEFAULT_EAGLE_TOPK,
+                         tree_depth=config.num_speculative_tokens)

@@ -1,0 +1,131 @@
+"""EAGLE-2's dynamic draft tree: at each depth the head expands the `topk` likeliest nodes (by path probability,
+the product of the head's probabilities along the path) into their `topk` likeliest children, and after `depth`
+levels the likeliest nodes of everything seen are sent as the tree (Li et al. 2024, arXiv 2406.16858).
+
+A node is expanded as a chain step would be (EagleHead.step_rows): its token's embedding with its parent's head
+output as the feature, at head position root + depth + 1, attending to the sequence's committed head cache and
+the K/V its ancestors left when they were expanded, so each expansion sees exactly what the chain along its path
+would. All expansions of one depth, over every sequence, run as one batched head step. A path's probability only
+falls as it grows, so the best nodes are closed under ancestors (ties go to the shallower node); they are listed
+by depth, likelier first, so parents come before their children and each node's first child is its likeliest:
+the verifier's first path is the head's greedy chain, as far as it was kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values of one head position: [kv heads, 1, D] each
+
+
+@dataclass(frozen=True)
+class TreeStart:
+    """One sequence's tree root: its committed head cache ([1, kv heads, L, D] each, or None), the head position of
+    its last committed token, that token and its target feature [1, H]."""
+
+    cache: KV | None
+    position: int
+    token: int
+    feature: torch.Tensor
+
+
+@dataclass
+class _Expanded:
+    """What expanding a token left: its K/V, its head output (the feature its children read), and the K/V of the
+    expansions above it, root first (what its children attend to besides the committed cache and it)."""
+
+    kv: KV
+    out: torch.Tensor  # [1, 1, H]
+    above: list[KV]
+
+    def below(self) -> list[KV]:
+        return [*self.above, self.kv]
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index among the sequence's nodes; -1: a child of the last committed token
+    depth: int  # 0 for the last committed token's children
+    log_prob: float  # of the path to it
+    expanded: _Expanded | None = None
+
+
+@dataclass
+class _Tree:
+    start: TreeStart
+    root: _Expanded | None = None
+    nodes: list[_Node] = field(default_factory=list)
+
+    def parent_of(self, node: _Node) -> _Expanded:
+        return self.root if node.parent < 0 else self.nodes[node.parent].expanded
+
+
+def draft_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts: Sequence[TreeStart], topk: int,
+                depth: int, limits: Sequence[int], vocab_size: int) -> list[tuple[list[int], list[int]]]:
+    """(tokens, parents) of each sequence's tree: at most limits[b] tokens, paths at most `depth` long."""
+    trees = [_Tree(start) for start in starts]
+    # this level's expansions: (tree, node index or -1 for the root, token, feature [1, 1, H], position, above)
+    pending = [(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
+    for level in range(depth):
+        outputs, own = _expand(head, embed, [tree.start for tree, *_ in pending], pending)
+        log_probs = torch.log_softmax(outputs[:, -1] @ draft_weight.T, dim=-1)  # [R, Vd]
+        top = log_probs.topk(min(topk, log_probs.shape[-1]), dim=-1)
+        ids, values = head.token_ids(top.indices).tolist(), top.values.tolist()
+        for r, (tree, index, _, _, _, above) in enumerate(pending):
+            expanded = _Expanded(own[r], outputs[r : r + 1], above)
+            if index < 0:
+                tree.root = expanded
+            else:
+                tree.nodes[index].expanded = expanded
+            base = 0.0 if index < 0 else tree.nodes[index].log_prob
+            for token, log_prob in zip(ids[r], values[r], strict=True):
+                if token < vocab_size:  # an id past the target's vocabulary is never sent
+                    tree.nodes.append(_Node(token, index, level, base + log_prob))
+        pending = []
+        if level + 1 < depth:
+            for tree in trees:
+                frontier = sorted((i for i, n in enumerate(tree.nodes) if n.depth == level),
+                                  key=lambda i: -tree.nodes[i].log_prob)[:topk]
+                for i in frontier:
+                    node, parent = tree.nodes[i], tree.parent_of(tree.nodes[i])
+                    pending.append((tree, i, node.token, parent.out, tree.start.position + level + 1, parent.below()))
+        if not pending:
+            break
+    return [_best(tree.nodes, limit) for tree, limit in zip(trees, limits, strict=True)]
+
+
+def _best(nodes: list[_Node], limit: int) -> tuple[list[int], list[int]]:
+    """The `limit` likeliest nodes (ties: the shallower), by depth then likelier first, parents renumbered."""
+    best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].log_prob, nodes[i].depth))[:limit]
+    order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].log_prob))
+    where = {old: new for new, old in enumerate(order)}
+    return [nodes[i].token for i in order], [where[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]
+
+
+def _expand(head, embed: torch.nn.Module, starts: Sequence[TreeStart], pending) -> tuple[torch.Tensor, list[KV]]:
+    """One batched head step over every expansion: each row's cache is its sequence's committed cache followed by
+    the K/V above it, padded to one length (a mask hides the padding). Returns the outputs [R, 1, H] and each
+    row's own K/V."""
+    ref = head.fc.weight
+    heads, dim = head.config.num_key_value_heads, head.config.head_dim
+    committed = [0 if s.cache is None else s.cache[0].shape[2] for s in starts]
+    lengths = [c + len(above) for c, (*_, above) in zip(committed, pending, strict=True)]
+    width = max(lengths)
+    keys = ref.new_zeros(len(pending), heads, width, dim)
+    values = torch.zeros_like(keys)
+    for r, (start, (*_, above)) in enumerate(zip(starts, pending, strict=True)):
+        c = committed[r]
+        if start.cache is not None:
+            keys[r, :, :c], values[r, :, :c] = start.cache[0][0], start.cache[1][0]
+        for j, (k, v) in enumerate(above):
+            keys[r, :, c + j : c + j + 1], values[r, :, c + j : c + j + 1] = k, v
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # [R, W]
+    tokens = torch.tensor([token for _, _, token, *_ in pending])
+    features = torch.cat([feature for _, _, _, feature, *_ in pending])  # [R, 1, H]
+    positions = torch.tensor([position for *_, position, _ in pending])
+    out, (k, v), _ = head.step_rows(embed(tokens[:, None]), features, positions, (keys, values), mask)
+    return out, [(k[r, :, -1:], v[r, :, -1:]) for r in range(len(pending))]
