@@ -121,7 +121,7 @@ bench-pipelining: install
 	$(BIN)/specserve fetch qwen2.5-coder-1.5b-instruct
 	$(BIN)/specserve fetch qwen2.5-coder-0.5b-instruct
 	$(BIN)/specserve fetch $(MODEL)
-	$(BIN)/python -m services.bench.draft_pipelining --pair draft_model $(PIPELINING_BENCH_ARGS)
+	$(BIN)/python -m services.bench.draft_pipelining --pair draft_model --max-tokens 120 $(PIPELINING_BENCH_ARGS)
 	$(BIN)/python -m services.bench.draft_pipelining --pair eagle --prompts 4 --max-tokens 64 $(PIPELINING_BENCH_ARGS)
 
 # Reproduce the shipped EAGLE head (services/modeling/eagle_heads/$(MODEL)/): the target answers EAGLE_PROMPTS
