@@ -23,7 +23,9 @@ if TYPE_CHECKING:  # only drafters that sample carry tensors: ngram and suffix d
 class DraftInput:
     seq_id: Hashable
     token_ids: Sequence[int]  # committed tokens, prompt first; read-only
-    num_speculative_tokens: int  # K wanted now (the engine already clamped it to the room left)
+    # K wanted now (the engine already clamped it to the room left): a chain's length, or the most tokens a tree may
+    # hold (Draft.parents; its depth is the drafter's own num_speculative_tokens)
+    num_speculative_tokens: int
     # For proposers that declare `needs_hidden_states` (EAGLE): the target's final hidden states of the committed
     # tokens it has run on, [n, H], row i belonging to token_ids[i]. n = len(token_ids) - 1: the last committed
     # token (the bonus one) has not been through the target yet; its state comes with the next step.

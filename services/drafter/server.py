@@ -40,6 +40,8 @@ async def serve(
     metrics: DrafterMetrics | None = None,
 ) -> tuple[GrpcServer, int]:
     """Start serving `proposer`; returns the running server and its bound port (a free one for port 0).
+    `num_speculative_tokens`: the most draft tokens a sequence is asked for per step (Info's max_speculative_tokens:
+    a chain's length, or a tree method's num_draft_tokens).
     `vocab_size` and `tokenizer_fingerprint` (Info) default to what the proposer declares (a draft model its own;
     ngram and suffix nothing, i.e. any vocabulary); tests pass others to play a mismatched drafter."""
     declared_vocab_size, declared_fingerprint = declared_vocabulary(proposer)
