@@ -12,6 +12,7 @@ from services.common.proposer import DraftInput
 from services.common.token_trees import leaf_paths, tree_depths
 from services.drafter.methods.eagle import EagleProposer
 from tests.unit.test_eagle_proposer import V, random_head, reference_chain
+from tests.unit.test_token_tree_runner import path_to
 
 
 def path_log_probs(head, embed, weight, tokens: list[int], states: torch.Tensor, path: list[int]) -> list[torch.Tensor]:
@@ -41,12 +42,19 @@ def sequences_and_states(target, seed: int):
     return sequences, states
 
 
+def tree_drafts(head_seed: int, seed: int, width: int, nodes: int, topk: int, depth: int):
+    """A random head drafting trees for three sequences asked for `width` tokens each: (head, embed, lm_head,
+    sequences, states, drafts)."""
+    target, head, embed, lm_head = random_head(head_seed)
+    sequences, states = sequences_and_states(target, seed)
+    proposer = EagleProposer(head, embed, lm_head, V, tree_nodes=nodes, tree_topk=topk, tree_depth=depth)
+    drafts = proposer._draft_all([DraftInput(s, ids, width, states[s]) for s, ids in sequences.items()])
+    return head, embed, lm_head, sequences, states, drafts
+
+
 @torch.no_grad()
 def test_top_1_trees_are_the_chains():
-    target, head, embed, lm_head = random_head(3)
-    sequences, states = sequences_and_states(target, 0)
-    proposer = EagleProposer(head, embed, lm_head, V, tree_nodes=4, tree_topk=1, tree_depth=4)
-    drafts = proposer._draft_all([DraftInput(s, ids, 4, states[s]) for s, ids in sequences.items()])
+    head, embed, lm_head, sequences, states, drafts = tree_drafts(3, 0, width=4, nodes=4, topk=1, depth=4)
     for (s, ids), draft in zip(sequences.items(), drafts, strict=True):
         assert list(draft.token_ids) == reference_chain(head, embed, lm_head.weight, ids, states[s], 4)
         assert list(draft.parents) == [-1, 0, 1, 2]
@@ -55,36 +63,20 @@ def test_top_1_trees_are_the_chains():
 @pytest.mark.parametrize("seed", [1, 2])
 @torch.no_grad()
 def test_every_node_is_a_top_k_child_scored_by_its_path(seed):
-    target, head, embed, lm_head = random_head(seed)
-    sequences, states = sequences_and_states(target, seed)
     topk, depth, nodes = 3, 4, 10
-    proposer = EagleProposer(head, embed, lm_head, V, tree_nodes=nodes, tree_topk=topk, tree_depth=depth)
-    drafts = proposer._draft_all([DraftInput(s, ids, 12, states[s]) for s, ids in sequences.items()])
+    head, embed, lm_head, sequences, states, drafts = tree_drafts(seed, seed, 12, nodes, topk, depth)
     for (s, ids), draft in zip(sequences.items(), drafts, strict=True):
         tokens, parents = list(draft.token_ids), list(draft.parents)
         assert len(tokens) == nodes and max(tree_depths(parents)) < depth
+        scores = []  # the path probabilities the head gives, which must fall along every path
         for node in range(len(tokens)):
-            path, up = [], node
-            while up >= 0:
-                path.append(up)
-                up = parents[up]
-            path_tokens = [tokens[i] for i in reversed(path)]
+            path_tokens = [tokens[i] for i in path_to(parents, node)]
             log_probs = path_log_probs(head, embed, lm_head.weight, ids, states[s], path_tokens[:-1])
-            last = log_probs[-1]
-            assert path_tokens[-1] in last.topk(topk).indices.tolist()  # one of its parent's top-k
+            assert path_tokens[-1] in log_probs[-1].topk(topk).indices.tolist()  # one of its parent's top-k
+            scores.append(sum(float(lp[t]) for lp, t in zip(log_probs, path_tokens, strict=True)))
         # the first path is the head's greedy chain
         first = [tokens[i] for i in leaf_paths(parents)[0]]
         assert first == reference_chain(head, embed, lm_head.weight, ids, states[s], len(first))
-        # scores: the path probabilities the head gives, falling along every path
-        scores = []
-        for node in range(len(tokens)):
-            path, up = [], node
-            while up >= 0:
-                path.append(up)
-                up = parents[up]
-            path_tokens = [tokens[i] for i in reversed(path)]
-            log_probs = path_log_probs(head, embed, lm_head.weight, ids, states[s], path_tokens[:-1])
-            scores.append(sum(float(lp[t]) for lp, t in zip(log_probs, path_tokens, strict=True)))
         for node, parent in enumerate(parents):
             if parent >= 0:
                 assert scores[node] <= scores[parent] + 1e-6
@@ -93,8 +85,5 @@ def test_every_node_is_a_top_k_child_scored_by_its_path(seed):
 
 @torch.no_grad()
 def test_the_width_asked_bounds_the_tree():
-    target, head, embed, lm_head = random_head(4)
-    sequences, states = sequences_and_states(target, 4)
-    proposer = EagleProposer(head, embed, lm_head, V, tree_nodes=10, tree_topk=3, tree_depth=4)
-    drafts = proposer._draft_all([DraftInput(s, ids, 5, states[s]) for s, ids in sequences.items()])
+    *_, drafts = tree_drafts(4, 4, width=5, nodes=10, topk=3, depth=4)
     assert all(len(d.token_ids) == 5 and len(d.parents) == 5 for d in drafts)
