@@ -64,35 +64,48 @@ class _Tree:
         return self.root if node.parent < 0 else self.nodes[node.parent].expanded
 
 
+@dataclass(frozen=True)
+class _Expansion:
+    """One row of a level's batched head step: the token fed (a node, or the root's last committed token), the
+    feature it reads, its head position and the K/V of the expansions above it."""
+
+    tree: _Tree
+    index: int  # the node's index in tree.nodes; -1 for the root
+    token: int
+    feature: torch.Tensor  # [1, 1, H]
+    position: int
+    above: list[KV]
+
+
 def draft_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts: Sequence[TreeStart], topk: int,
                 depth: int, limits: Sequence[int], vocab_size: int) -> list[tuple[list[int], list[int]]]:
     """(tokens, parents) of each sequence's tree: at most limits[b] tokens, paths at most `depth` long."""
     trees = [_Tree(start) for start in starts]
-    # this level's expansions: (tree, node index or -1 for the root, token, feature [1, 1, H], position, above)
-    pending = [(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
+    pending = [_Expansion(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
     for level in range(depth):
-        outputs, own = _expand(head, embed, [tree.start for tree, *_ in pending], pending)
+        outputs, own = _expand(head, embed, pending)
         log_probs = torch.log_softmax(outputs[:, -1] @ draft_weight.T, dim=-1)  # [R, Vd]
         top = log_probs.topk(min(topk, log_probs.shape[-1]), dim=-1)
         ids, values = head.token_ids(top.indices).tolist(), top.values.tolist()
-        for r, (tree, index, _, _, _, above) in enumerate(pending):
-            expanded = _Expanded(own[r], outputs[r : r + 1], above)
-            if index < 0:
+        for r, row in enumerate(pending):
+            tree, expanded = row.tree, _Expanded(own[r], outputs[r : r + 1], row.above)
+            if row.index < 0:
                 tree.root = expanded
             else:
-                tree.nodes[index].expanded = expanded
-            base = 0.0 if index < 0 else tree.nodes[index].log_prob
+                tree.nodes[row.index].expanded = expanded
+            base = 0.0 if row.index < 0 else tree.nodes[row.index].log_prob
             for token, log_prob in zip(ids[r], values[r], strict=True):
                 if token < vocab_size:  # an id past the target's vocabulary is never sent
-                    tree.nodes.append(_Node(token, index, level, base + log_prob))
+                    tree.nodes.append(_Node(token, row.index, level, base + log_prob))
         pending = []
         if level + 1 < depth:
             for tree in trees:
                 frontier = sorted((i for i, n in enumerate(tree.nodes) if n.depth == level),
                                   key=lambda i: -tree.nodes[i].log_prob)[:topk]
                 for i in frontier:
-                    node, parent = tree.nodes[i], tree.parent_of(tree.nodes[i])
-                    pending.append((tree, i, node.token, parent.out, tree.start.position + level + 1, parent.below()))
+                    parent = tree.parent_of(tree.nodes[i])
+                    pending.append(_Expansion(tree, i, tree.nodes[i].token, parent.out,
+                                              tree.start.position + level + 1, parent.below()))
         if not pending:
             break
     return [_best(tree.nodes, limit) for tree, limit in zip(trees, limits, strict=True)]
@@ -106,26 +119,31 @@ def _best(nodes: list[_Node], limit: int) -> tuple[list[int], list[int]]:
     return [nodes[i].token for i in order], [where[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]
 
 
-def _expand(head, embed: torch.nn.Module, starts: Sequence[TreeStart], pending) -> tuple[torch.Tensor, list[KV]]:
-    """One batched head step over every expansion: each row's cache is its sequence's committed cache followed by
-    the K/V above it, padded to one length (a mask hides the padding). Returns the outputs [R, 1, H] and each
-    row's own K/V."""
-    ref = head.fc.weight
+def padded_caches(head, rows: Sequence[tuple[KV | None, Sequence[KV]]]) -> tuple[KV, torch.Tensor]:
+    """Per row, a committed head cache ([1, kv heads, L, D] each, or None) followed by single positions' K/V, as one
+    batch padded to the longest ([R, kv heads, W, D] each) and the mask of real columns [R, W]: what
+    EagleHead.step_rows reads."""
     heads, dim = head.config.num_key_value_heads, head.config.head_dim
-    committed = [0 if s.cache is None else s.cache[0].shape[2] for s in starts]
-    lengths = [c + len(above) for c, (*_, above) in zip(committed, pending, strict=True)]
-    width = max(lengths)
-    keys = ref.new_zeros(len(pending), heads, width, dim)
+    committed = [0 if cache is None else cache[0].shape[2] for cache, _ in rows]
+    lengths = [c + len(extra) for c, (_, extra) in zip(committed, rows, strict=True)]
+    keys = head.fc.weight.new_zeros(len(rows), heads, max(lengths), dim)
     values = torch.zeros_like(keys)
-    for r, (start, (*_, above)) in enumerate(zip(starts, pending, strict=True)):
+    for r, (cache, extra) in enumerate(rows):
         c = committed[r]
-        if start.cache is not None:
-            keys[r, :, :c], values[r, :, :c] = start.cache[0][0], start.cache[1][0]
-        for j, (k, v) in enumerate(above):
+        if cache is not None:
+            keys[r, :, :c], values[r, :, :c] = cache[0][0], cache[1][0]
+        for j, (k, v) in enumerate(extra):
             keys[r, :, c + j : c + j + 1], values[r, :, c + j : c + j + 1] = k, v
-    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # [R, W]
-    tokens = torch.tensor([token for _, _, token, *_ in pending])
-    features = torch.cat([feature for _, _, _, feature, *_ in pending])  # [R, 1, H]
-    positions = torch.tensor([position for *_, position, _ in pending])
-    out, (k, v), _ = head.step_rows(embed(tokens[:, None]), features, positions, (keys, values), mask)
+    mask = torch.arange(keys.shape[2])[None, :] < torch.tensor(lengths)[:, None]
+    return (keys, values), mask
+
+
+def _expand(head, embed: torch.nn.Module, pending: Sequence[_Expansion]) -> tuple[torch.Tensor, list[KV]]:
+    """One batched head step over every expansion, each row reading its sequence's committed cache and the K/V
+    above it. Returns the outputs [R, 1, H] and each row's own K/V."""
+    cache, mask = padded_caches(head, [(row.tree.start.cache, row.above) for row in pending])
+    tokens = torch.tensor([row.token for row in pending])
+    features = torch.cat([row.feature for row in pending])  # [R, 1, H]
+    positions = torch.tensor([row.position for row in pending])
+    out, (k, v), _ = head.step_rows(embed(tokens[:, None]), features, positions, cache, mask)
     return out, [(k[r, :, -1:], v[r, :, -1:]) for r in range(len(pending))]

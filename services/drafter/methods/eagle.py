@@ -43,7 +43,7 @@ from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput
 from services.common.speculative_config import DEFAULT_EAGLE_TOPK, SpeculativeConfig
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
-from services.drafter.eagle_trees import TreeStart, draft_trees
+from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches
 from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle_head import EagleHead
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
@@ -200,20 +200,11 @@ class EagleProposer:
         `forced[b]`: tokens row b's chain takes instead of its argmax at its first steps (a pre-draft's answered
         draft). None when `stop()` said so between steps."""
         draft_weight = self._lm_rows()
-        ref = self.head.fc.weight
-        lengths = [0 if r.cache is None else r.cache[0].shape[2] for r in rows]
-        width = max(lengths)
-        heads, dim = self.head.config.num_key_value_heads, self.head.config.head_dim
-        keys = ref.new_zeros(len(rows), heads, width, dim)
-        values = torch.zeros_like(keys)
-        for b, r in enumerate(rows):
-            if r.cache is not None:
-                keys[b, :, : lengths[b]], values[b, :, : lengths[b]] = r.cache[0][0], r.cache[1][0]
-        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # [B, L]
+        cache, mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
         tokens = torch.tensor([r.token for r in rows])
         features = torch.stack([r.feature for r in rows])  # [B, 1, H]
         positions = torch.tensor([r.position for r in rows])
-        cache, chains = (keys, values), []
+        chains = []
         for j in range(max(r.k for r in rows)):
             if j and stop is not None and stop():
                 return None
