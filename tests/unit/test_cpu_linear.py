@@ -21,6 +21,7 @@ from services.modeling.kernel_choice import (
 )
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.runner import RowInput
+from tests.memory import mapping_rss
 from tests.tiny_models import tiny_llama
 
 
@@ -257,19 +258,6 @@ def test_a_runner_that_owns_its_model_keeps_one_layout_of_each_weight():
                                reference.forward([RowInput("a", tokens, 3)]).logits, atol=1e-4, rtol=1e-4)
 
 
-def _mapping_rss(address: int) -> int:
-    """Resident bytes of the mapping of this process that holds `address` (/proc/self/smaps)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= address < high
-        elif inside and head == "Rss:":
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the address")
-
-
 def _packed_everywhere(name, kernel, x):
     kernel(x)
     return 1e-6 if name == "packed" else 2e-6
@@ -292,13 +280,13 @@ def test_the_lm_head_that_runs_packed_keeps_one_copy(tmp_path, tied):
     assert (model.lm_head.weight.data_ptr() == table.data_ptr()) is tied
     head_bytes = model.lm_head.weight.nbytes  # 2 MiB
     float(table.detach().sum())  # every page of the table resident
-    before = _mapping_rss(table.data_ptr())
+    before = mapping_rss(table.data_ptr())
 
     runner = LlamaFamilyRunner(model, max_num_seqs=1, max_model_len=64, owns_model=True,
                                kernel_chooser=KernelChooser(_packed_everywhere, one_layout=True))
     if tied:
         assert model.lm_head.weight.numel() == table.numel()
-        assert before - _mapping_rss(table.data_ptr()) >= head_bytes - 8192  # whole pages only
+        assert before - mapping_rss(table.data_ptr()) >= head_bytes - 8192  # whole pages only
     else:
         assert model.lm_head.weight.numel() == 0
     assert runner.freed_weight_bytes >= head_bytes - 8192

@@ -4,7 +4,6 @@ rollback lands in a block another sequence shares, blocks kept in order; and the
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from services.common.byte_size import parse_bytes
 from services.modeling.block_pool import NULL_BLOCK, BlockPool, KVCacheFullError
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
+from tests.memory import mapping_rss
 
 SIZE = 4
 
@@ -171,13 +171,10 @@ def test_the_budget_sizes_the_pool():
 
 def test_the_pool_is_resident_from_the_start():
     """An untouched CPU allocation is address space only: another process would size its pool from memory this
-    one has already promised. Made, the pool is in RSS (a 256 MiB pool here)."""
-    def resident_bytes() -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    before = resident_bytes()
+    one has already promised. Made, the pool is in RSS (a 256 MiB pool here): counted on the pool's own mappings,
+    since the process's total also moves with whatever else is freed meanwhile (a collection of earlier tests'
+    garbage once hid half of it)."""
     pool = PagedKVCache(4, 2, 64, 4096, 16, torch.float32, torch.device("cpu"))
-    grown = resident_bytes() - before
+    grown = mapping_rss(pool.keys.data_ptr()) + mapping_rss(pool.values.data_ptr())
     assert pool.keys.nbytes + pool.values.nbytes == 256 * 2**20
     assert grown >= 0.95 * 256 * 2**20, grown
