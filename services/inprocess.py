@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 
 from services.common.drafter_methods import build_proposer
-from services.common.proposer import Proposer, declared_vocabulary, vocabulary_mismatch
+from services.common.proposer import Proposer, capabilities_of, vocabulary_mismatch
 from services.common.speculative_config import SpeculativeConfig
 from services.common.byte_size import parse_bytes
 from services.modeling.context_length import resolve_max_model_len
@@ -57,7 +57,8 @@ def local_proposers(config: SpeculativeConfig, target: tuple[int, str] | None = 
     if not config.enabled:
         return {}
     proposer = build_proposer(config)
-    why = None if target is None else vocabulary_mismatch(declared_vocabulary(proposer), target)
+    declared = capabilities_of(proposer)
+    why = None if target is None else vocabulary_mismatch(declared.vocabulary, target)
     if why is not None:
         close = getattr(proposer, "close", None)
         if close is not None:

@@ -1,6 +1,7 @@
 """A throwaway drafter method installed the way a third-party package would install one: a module plus a
 `*.dist-info` with an entry point in the group "specserve.drafter_methods", on a folder put on sys.path /
-PYTHONPATH. Tests use it to show that a method needs nothing but its module and one registry line."""
+PYTHONPATH. Tests use it to show that a method needs nothing but its module and one registry line, options of its
+own included."""
 
 from __future__ import annotations
 
@@ -12,20 +13,34 @@ from services.common.drafter_methods import ENTRY_POINT_GROUP
 THROWAWAY_METHOD = "throwaway"
 
 _MODULE = '''
-"""Proposes the token that followed the last occurrence of the last token (a 1-gram lookup), K times over."""
+"""Proposes the token that followed the last occurrence of the last token (a 1-gram lookup), K times over, or
+at most throwaway_max_draft times."""
 
+from pydantic import Field
+
+from services.common.method_options import MethodOptions
 from services.common.proposer import Draft
+
+
+class ThrowawayOptions(MethodOptions):
+    throwaway_max_draft: int = Field(64, ge=1)
+
+
+OPTIONS = ThrowawayOptions
 
 
 class ThrowawayProposer:
     method = "throwaway"
+
+    def __init__(self, options):
+        self.options = options
 
     async def propose(self, inputs):
         drafts = []
         for item in inputs:
             tokens = list(item.token_ids)
             draft = []
-            for _ in range(item.num_speculative_tokens):
+            for _ in range(min(item.num_speculative_tokens, self.options.throwaway_max_draft)):
                 last = (tokens + draft)[-1]
                 earlier = [i for i, t in enumerate(tokens[:-1]) if t == last]
                 if not earlier:
@@ -39,7 +54,7 @@ class ThrowawayProposer:
 
 
 def build_proposer(config):
-    return ThrowawayProposer()
+    return ThrowawayProposer(config.options)
 '''
 
 

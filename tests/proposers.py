@@ -8,7 +8,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
-from services.common.proposer import Draft, DraftInput
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 
 
 class RandomProposer:
@@ -119,6 +119,7 @@ class TreeProposer:
     Parents come before children, as the protocol asks."""
 
     method = "tree"
+    capabilities = ProposerCapabilities(sends_trees=True)
 
     def __init__(self, vocab_size: int, seed: int = 0,
                  references: Mapping[Hashable, Sequence[int]] | None = None) -> None:

@@ -28,6 +28,7 @@ from services.bench.hardware import describe_hardware
 from services.bench.prompts import build_workloads
 from services.bench.specserve_runs import RequestIds, build_engine
 from services.common.drafter_methods import build_proposer
+from services.common.method_options import SuffixOptions
 from services.common.speculative_config import SpeculativeConfig
 from services.modeling.loading import load_model
 from services.modeling.runner_factory import create_runner
@@ -83,7 +84,7 @@ async def bench(args) -> int:
              f"tree depth {args.nodes}, N={args.nodes}": {"num_speculative_tokens": args.nodes,
                                                           "num_draft_tokens": args.nodes}}
     print(json.dumps(describe_hardware()))
-    print(f"{args.model}, greedy, suffix decoding (min_token_prob {SpeculativeConfig().suffix_decoding_min_token_prob}),"
+    print(f"{args.model}, greedy, suffix decoding (min_token_prob {SuffixOptions().suffix_decoding_min_token_prob}),"
           f" adaptive speculation off (every draft verified), {args.rounds} rounds, modes interleaved")
     ids, differ = RequestIds(), 0
     with ThreadPoolExecutor(1) as compute:

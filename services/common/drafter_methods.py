@@ -1,11 +1,12 @@
-"""The registry of drafter methods: a method's name -> the module that builds its proposer.
+"""The registry of drafter methods: a method's name -> the module that builds its proposer, and its options.
 
 Why module paths and not classes: the verifier, the gateway and the launcher read the list of methods (to check
 a speculative config, to plan `specserve serve`) without importing any drafter code; only a process that runs a
 proposer (the drafter service, and the in-process engine of `specserve generate` and the bench) imports the
-method's module. A new method is one module under services/drafter/methods/ plus one line in BUILTIN_METHODS;
-a package outside this repository adds one with an entry point in the group "specserve.drafter_methods"
-(`name = "package.module"`), the usual Python plug-in mechanism.
+method's module. A new method is one module under services/drafter/methods/ plus one line in BUILTIN_METHODS
+(with its options class from method_options.py, if it has options); a package outside this repository adds one
+with an entry point in the group "specserve.drafter_methods" (`name = "package.module"`), the usual Python
+plug-in mechanism, and declares its options as OPTIONS (a MethodOptions subclass) in that module.
 
 A method module provides `build_proposer(config: SpeculativeConfig) -> Proposer`, which raises
 MethodUnavailableError with a clear message when the method cannot run here (a native package missing or not
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING
+
+from services.common.method_options import EagleOptions, MethodOptions, NgramOptions, SuffixOptions
 
 if TYPE_CHECKING:
     from services.common.proposer import Proposer
@@ -30,16 +34,20 @@ NO_SPECULATION = "none"  # not a method: turns speculation off (server default o
 # to files (vLLM's name; services/verifier/hidden_state_files.py)
 EXTRACT_HIDDEN_STATES = "extract_hidden_states"
 
+
+
+@dataclass(frozen=True)
+class BuiltinMethod:
+    module: str  # imported only by a process that runs the proposer
+    options: type[MethodOptions] = MethodOptions  # its fields of a speculative config (method_options.py)
+
+
 BUILTIN_METHODS = MappingProxyType({
-    "draft_model": "services.drafter.methods.draft_model",
-    "eagle": "services.drafter.methods.eagle",
-    "ngram": "services.drafter.methods.ngram",
-    "suffix": "services.drafter.methods.suffix",
+    "draft_model": BuiltinMethod("services.drafter.methods.draft_model"),
+    "eagle": BuiltinMethod("services.drafter.methods.eagle", EagleOptions),
+    "ngram": BuiltinMethod("services.drafter.methods.ngram", NgramOptions),
+    "suffix": BuiltinMethod("services.drafter.methods.suffix", SuffixOptions),
 })
-
-
-# Methods that can send token trees (Draft.parents) when the config sets num_draft_tokens.
-TREE_METHODS = frozenset({"eagle", "suffix"})
 
 
 # What `specserve serve` drafts with when no --speculative-config is given: the first method here that can run
@@ -64,7 +72,7 @@ def _plugin_methods() -> MappingProxyType:
 
 def method_modules() -> dict[str, str]:
     """Every registered method -> its module; a built-in name cannot be taken over by a plug-in."""
-    return {**_plugin_methods(), **BUILTIN_METHODS}
+    return {**_plugin_methods(), **{name: method.module for name, method in BUILTIN_METHODS.items()}}
 
 
 def method_names() -> tuple[str, ...]:
@@ -90,6 +98,21 @@ def load_method(name: str) -> ModuleType:
     if not callable(getattr(module, "build_proposer", None)):
         raise TypeError(f"drafter method module {module_path} has no build_proposer(config) function")
     return module
+
+
+def method_options(name: str) -> type[MethodOptions]:
+    """The options class of method `name` (MethodOptions, i.e. none, for "none" and extract_hidden_states). A
+    built-in's is in the registry, so checking a config imports no drafter code; a plug-in's is its module's
+    OPTIONS, so checking a config for a plug-in method imports that module."""
+    if name in BUILTIN_METHODS:
+        return BUILTIN_METHODS[name].options
+    if name in (NO_SPECULATION, EXTRACT_HIDDEN_STATES):
+        return MethodOptions
+    options = getattr(load_method(name), "OPTIONS", MethodOptions)
+    if not (isinstance(options, type) and issubclass(options, MethodOptions)):
+        raise TypeError(f"drafter method {name!r}: OPTIONS must be a subclass of "
+                        "services.common.method_options.MethodOptions")
+    return options
 
 
 def build_proposer(config: SpeculativeConfig) -> Proposer:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from services.common.proposer import DECLARES_NOTHING, ProposerCapabilities
 from services.common.protos import load
 
 if TYPE_CHECKING:
@@ -23,16 +24,11 @@ drafter_pb2, drafter_pb2_grpc = load("drafter")
 
 @dataclass(frozen=True)
 class DrafterDescription:
-    """DrafterInfo: what a verifier checks before it trusts a drafter's token ids."""
+    """DrafterInfo: the method's label and what the drafter declares (a verifier checks it before it trusts the
+    drafter's token ids)."""
 
     method: str
-    vocab_size: int = 0  # 0: works on any vocabulary (copies committed token ids)
-    tokenizer_fingerprint: str = ""  # empty: needs no tokenizer
-    needs_hidden_states: bool = False
-    max_speculative_tokens: int = 0
-    hidden_size: int = 0  # with needs_hidden_states: the target state width it was built for
-    hidden_layers: tuple[int, ...] = (-1,)  # target layers it reads (-1: the final, normed one)
-    pre_drafts: bool = False  # drafts a sequence's next step while the verifier verifies (draft_model, eagle)
+    capabilities: ProposerCapabilities = DECLARES_NOTHING
 
 
 @dataclass(frozen=True)
@@ -91,21 +87,22 @@ def decode_probs(data: bytes, num_tokens: int) -> torch.Tensor | None:
 
 # -- Info ---------------------------------------------------------------------------------------------------
 def description_to_proto(info: DrafterDescription):
+    declared = info.capabilities
     return drafter_pb2.DrafterInfo(
         method=info.method,
-        vocab_size=info.vocab_size,
-        tokenizer_fingerprint=info.tokenizer_fingerprint,
-        needs_hidden_states=info.needs_hidden_states,
-        max_speculative_tokens=info.max_speculative_tokens,
-        hidden_size=info.hidden_size,
-        hidden_layers=info.hidden_layers if info.needs_hidden_states else (),
-        pre_drafts=info.pre_drafts,
+        vocab_size=declared.vocab_size,
+        tokenizer_fingerprint=declared.tokenizer_fingerprint,
+        needs_hidden_states=declared.needs_hidden_states,
+        max_speculative_tokens=declared.max_speculative_tokens,
+        hidden_size=declared.hidden_size,
+        hidden_layers=declared.hidden_layers if declared.needs_hidden_states else (),
+        pre_drafts=declared.pre_drafts,
+        sends_trees=declared.sends_trees,
     )
 
 
 def description_from_proto(message) -> DrafterDescription:
-    return DrafterDescription(
-        method=message.method,
+    return DrafterDescription(message.method, ProposerCapabilities(
         vocab_size=message.vocab_size,
         tokenizer_fingerprint=message.tokenizer_fingerprint,
         needs_hidden_states=message.needs_hidden_states,
@@ -113,7 +110,8 @@ def description_from_proto(message) -> DrafterDescription:
         hidden_size=message.hidden_size,
         hidden_layers=tuple(message.hidden_layers) or (-1,),
         pre_drafts=message.pre_drafts,
-    )
+        sends_trees=message.sends_trees,
+    ))
 
 
 # -- Draft (verifier -> drafter) ----------------------------------------------------------------------------

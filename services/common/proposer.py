@@ -26,11 +26,11 @@ class DraftInput:
     # K wanted now (the engine already clamped it to the room left): a chain's length, or the most tokens a tree may
     # hold (Draft.parents; its depth is the drafter's own num_speculative_tokens)
     num_speculative_tokens: int
-    # For proposers that declare `needs_hidden_states` (EAGLE): the target's final hidden states of the committed
+    # For proposers that declare needs_hidden_states (EAGLE): the target's final hidden states of the committed
     # tokens it has run on, [n, H], row i belonging to token_ids[i]. n = len(token_ids) - 1: the last committed
     # token (the bonus one) has not been through the target yet; its state comes with the next step.
     hidden_states: torch.Tensor | None = None
-    # For proposers that pre-draft (`pre_drafts`, draft_model and EAGLE): draft this sequence's next step while
+    # For proposers that declare pre_drafts (draft_model and EAGLE): draft this sequence's next step while
     # the verifier verifies this one (the request's draft_pipelining); None: the proposer's own setting.
     pipelining: bool | None = None
 
@@ -46,7 +46,56 @@ class Draft:
     parents: Sequence[int] | None = None
 
 
+@dataclass(frozen=True)
+class ProposerCapabilities:
+    """What a proposer declares beyond the protocol's members: the verifier reads it (in-process, or from a remote
+    drafter's Info) to decide what to send and what to trust. The defaults describe a plain chain drafter that
+    copies committed token ids (ngram): any vocabulary, no hidden states, no pre-drafts, no trees."""
+
+    # The vocabulary it proposes from (a draft model's own), checked against the target's before any token id is
+    # exchanged (vocabulary_mismatch); 0 and "": any vocabulary, no tokenizer (it copies committed ids)
+    vocab_size: int = 0
+    tokenizer_fingerprint: str = ""
+    # It reads the target's hidden states (EAGLE): DraftInput.hidden_states, from the layers in hidden_layers
+    # (-1: the final, normed one), of width hidden_size (0: not checked)
+    needs_hidden_states: bool = False
+    hidden_size: int = 0
+    hidden_layers: tuple[int, ...] = (-1,)
+    # It drafts a sequence's next step while the verifier verifies this one, so a request may set
+    # draft_pipelining (draft_model, eagle)
+    pre_drafts: bool = False
+    # Its drafts may be token trees (Draft.parents); a tree from a proposer that does not declare this is cut to
+    # its first path. Then K (DraftInput.num_speculative_tokens) is the tokens a tree may hold.
+    sends_trees: bool = False
+    # The most draft tokens it answers per sequence and step (0: no limit of its own); the engine asks no more
+    max_speculative_tokens: int = 0
+
+    @property
+    def vocabulary(self) -> tuple[int, str]:
+        """(vocab_size, tokenizer_fingerprint), as vocabulary_mismatch compares them."""
+        return self.vocab_size, self.tokenizer_fingerprint
+
+
+DECLARES_NOTHING = ProposerCapabilities()
+
+
+def capabilities_of(proposer: object) -> ProposerCapabilities:
+    """What `proposer` declares: its `capabilities` attribute, optional so that a plug-in written against the
+    three protocol members stays a Proposer (it declares nothing). A remote drafter not reached yet declares
+    nothing so far (see capabilities_known)."""
+    return getattr(proposer, "capabilities", DECLARES_NOTHING) or DECLARES_NOTHING
+
+
+def capabilities_known(proposer: object) -> bool:
+    """False for a remote drafter not reached yet (its `capabilities` is None): where a request depends on one
+    (draft_pipelining), it gets the benefit of the doubt and runs at K = 0 meanwhile."""
+    return getattr(proposer, "capabilities", DECLARES_NOTHING) is not None
+
+
 class Proposer(Protocol):
+    """The three members every proposer has; what it can do beyond them it declares as `capabilities`
+    (ProposerCapabilities, read through capabilities_of)."""
+
     method: str  # label for stats and metrics, never for control flow
 
     async def propose(self, inputs: Sequence[DraftInput]) -> Sequence[Draft]:
@@ -54,17 +103,6 @@ class Proposer(Protocol):
 
     def release(self, seq_id: Hashable) -> None:
         """The sequence finished or was aborted; forget it."""
-
-
-def declared_vocabulary(proposer: object) -> tuple[int, str]:
-    """(vocab_size, tokenizer_fingerprint) a proposer proposes from, as the drafter declares them in Info.
-
-    A proposer that drafts with a model of its own (draft_model, EAGLE) has `vocab_size` and
-    `tokenizer_fingerprint` attributes, so that a verifier with another vocabulary refuses it before any
-    token id is exchanged. One that only copies token ids the verifier committed (ngram, suffix) has neither
-    and declares (0, ""): it works on any vocabulary. Optional attributes rather than protocol members, so that
-    every existing proposer, plug-ins included, stays a Proposer."""
-    return int(getattr(proposer, "vocab_size", 0) or 0), str(getattr(proposer, "tokenizer_fingerprint", "") or "")
 
 
 def vocabulary_mismatch(drafts_from: tuple[int, str], target: tuple[int, str]) -> str | None:

@@ -6,27 +6,24 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from services.common.drafter_methods import EXTRACT_HIDDEN_STATES, TREE_METHODS, check_method
-
-
-DEFAULT_EAGLE_TOPK = 4
+from services.common.drafter_methods import (
+    BUILTIN_METHODS,
+    EXTRACT_HIDDEN_STATES,
+    check_method,
+    method_options,
+)
+from services.common.method_options import MAX_SPECULATIVE_TOKENS, MethodOptions, TreeOptions
 
 
 class SpeculativeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """The fields every method shares; a method's own options (method_options.py) sit beside them in the same
+    flat object and are checked against the method's options class (the `options` property parses them)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     method: str = "ngram"  # a registered drafter method (services/common/drafter_methods.py) or "none"
-    num_speculative_tokens: int = Field(5, ge=0, le=64)
-    # Token trees (SGLang's speculative_num_draft_tokens): the drafter sends a tree of up to this many tokens, and
-    # each step verifies them all in one forward (services/verifier/draft_trees.py). None: a chain of
-    # num_speculative_tokens. Methods in TREE_METHODS only.
-    num_draft_tokens: int | None = Field(None, ge=1, le=64)
-    # eagle trees (SGLang's speculative_eagle_topk): children each expanded node gets, and nodes expanded per depth
-    # (services/drafter/eagle_trees.py); None: DEFAULT_EAGLE_TOPK where num_draft_tokens asks for trees
-    eagle_topk: int | None = Field(None, ge=1, le=16)
-    # ngram (prompt lookup)
-    prompt_lookup_min: int = Field(1, ge=1)
-    prompt_lookup_max: int = Field(4, ge=1)
+    # The depth of a draft: a chain's length, or a tree's deepest path (its tokens: the method's num_draft_tokens)
+    num_speculative_tokens: int = Field(5, ge=0, le=MAX_SPECULATIVE_TOKENS)
     # draft_model / eagle: vLLM's `model` (the draft model) and `max_model_len` (its positions per sequence;
     # None: the model's whole context, as for the target); the rest are specserve's, named like vLLM's
     # draft_tensor_parallel_size: where the draft model runs and how many sequences keep a KV slot in it.
@@ -40,11 +37,6 @@ class SpeculativeConfig(BaseModel):
     # is accepted whole (services/drafter/draft_pipelining.py); each request may override it. None: where it
     # measured faster, i.e. a draft model with compute of its own (draft_pipelining.default_pipelining)
     draft_pipelining: bool | None = None
-    # suffix decoding (Arctic Inference)
-    suffix_decoding_max_tree_depth: int = Field(24, ge=1)
-    suffix_decoding_max_cached_requests: int = Field(10_000, ge=0)
-    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
-    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
     # extract_hidden_states: the folder each finished request's token ids and target hidden states go to
     output_dir: str | None = None
 
@@ -55,18 +47,35 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.method == "draft_model" and not self.model:
             raise ValueError(f"method {self.method!r} needs a 'model'")
-        if self.num_draft_tokens is not None and self.method not in TREE_METHODS:
-            raise ValueError(f"num_draft_tokens asks for token trees, which method {self.method!r} does not draft "
-                             f"(methods that do: {', '.join(sorted(TREE_METHODS))})")
-        if self.eagle_topk is not None and (self.method != "eagle" or self.num_draft_tokens is None):
-            raise ValueError("eagle_topk shapes EAGLE's token trees: it needs method 'eagle' and num_draft_tokens")
         if self.method == EXTRACT_HIDDEN_STATES and not self.output_dir:
             raise ValueError(f"method {EXTRACT_HIDDEN_STATES!r} needs an 'output_dir' for its files")
+        self.options  # noqa: B018 - the method's own fields, refused here rather than when a proposer is built
         return self
+
+    @property
+    def options(self) -> MethodOptions:
+        """The method's own options (its class in the registry), from the fields this class does not define."""
+        kind = method_options(self.method)
+        given = dict(self.model_extra or {})
+        unknown = sorted(set(given) - set(kind.model_fields))
+        if "num_draft_tokens" in unknown:
+            trees = sorted(name for name, entry in BUILTIN_METHODS.items() if issubclass(entry.options, TreeOptions))
+            raise ValueError(f"num_draft_tokens asks for token trees, which method {self.method!r} does not draft "
+                             f"(methods that do: {', '.join(trees)})")
+        if unknown:
+            own = f"its options: {', '.join(kind.model_fields)}" if kind.model_fields else "it has no options"
+            raise ValueError(f"{', '.join(unknown)}: not an option of method {self.method!r} ({own})")
+        try:
+            return kind.model_validate(given)
+        except ValidationError as error:
+            raise ValueError("; ".join(_describe(e) for e in error.errors())) from None
+
+    @property
+    def sends_trees(self) -> bool:
+        options = self.options
+        return isinstance(options, TreeOptions) and options.num_draft_tokens is not None
 
     @property
     def enabled(self) -> bool:
@@ -76,7 +85,8 @@ class SpeculativeConfig(BaseModel):
     @property
     def verify_width(self) -> int:
         """Draft tokens each row may have verified per step: a tree's nodes, or a chain's length."""
-        return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_speculative_tokens
+        options = self.options
+        return options.num_draft_tokens if self.sends_trees else self.num_speculative_tokens
 
     @property
     def extract_dir(self) -> str | None:
@@ -93,3 +103,9 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"--speculative-config is not valid JSON: {error}") from error
         except ValidationError as error:
             raise ValueError(f"invalid --speculative-config: {error}") from error
+
+
+def _describe(error: dict) -> str:
+    """One of a method options class's validation errors, as the config's own would read."""
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message

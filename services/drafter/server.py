@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from dataclasses import replace
 
 import grpc
 
@@ -19,7 +20,7 @@ from services.common.drafter_wire import DrafterDescription, drafter_pb2, drafte
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
 from services.common.main_thread_compute import run_with_compute, worker_thread
 from services.common.metrics_http import serve_metrics
-from services.common.proposer import Proposer, declared_vocabulary
+from services.common.proposer import Proposer, capabilities_of
 from services.drafter.metrics import DrafterMetrics
 from services.drafter.servicer import DrafterServicer
 from services.drafter.settings import DrafterSettings
@@ -42,20 +43,15 @@ async def serve(
     """Start serving `proposer`; returns the running server and its bound port (a free one for port 0).
     `num_speculative_tokens`: the most draft tokens a sequence is asked for per step (Info's max_speculative_tokens:
     a chain's length, or a tree method's num_draft_tokens).
-    `vocab_size` and `tokenizer_fingerprint` (Info) default to what the proposer declares (a draft model its own;
-    ngram and suffix nothing, i.e. any vocabulary); tests pass others to play a mismatched drafter."""
-    declared_vocab_size, declared_fingerprint = declared_vocabulary(proposer)
-    description = DrafterDescription(
-        method=proposer.method,
-        vocab_size=declared_vocab_size if vocab_size is None else vocab_size,
-        tokenizer_fingerprint=declared_fingerprint if tokenizer_fingerprint is None else tokenizer_fingerprint,
-        needs_hidden_states=bool(getattr(proposer, "needs_hidden_states", False)) if needs_hidden_states is None
-        else needs_hidden_states,
-        max_speculative_tokens=num_speculative_tokens,
-        hidden_size=int(getattr(proposer, "hidden_size", 0) or 0),
-        hidden_layers=tuple(getattr(proposer, "hidden_layers", (-1,))),
-        pre_drafts=bool(getattr(proposer, "pre_drafts", False)),
-    )
+    `vocab_size`, `tokenizer_fingerprint` and `needs_hidden_states` (Info) default to what the proposer declares
+    (its capabilities: a draft model its own vocabulary, ngram and suffix none, i.e. any); tests pass others to
+    play a mismatched drafter."""
+    declared = capabilities_of(proposer)
+    overrides = {"vocab_size": vocab_size, "tokenizer_fingerprint": tokenizer_fingerprint,
+                 "needs_hidden_states": needs_hidden_states}
+    description = DrafterDescription(proposer.method, replace(
+        declared, max_speculative_tokens=num_speculative_tokens,
+        **{name: value for name, value in overrides.items() if value is not None}))
     servicer = DrafterServicer(proposer, description, metrics)
     server = await start_grpc_server(
         lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
@@ -110,7 +106,7 @@ async def run(settings: DrafterSettings, proposer: Proposer) -> int:
     """Serve `proposer` (built from `settings`) until SIGTERM."""
     speculation = settings.speculation
     metrics = DrafterMetrics(proposer.method)
-    if getattr(proposer, "pre_drafts", False):  # on for requests that ask, whatever the server's setting
+    if capabilities_of(proposer).pre_drafts:  # on for requests that ask, whatever its setting
         metrics.watch_pipelining(lambda: proposer.pipeline_counts)
     server, port = await serve(
         proposer,

@@ -118,7 +118,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _hidden_states(self, link: LinkState, seq_id: str):
         """A torch [n, H] float32 view of the sequence's states for a drafter that needs them (it has torch)."""
-        if not self.description.needs_hidden_states:
+        if not self.description.capabilities.needs_hidden_states:
             return None
         states = link.hidden_states(seq_id)
         if states is None:
@@ -136,8 +136,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         for i in pending:
             update = step.updates[i]
             k = update.num_speculative_tokens
-            if self.description.max_speculative_tokens:
-                k = min(k, self.description.max_speculative_tokens)
+            limit = self.description.capabilities.max_speculative_tokens
+            if limit:  # a verifier asks for no more (DrafterInfo); this guards the link against one that does
+                k = min(k, limit)
             inputs.append(DraftInput(link.key(update.seq_id), link.sequences[update.seq_id], k,
                                      self._hidden_states(link, update.seq_id), update.draft_pipelining))
         wanted = [j for j, item in enumerate(inputs) if item.num_speculative_tokens > 0]

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.common.method_options import MAX_SPECULATIVE_TOKENS
 from services.common.sampling_rules import MAX_BAD_WORD_SEQUENCES, SEED_MAX, SEED_MIN
 from services.gateway.structured_output import OutputConstraintFields
 from services.gateway.tools.schemas import MAX_TOOLS, ToolCall, ToolCallDelta, ToolFields
@@ -35,15 +36,17 @@ MAX_BAD_WORD_CHARS = 100
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
-class SpeculativeConfig(BaseModel):
+class RequestSpeculativeConfig(BaseModel):
     """Per-request speculation (extension): `{"method": "ngram", "num_speculative_tokens": 3}` or
     `{"method": "none"}`. `method` names a drafter attached to the verifier; the verifier rejects unknown ones.
+    `num_speculative_tokens`: the most draft tokens verified per step (a chain's length; for a drafter that sends
+    token trees, the tokens its tree may hold).
     `draft_pipelining` (draft_model, eagle): the drafter drafts the next step while this one is verified; unset,
     the drafter's own setting; the verifier refuses it for drafters that do not pre-draft."""
 
     model_config = ConfigDict(extra="forbid")
     method: str = Field("", max_length=128)
-    num_speculative_tokens: int | None = Field(None, ge=0, le=64)
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_pipelining: bool | None = None
 
 
@@ -144,7 +147,7 @@ class SamplingFields(OutputConstraintFields):
     stop_token_ids: list[TokenId] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
-    speculative_config: SpeculativeConfig | None = None
+    speculative_config: RequestSpeculativeConfig | None = None
     # OpenAI: added to the logits of these token ids (keys: token ids as strings) at every position
     logit_bias: dict[str, float] | None = None
     # Accepted because they cannot change the output (see the module docstring).

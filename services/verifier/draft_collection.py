@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.proposer import Draft, DraftInput, Proposer
+from services.common.proposer import Draft, DraftInput, Proposer, capabilities_of
+from services.common.token_trees import leaf_paths
 from services.verifier.draft_breaker import DraftBreaker
 from services.verifier.draft_deadline import DraftDeadline
 from services.verifier.proposer_outages import ProposerOutageLog
@@ -78,8 +79,9 @@ class DraftCollector:
             inputs = [self._input(decode[i], k) for i, k in members]
             proposed = await self._call(method, inputs)
             if proposed is not None:
+                trees = capabilities_of(self.proposers[method]).sends_trees
                 for (index, k), draft in zip(members, proposed, strict=True):
-                    drafts[index] = self._sanitize(draft, k)
+                    drafts[index] = self._sanitize(draft, k, trees)
 
         await asyncio.gather(*(ask(method, members) for method, members in groups.items()))
         return drafts
@@ -179,8 +181,9 @@ class DraftCollector:
         stats.num_late_proposals += int(late)
         self._outages.failed(method, error)
 
-    def _sanitize(self, draft: Draft, k: int) -> ProposedDraft:
-        """Trust nothing from a proposer: clip to K, drop out-of-vocabulary drafts and malformed q."""
+    def _sanitize(self, draft: Draft, k: int, trees: bool) -> ProposedDraft:
+        """Trust nothing from a proposer: clip to K, drop out-of-vocabulary drafts, malformed trees and malformed
+        q; a tree from a proposer that does not declare `sends_trees` is cut to its first path."""
         tokens = [int(t) for t in list(draft.token_ids)[:k]]
         vocab = self.vocab_size
         if not tokens or min(tokens) < 0 or max(tokens) >= vocab:
@@ -189,7 +192,9 @@ class DraftCollector:
         if parents is not None:
             if len(parents) < len(tokens) or any(not -1 <= p < i for i, p in enumerate(parents)):
                 return NO_DRAFT
-            if parents == list(range(-1, len(tokens) - 1)):
+            if not trees:
+                tokens, parents = [tokens[i] for i in leaf_paths(parents)[0]], None
+            elif parents == list(range(-1, len(tokens) - 1)):
                 parents = None  # a chain after all
         probs = draft.probs
         if parents is not None or (probs is not None and (probs.dim() != 2 or probs.shape[0] < len(tokens)

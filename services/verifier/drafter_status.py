@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import grpc
 
-from services.common.proposer import Draft, DraftInput
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.verifier.remote_proposer import (
     DrafterLateError,
     IncompatibleDrafterError,
@@ -51,14 +51,9 @@ class TrackedProposer:
         return self.proposer.method
 
     @property
-    def needs_hidden_states(self) -> bool:
-        """Whether the engine must keep its requests' target hidden states (an EAGLE drafter)."""
-        return self.proposer.needs_hidden_states
-
-    @property
-    def pre_drafts(self) -> bool | None:
-        """Whether the drafter can pre-draft (a request may set draft_pipelining); None until it was reached."""
-        return self.proposer.pre_drafts
+    def capabilities(self) -> ProposerCapabilities | None:
+        """What the drafter declared in Info; None until it was reached."""
+        return self.proposer.capabilities
 
     async def probe(self) -> None:
         """Ask the drafter's Info once (under its own deadline) and record the outcome; never raises."""

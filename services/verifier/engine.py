@@ -30,7 +30,7 @@ from typing import Self
 import torch
 
 from services.common.main_thread_compute import worker_thread
-from services.common.proposer import Proposer
+from services.common.proposer import Proposer, capabilities_known, capabilities_of
 from services.modeling.runner import ModelRunner
 from services.verifier import kv_scheduling
 from services.verifier.draft_collection import DraftCollector
@@ -89,7 +89,7 @@ class Engine:
         self.runner = runner
         self.config = config or EngineConfig()
         if hasattr(runner, "keep_hidden_states") and (self.config.extract_hidden_states_dir is not None or any(
-                getattr(p, "needs_hidden_states", False) for p in (proposers or {}).values())):
+                capabilities_of(p).needs_hidden_states for p in (proposers or {}).values())):
             runner.keep_hidden_states()  # so that requests that keep hidden states reuse cached prefixes too
         self.drafts = DraftCollector(
             proposers or {}, runner.vocab_size, self.config.draft_timeout_s, self.config.max_draft_timeout_s
@@ -212,8 +212,9 @@ class Engine:
             constraint=build_constraint(request.sampling, self.grammars, self.runner.vocab_size, self.eos_token_ids),
         )
         spec = request.speculation
+        drafter = self.proposers.get(spec.method) if spec.enabled else None
         if self.config.extract_hidden_states_dir is not None or (
-            spec.enabled and getattr(self.proposers.get(spec.method), "needs_hidden_states", False)
+            drafter is not None and capabilities_of(drafter).needs_hidden_states
         ):
             state.hidden = []  # its drafter (EAGLE) reads the target's hidden states, or they are extracted
         if request.sampling.prompt_logprobs is not None:
@@ -287,7 +288,8 @@ class Engine:
         if spec.draft_pipelining and not spec.enabled:
             raise ValueError("draft_pipelining needs speculation; this request has none")
         # a drafter not reached yet (None) is given the benefit of the doubt: its requests run at K = 0 meanwhile
-        if spec.draft_pipelining and getattr(self.proposers[spec.method], "pre_drafts", False) is False:
+        drafter = self.proposers[spec.method] if spec.draft_pipelining else None
+        if drafter is not None and capabilities_known(drafter) and not capabilities_of(drafter).pre_drafts:
             raise ValueError(f"draft_pipelining: the {spec.method!r} drafter does not pre-draft (draft_model and "
                              "eagle do)")
 
@@ -311,18 +313,21 @@ class Engine:
                         state.outputs.put_nowait(error)
                 self._reap()
 
+    def _speculation_cap(self, state: RequestState) -> int:
+        drafter = self.proposers.get(state.request.speculation.method)  # None: no speculation, no limit
+        return speculation_cap(state, self.runner.max_model_len, capabilities_of(drafter).max_speculative_tokens)
+
     async def step(self) -> None:
         """One engine step over every running request."""
         await self._profile_step_cost()
         started = time.perf_counter()
         self._reap()
         self._admit()
-        max_model_len = self.runner.max_model_len
         kv_scheduling.reserve_decode(
-            self.runner, self._running, lambda s: len(s.token_ids) + speculation_cap(s, max_model_len), self._preempt
+            self.runner, self._running, lambda s: len(s.token_ids) + self._speculation_cap(s), self._preempt
         )
         decode = [s for s in self._running if not s.prefilling]
-        caps = [speculation_cap(s, max_model_len) for s in decode]
+        caps = [self._speculation_cap(s) for s in decode]
         asks = self.planner.draft_requests(decode, caps)
         decode_tokens = sum(1 + k for k in asks)
         prefill = plan_prefill(self._running, decode_tokens, self.config.max_num_batched_tokens)

@@ -38,7 +38,7 @@ from services.common.drafter_wire import (
     reply_from_proto,
     step_to_proto,
 )
-from services.common.proposer import Draft, DraftInput, vocabulary_mismatch
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities, vocabulary_mismatch
 from services.common.tls import open_channel
 
 logger = logging.getLogger(__name__)
@@ -76,10 +76,10 @@ class RemoteProposerConfig:
 
 
 def check_compatible(info: DrafterDescription, config: RemoteProposerConfig) -> None:
-    why = vocabulary_mismatch((info.vocab_size, info.tokenizer_fingerprint),
-                              (config.vocab_size, config.tokenizer_fingerprint))
-    if why is None and info.needs_hidden_states:
-        why = hidden_states_mismatch(info, config.hidden_size)
+    declared = info.capabilities
+    why = vocabulary_mismatch(declared.vocabulary, (config.vocab_size, config.tokenizer_fingerprint))
+    if why is None and declared.needs_hidden_states:
+        why = hidden_states_mismatch(declared, config.hidden_size)
     if why is not None:
         raise IncompatibleDrafterError(
             f"drafter at {config.target} ({info.method}) {why}; refusing it (use a drafter built for this model)"
@@ -89,7 +89,7 @@ def check_compatible(info: DrafterDescription, config: RemoteProposerConfig) -> 
 SERVED_HIDDEN_LAYERS = (-1,)  # the target states the engine keeps: its final, normed layer
 
 
-def hidden_states_mismatch(info: DrafterDescription, hidden_size: int) -> str | None:
+def hidden_states_mismatch(info: ProposerCapabilities, hidden_size: int) -> str | None:
     """Why this verifier cannot feed a drafter that reads the target's hidden states, or None."""
     if tuple(info.hidden_layers) != SERVED_HIDDEN_LAYERS:
         return (f"reads target layers {list(info.hidden_layers)}, but this verifier serves only the final layer "
@@ -133,9 +133,8 @@ class RemoteProposer:
     def __init__(self, config: RemoteProposerConfig, method: str = "remote") -> None:
         self.config = config
         self.method = method  # replaced by the drafter's own method once Info has answered
-        self.needs_hidden_states = False  # likewise (an EAGLE drafter reads the target's hidden states)
-        # likewise: whether it can draft the next step while this one is verified (None: not known yet)
-        self.pre_drafts: bool | None = None
+        # likewise: what the drafter declares (hidden states, pre-drafts, trees, its K); None: not known yet
+        self.capabilities: ProposerCapabilities | None = None
         self._channel: grpc.aio.Channel | None = None
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
@@ -157,8 +156,7 @@ class RemoteProposer:
         described = description_from_proto(message)
         check_compatible(described, self.config)
         self.method = described.method
-        self.needs_hidden_states = described.needs_hidden_states  # the engine then keeps its requests' states
-        self.pre_drafts = described.pre_drafts
+        self.capabilities = described.capabilities  # e.g. the engine then keeps its requests' hidden states
         self._retry_at = 0.0  # it answers and fits: no reason to keep backing off
         return described
 
@@ -235,19 +233,18 @@ class RemoteProposer:
         self._retry_at = time.monotonic() + self._backoff_s
 
     async def _exchange(self, link: _Link, inputs: Sequence[DraftInput]) -> list[Draft]:
-        max_k = link.info.max_speculative_tokens
         updates = []
         for item in inputs:
             key, committed = str(item.seq_id), item.token_ids
             base = link.sent.get(key, 0)
             if base > len(committed):
                 base = 0  # cannot happen with an append-only engine; re-open rather than send garbage
-            k = min(item.num_speculative_tokens, max_k) if max_k else item.num_speculative_tokens
             hidden = None
-            if link.info.needs_hidden_states and item.hidden_states is not None:
+            if link.info.capabilities.needs_hidden_states and item.hidden_states is not None:
                 states = item.hidden_states.detach().to("cpu", torch.float16).numpy()
                 hidden = new_hidden_rows(states, base, len(committed))
-            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), k, hidden, item.pipelining))
+            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), item.num_speculative_tokens, hidden,
+                                          item.pipelining))
         step = DraftStep(link.next_step_id, tuple(updates), tuple(link.closed))
         link.next_step_id += 1
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from services.common.method_options import MAX_SPECULATIVE_TOKENS
 from services.common.sampling_rules import (
     GREEDY_TEMPERATURE_EPS,
     MAX_BAD_WORD_SEQUENCES,
@@ -146,8 +147,9 @@ class SpeculationParams:
     draft_pipelining: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_speculative_tokens, int) or not 0 <= self.num_speculative_tokens <= 64:
-            raise ValueError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
 
     @property
     def enabled(self) -> bool:

@@ -42,16 +42,18 @@ def group_by_length(lengths: Sequence[int], max_padding: float = 0.25) -> list[l
     return groups
 
 
-def speculation_cap(state: RequestState, max_model_len: int) -> int:
-    """The most draft tokens this row may verify this step: its own K, within the output budget and the
-    context (the last position is kept for the token the step samples). speculation_planner.py picks how many
-    of them are worth verifying."""
+def speculation_cap(state: RequestState, max_model_len: int, drafter_limit: int = 0) -> int:
+    """The most draft tokens this row may verify this step, the one rule for the K a proposer is asked for: the
+    request's own K, within its drafter's declared limit (ProposerCapabilities.max_speculative_tokens; 0: none),
+    the output budget and the context (the last position is kept for the token the step samples).
+    speculation_planner.py picks how many of them are worth verifying."""
     spec = state.request.speculation
     if not spec.enabled:
         return 0
     room_in_output = state.request.sampling.max_tokens - state.num_output_tokens - 1
     room_in_context = max_model_len - len(state.token_ids) - 1
-    return max(0, min(spec.num_speculative_tokens, room_in_output, room_in_context))
+    wanted = min(spec.num_speculative_tokens, drafter_limit) if drafter_limit else spec.num_speculative_tokens
+    return max(0, min(wanted, room_in_output, room_in_context))
 
 
 def plan_prefill(running: Sequence[RequestState], decode_tokens: int, max_num_batched_tokens: int) -> list[PrefillChunk]:

@@ -272,7 +272,7 @@ def test_settings_values_reach_the_processes():
     assert verifier.kv_cache.memory_bytes == 40 << 30  # kvCacheMemoryBytes: 40GiB
     assert verifier.speculation.method == "suffix" and verifier.drain_s == 5
     suffix = process_settings(chart, _deployment(chart, "drafter", "suffix"))
-    assert suffix.speculation.suffix_decoding_max_tree_depth == 32
+    assert suffix.speculation.options.suffix_decoding_max_tree_depth == 32
     draft_model = process_settings(chart, _deployment(chart, "drafter", "draft_model"))
     assert (draft_model.speculation.draft_max_num_seqs, draft_model.speculation.num_speculative_tokens) == (32, 4)
     big = render({"verifier": {"settings": {"max_waiting_requests": 2_000_000, "adaptive_speculation": False}}})

@@ -34,7 +34,7 @@ async def test_the_document_has_the_real_bodies(client):
     assert schemas["CompletionRequest"]["properties"]["seed"]["anyOf"][0] == {
         "type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}
     assert set(schemas["ChatCompletionRequest"]["required"]) == {"model", "messages"}
-    assert {"ChatMessage", "SpeculativeConfig", "CompletionChunk", "ChatCompletionChunk"} <= set(schemas)
+    assert {"ChatMessage", "RequestSpeculativeConfig", "CompletionChunk", "ChatCompletionChunk"} <= set(schemas)
     models = doc["paths"]["/v1/models"]["get"]["responses"]
     assert models["200"]["content"]["application/json"]["schema"] == _ref("ModelList")
     assert doc["paths"]["/health"]["get"]["responses"]["503"]["content"]["application/json"]["schema"] == _ref(

@@ -51,10 +51,11 @@ async def test_info_declares_the_draft_vocabulary_and_a_mismatched_verifier_refu
     remote = await RemoteProposer.connect(remote_config(drafter_port))
     try:
         info = await remote.info()
-        assert (info.method, info.vocab_size, info.tokenizer_fingerprint, info.max_speculative_tokens) == (
+        declared = info.capabilities
+        assert (info.method, declared.vocab_size, declared.tokenizer_fingerprint, declared.max_speculative_tokens) == (
             "draft_model", VOCAB, FINGERPRINT, MAX_K,
         )
-        assert not info.needs_hidden_states
+        assert declared.pre_drafts and not declared.needs_hidden_states and not declared.sends_trees
     finally:
         await remote.close()
     with pytest.raises(IncompatibleDrafterError, match=rf"\(draft_model\).*vocabulary of {VOCAB} tokens.*has {VOCAB + 1}"):

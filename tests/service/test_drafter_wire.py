@@ -25,7 +25,7 @@ from services.common.drafter_wire import (
     step_from_proto,
     step_to_proto,
 )
-from services.common.proposer import Draft, DraftInput
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.drafter.server import serve
 
@@ -168,8 +168,10 @@ def test_wire_round_trip_keeps_everything():
     for pipelining in (True, False, None):  # None (unset) is the drafter's own setting, not False
         update = SequenceUpdate("s", 3, (4, 5), 2, draft_pipelining=pipelining)
         assert step_from_proto(step_to_proto(DraftStep(8, (update,)))).updates == (update,)
-    for pre_drafts in (True, False):
-        info = DrafterDescription("draft_model", 11, "f", max_speculative_tokens=4, pre_drafts=pre_drafts)
+    for pre_drafts, sends_trees in ((True, False), (False, True)):
+        declared = ProposerCapabilities(11, "f", max_speculative_tokens=4, pre_drafts=pre_drafts,
+                                        sends_trees=sends_trees)
+        info = DrafterDescription("draft_model", declared)
         assert description_from_proto(description_to_proto(info)) == info
     probs = torch.softmax(torch.randn(2, 11), dim=-1)
     reply = reply_from_proto(

@@ -46,7 +46,7 @@ def eagle_for(target, draft_vocab: tuple[int, ...] = (), trees: bool = False) ->
 async def with_eagle(proposer: EagleProposer, run):
     server, port = await serve(proposer, "127.0.0.1", 0, num_speculative_tokens=proposer.tree_nodes or 3)
     remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", V, step_timeout_s=None))
-    assert remote.method == "eagle" and remote.needs_hidden_states and remote.pre_drafts
+    assert remote.method == "eagle" and remote.capabilities.needs_hidden_states and remote.capabilities.pre_drafts
     try:
         return await run(remote)
     finally:

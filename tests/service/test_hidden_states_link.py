@@ -10,7 +10,7 @@ from collections.abc import Hashable, Sequence
 import pytest
 import torch
 
-from services.common.proposer import Draft, DraftInput
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.drafter.server import serve
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine
@@ -83,10 +83,10 @@ async def test_the_drafter_receives_the_targets_hidden_states(needs):
 
 class DeclaringDrafter:
     method = "picky"
-    needs_hidden_states = True
 
     def __init__(self, hidden_size: int, hidden_layers: tuple[int, ...]) -> None:
-        self.hidden_size, self.hidden_layers = hidden_size, hidden_layers
+        self.capabilities = ProposerCapabilities(needs_hidden_states=True, hidden_size=hidden_size,
+                                                 hidden_layers=hidden_layers)
 
     async def propose(self, inputs):
         return [Draft([]) for _ in inputs]
@@ -105,7 +105,7 @@ async def test_a_verifier_refuses_a_drafter_whose_states_it_cannot_serve(width, 
     try:
         if refused is None:
             remote = await RemoteProposer.connect(config)
-            assert remote.needs_hidden_states
+            assert remote.capabilities.needs_hidden_states
             await remote.close()
         else:
             with pytest.raises(IncompatibleDrafterError, match=refused):

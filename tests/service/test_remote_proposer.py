@@ -9,7 +9,7 @@ import pytest
 
 from services.common.drafter_wire import DrafterDescription, DraftStep, drafter_pb2_grpc
 from services.common.grpc_server import start_grpc_server
-from services.common.proposer import DraftInput
+from services.common.proposer import DraftInput, ProposerCapabilities
 from services.drafter.methods.ngram import NgramProposer, NgramSettings
 from services.drafter.server import SERVICE_NAME, serve
 from services.drafter.servicer import DrafterServicer, LinkState
@@ -64,7 +64,7 @@ class ForgetfulServicer(DrafterServicer):
 
     def __init__(self) -> None:
         super().__init__(
-            NgramProposer(NgramSettings(1, 3)), DrafterDescription("ngram", max_speculative_tokens=5)
+            NgramProposer(NgramSettings(1, 3)), DrafterDescription("ngram", ProposerCapabilities(max_speculative_tokens=5))
         )
         self.steps: list[DraftStep] = []
 

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from services.common.drafter_methods import build_proposer
-from services.common.proposer import DraftInput, declared_vocabulary
+from services.common.proposer import DraftInput, capabilities_of
 from services.common.speculative_config import SpeculativeConfig
 from services.drafter.methods.draft_model import DraftModelProposer, DraftModelSettings
 from services.drafter.model_drafting import (
@@ -335,7 +335,7 @@ def test_the_registry_builds_it_from_a_model_folder_and_it_declares_its_vocabula
         # the fingerprint of the tokenizer as loaded from the folder (here a Qwen2Tokenizer, which adds a token
         # of its own), i.e. what a verifier serving the same folder publishes
         loaded_tokenizer = AutoTokenizer.from_pretrained(folder)
-        assert declared_vocabulary(proposer) == (VOCAB, tokenizer_fingerprint(loaded_tokenizer))
+        assert capabilities_of(proposer).vocabulary == (VOCAB, tokenizer_fingerprint(loaded_tokenizer))
         assert (proposer.runner.max_num_seqs, proposer.runner.max_model_len) == (3, 64)
     finally:
         proposer.close()

@@ -16,6 +16,7 @@ from services.common.drafter_methods import (
     check_method,
     method_names,
 )
+from services.common.proposer import DraftInput
 from services.common.speculative_config import SpeculativeConfig
 from services.inprocess import local_proposers
 from services.modeling.llama_runner import LlamaFamilyRunner
@@ -43,8 +44,8 @@ def test_importing_the_verifier_or_the_gateway_loads_no_drafter_code():
 
 def test_every_builtin_method_has_a_module_with_build_proposer():
     assert {"ngram", "suffix"} <= set(method_names())
-    for name, module_path in drafter_methods.BUILTIN_METHODS.items():
-        assert (REPO / (module_path.replace(".", "/") + ".py")).is_file(), name
+    for name, method in drafter_methods.BUILTIN_METHODS.items():
+        assert (REPO / (method.module.replace(".", "/") + ".py")).is_file(), name
 
 
 def test_an_unknown_method_is_refused_with_the_choices():
@@ -69,6 +70,20 @@ def test_a_plugin_method_is_registered_by_its_entry_point_alone(throwaway_plugin
     assert throwaway_plugin in method_names()
     config = SpeculativeConfig(method=throwaway_plugin, num_speculative_tokens=4)
     assert local_proposers(config)[throwaway_plugin].method == throwaway_plugin
+
+
+async def test_a_plugin_method_brings_its_own_options(throwaway_plugin):
+    """The config checks a plug-in's fields against the OPTIONS its module declares, and its proposer gets them."""
+    config = SpeculativeConfig.parse(f'{{"method": "{throwaway_plugin}", "throwaway_max_draft": 2}}')
+    assert config.options.throwaway_max_draft == 2
+    proposer = local_proposers(config)[throwaway_plugin]
+    (draft,) = await proposer.propose([DraftInput("s", [1, 2, 3, 1, 2, 3, 1], 6)])
+    assert list(draft.token_ids) == [2, 3]  # 6 asked, 2 by its option
+    with pytest.raises(ValueError, match=r"throwaway_max_draft: Input should be greater than or equal to 1"):
+        SpeculativeConfig.parse(f'{{"method": "{throwaway_plugin}", "throwaway_max_draft": 0}}')
+    with pytest.raises(ValueError, match=r"prompt_lookup_max: not an option of method 'throwaway' "
+                                         r"\(its options: throwaway_max_draft\)"):
+        SpeculativeConfig.parse(f'{{"method": "{throwaway_plugin}", "prompt_lookup_max": 3}}')
 
 
 def test_a_plugin_cannot_take_over_a_builtin_name(tmp_path, monkeypatch):

@@ -33,10 +33,17 @@ def test_paths_and_lines():
 
 def test_a_malformed_tree_is_dropped_and_a_chain_shaped_one_is_a_chain():
     collector = DraftCollector({}, VOCAB, 1.0)
-    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, 2, 0]), 3) == NO_DRAFT  # a parent after its child
-    assert collector._sanitize(Draft([1, 2], parents=[-1]), 2) == NO_DRAFT  # too few parents
-    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, 0, 1]), 3) == ProposedDraft([1, 2, 3], None, None)
-    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, -1, 0]), 2) == ProposedDraft([1, 2], None, [-1, -1])
+    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, 2, 0]), 3, True) == NO_DRAFT  # a parent after its child
+    assert collector._sanitize(Draft([1, 2], parents=[-1]), 2, True) == NO_DRAFT  # too few parents
+    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, 0, 1]), 3, True) == ProposedDraft([1, 2, 3], None, None)
+    assert collector._sanitize(Draft([1, 2, 3], parents=[-1, -1, 0]), 2, True) == ProposedDraft([1, 2], None, [-1, -1])
+
+
+def test_a_tree_from_a_proposer_that_does_not_declare_trees_is_cut_to_its_first_path():
+    collector = DraftCollector({}, VOCAB, 1.0)
+    tree = Draft([1, 2, 3, 4], parents=[-1, -1, 1, 0])  # paths [1, 4], [2, 3]
+    assert collector._sanitize(tree, 4, False) == ProposedDraft([1, 4], None, None)
+    assert collector._sanitize(tree, 4, True) == ProposedDraft([1, 2, 3, 4], None, [-1, -1, 1, 0])
 
 
 async def test_greedy_output_with_trees_equals_no_speculation():

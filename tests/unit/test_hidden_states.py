@@ -11,7 +11,7 @@ from collections.abc import Hashable, Sequence
 import pytest
 import torch
 
-from services.common.proposer import Draft, DraftInput
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
@@ -27,7 +27,7 @@ class RecordingProposer:
     method = "recorder"
 
     def __init__(self, needs: bool, continuation: dict[Hashable, list[int]], seed: int = 0) -> None:
-        self.needs_hidden_states = needs
+        self.capabilities = ProposerCapabilities(needs_hidden_states=needs)
         self.continuation = continuation
         self.seen: list[tuple[Hashable, list[int], torch.Tensor | None]] = []  # token_ids is live: copied
         self.rng = random.Random(seed)

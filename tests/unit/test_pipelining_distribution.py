@@ -55,7 +55,7 @@ class AnswersLate:
     """Answers every other call after the engine's deadline (the engine goes on without it and drops it)."""
 
     def __init__(self, inner: DraftModelProposer) -> None:
-        self.inner, self.method, self.pre_drafts, self.calls = inner, inner.method, True, 0
+        self.inner, self.method, self.capabilities, self.calls = inner, inner.method, inner.capabilities, 0
 
     async def propose(self, inputs):
         drafts = await self.inner.propose(inputs)

@@ -9,7 +9,8 @@ def test_parses_the_vllm_shaped_flag():
     config = SpeculativeConfig.parse(
         '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
     )
-    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
+    options = config.options
+    assert (config.method, config.num_speculative_tokens, options.prompt_lookup_min, options.prompt_lookup_max) == (
         "ngram", 5, 2, 5,
     )
     proposers = local_proposers(config)
@@ -33,11 +34,15 @@ def test_empty_flag_means_no_speculation():
         ('{"method": "medusa"}', "unknown speculative method 'medusa'; available: draft_model, eagle, ngram, suffix"),
         ('{"method": "ngram", "num_speculative_tokens": -1}', "num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
-        ('{"method": "ngram", "bogus": 1}', "bogus"),
+        ('{"method": "ngram", "bogus": 1}', r"bogus: not an option of method 'ngram' \(its options: prompt_lookup_min, "
+                                            r"prompt_lookup_max\)"),
+        ('{"method": "ngram", "suffix_decoding_max_tree_depth": 8}', "not an option of method 'ngram'"),
+        ('{"method": "draft_model", "model": "m", "prompt_lookup_max": 3}', r"it has no options"),
+        ('{"method": "none", "prompt_lookup_max": 3}', r"not an option of method 'none'"),
         ('{"method": "ngram", "num_draft_tokens": 8}', "token trees, which method 'ngram' does not draft"),
         ('{"method": "suffix", "num_draft_tokens": 65}', "num_draft_tokens"),
         ('{"method": "eagle", "eagle_topk": 2}', "eagle_topk shapes EAGLE's token trees"),
-        ('{"method": "suffix", "num_draft_tokens": 8, "eagle_topk": 2}', "eagle_topk"),
+        ('{"method": "suffix", "num_draft_tokens": 8, "eagle_topk": 2}', "eagle_topk: not an option of method 'suffix'"),
     ],
 )
 def test_bad_flags_get_clear_errors(text, message):
@@ -49,3 +54,13 @@ def test_a_tree_config_verifies_num_draft_tokens_a_step():
     tree = SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 4, "num_draft_tokens": 12}')
     assert tree.verify_width == 12 and default_speculation(tree).num_speculative_tokens == 12
     assert SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 4}').verify_width == 4
+
+
+def test_each_method_reads_its_own_options_with_their_defaults():
+    suffix = SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_min_token_prob": 0.3}').options
+    assert (suffix.suffix_decoding_min_token_prob, suffix.suffix_decoding_max_tree_depth) == (0.3, 24)
+    assert SpeculativeConfig.parse('{"method": "ngram"}').options.prompt_lookup_max == 4
+    eagle = SpeculativeConfig.parse('{"method": "eagle", "num_draft_tokens": 10}')
+    assert (eagle.sends_trees, eagle.options.tree_topk, eagle.verify_width) == (True, 4, 10)
+    chain = SpeculativeConfig.parse('{"method": "eagle", "num_speculative_tokens": 3}')
+    assert (chain.sends_trees, chain.verify_width) == (False, 3)

@@ -8,8 +8,8 @@ one compute thread. The drafter keeps a KV cache per sequence in the same model 
 (services/modeling), so a step feeds only the tokens committed since the last one; model_drafting.py does the
 tensor work and sequence_slots.py decides which sequences keep a slot.
 
-The drafter declares its vocabulary size and tokenizer fingerprint in Info (attributes `vocab_size` and
-`tokenizer_fingerprint`, see services/common/proposer.declared_vocabulary), so a verifier whose target has
+The drafter declares its vocabulary size and tokenizer fingerprint in Info (its `capabilities`, see
+services/common/proposer.ProposerCapabilities), so a verifier whose target has
 another vocabulary refuses it instead of verifying token ids that mean something else.
 
 Pipelining (`draft_pipelining`): after answering a call, the proposer pre-drafts the next step on the compute
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.main_thread_compute import worker_thread
-from services.common.proposer import Draft, DraftInput
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.common.speculative_config import SpeculativeConfig
 from services.drafter.draft_pipelining import PreDraftRunner, default_pipelining, wants_predraft
 from services.drafter.model_drafting import DraftRequest, ModelDrafter
@@ -82,7 +82,6 @@ class DraftModelSettings:
 
 class DraftModelProposer:
     method = "draft_model"
-    pre_drafts = True  # declared in Info: a request may set draft_pipelining
 
     def __init__(self, runner: ModelRunner, tokenizer_fingerprint: str = "", compute: Executor | None = None,
                  pipelining: bool = False) -> None:
@@ -90,8 +89,10 @@ class DraftModelProposer:
         `compute`: the executor for the tensor work, one thread (default: a worker thread of its own).
         `pipelining`: after each call, pre-draft the next step on the guess that this one is accepted whole, for
         the sequences whose request does not say otherwise (DraftInput.pipelining)."""
-        self.vocab_size = runner.vocab_size  # declared in Info
-        self.tokenizer_fingerprint = tokenizer_fingerprint  # declared in Info; "" when unknown
+        # declared in Info: its vocabulary (a verifier with another refuses it), and a request may set
+        # draft_pipelining; the fingerprint is "" when unknown
+        self.capabilities = ProposerCapabilities(vocab_size=runner.vocab_size,
+                                                 tokenizer_fingerprint=tokenizer_fingerprint, pre_drafts=True)
         self._drafter = ModelDrafter(runner)
         self._released: list[Hashable] = []
         self._released_lock = threading.Lock()

@@ -1,6 +1,6 @@
 """EAGLE speculation (`--method eagle --model HEAD_DIR`; without --model, the head that ships for the default
 target, services/modeling/eagle_heads/): a one-layer head drafts from the target's own hidden
-states, which the verifier sends with the committed tokens (the drafter declares `needs_hidden_states`).
+states, which the verifier sends with the committed tokens (the drafter declares needs_hidden_states).
 
 The head (services/modeling/eagle_head.py) shares the target's embedding and LM head, loaded here from the target
 its config names (`target`, a --model spec), so the drafter must run beside a verifier serving that target (the
@@ -40,8 +40,9 @@ import numpy as np
 import torch
 
 from services.common.main_thread_compute import worker_thread
-from services.common.proposer import Draft, DraftInput
-from services.common.speculative_config import DEFAULT_EAGLE_TOPK, SpeculativeConfig
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
+from services.common.method_options import DEFAULT_EAGLE_TOPK
+from services.common.speculative_config import SpeculativeConfig
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
 from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches
 from services.drafter.head_prefix_cache import HeadPrefixCache
@@ -66,8 +67,6 @@ class EagleProposer:
     vocab_size: int
     tokenizer_fingerprint: str = ""
     method: str = "eagle"
-    needs_hidden_states: bool = True
-    pre_drafts: bool = True  # declared in Info: a request may set draft_pipelining
     # pre-draft for the sequences whose request does not say (DraftInput.pipelining); off unless configured: its
     # pre-drafts measured slower (draft_pipelining.default_pipelining)
     pipelining: bool = False
@@ -86,9 +85,12 @@ class EagleProposer:
     predrafting: PreDraftRunner = field(default_factory=PreDraftRunner)
 
     @property
-    def hidden_size(self) -> int:
-        """The target state width the head reads (declared in Info, checked by the verifier)."""
-        return self.head.config.hidden_size
+    def capabilities(self) -> ProposerCapabilities:
+        """It reads the target's final hidden states of the width its head was trained on, drafts from the
+        target's vocabulary, pre-drafts (a request may set draft_pipelining), and sends trees where configured."""
+        return ProposerCapabilities(
+            vocab_size=self.vocab_size, tokenizer_fingerprint=self.tokenizer_fingerprint, needs_hidden_states=True,
+            hidden_size=self.head.config.hidden_size, pre_drafts=True, sends_trees=self.tree_nodes is not None)
 
     @property
     def pipeline_counts(self):
@@ -237,6 +239,7 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
 
     from services.modeling.eagle_heads import shipped_head
 
+    options = config.options  # EagleOptions (services/common/method_options.py)
     head_dir = Path(config.model).expanduser() if config.model else shipped_head()
     if not (head_dir / "eagle_config.json").is_file():
         raise ValueError(f"method 'eagle' needs --model HEAD_DIR holding eagle_config.json; {head_dir} has none")
@@ -249,5 +252,5 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     logger.info("EAGLE head %s for %s (hidden %d)", head_dir, target_spec, head.config.hidden_size)
     return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
                          tokenizer_fingerprint(loaded.tokenizer), pipelining=bool(config.draft_pipelining),
-                         tree_nodes=config.num_draft_tokens, tree_topk=config.eagle_topk or DEFAULT_EAGLE_TOPK,
+                         tree_nodes=options.num_draft_tokens, tree_topk=options.tree_topk,
                          tree_depth=config.num_speculative_tokens)

@@ -61,4 +61,5 @@ class NgramProposer:
 
 def build_proposer(config: SpeculativeConfig) -> NgramProposer:
     """The registry's entry point (services/common/drafter_methods.py)."""
-    return NgramProposer(NgramSettings(config.prompt_lookup_min, config.prompt_lookup_max))
+    options = config.options  # NgramOptions (services/common/method_options.py)
+    return NgramProposer(NgramSettings(options.prompt_lookup_min, options.prompt_lookup_max))

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.common.drafter_methods import MethodUnavailableError
-from services.common.proposer import Draft, DraftInput
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.common.token_trees import cut_to_depth
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ PACKAGE = "arctic-inference"
 
 @dataclass(frozen=True)
 class SuffixSettings:
-    """The knobs of vLLM's suffix method (suffix_decoding_* in SpeculativeConfig), plus how much of a
+    """The knobs of vLLM's suffix method (SuffixOptions' suffix_decoding_*), plus how much of a
     sequence's first view goes into the global tree (None: max_tree_depth; 0: none, as in vLLM)."""
 
     max_tree_depth: int = 24
@@ -87,12 +87,13 @@ class SuffixSettings:
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig) -> SuffixSettings:
+        options = config.options  # SuffixOptions (services/common/method_options.py)
         return cls(
-            max_tree_depth=config.suffix_decoding_max_tree_depth,
-            max_cached_requests=config.suffix_decoding_max_cached_requests,
-            max_spec_factor=config.suffix_decoding_max_spec_factor,
-            min_token_prob=config.suffix_decoding_min_token_prob,
-            trees=config.num_draft_tokens is not None,
+            max_tree_depth=options.suffix_decoding_max_tree_depth,
+            max_cached_requests=options.suffix_decoding_max_cached_requests,
+            max_spec_factor=options.suffix_decoding_max_spec_factor,
+            min_token_prob=options.suffix_decoding_min_token_prob,
+            trees=config.sends_trees,
             tree_depth=config.num_speculative_tokens,
         )
 
@@ -139,6 +140,7 @@ class SuffixProposer:
     def __init__(self, settings: SuffixSettings | None = None) -> None:
         cache_class = load_cache_class()
         self.settings = settings or SuffixSettings()
+        self.capabilities = ProposerCapabilities(sends_trees=self.settings.trees)  # any vocabulary
         self._cache = cache_class(
             max_tree_depth=self.settings.max_tree_depth,
             max_cached_requests=self.settings.max_cached_requests,
