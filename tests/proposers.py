@@ -116,14 +116,16 @@ class FailingProposer:
 class TreeProposer:
     """Sends token trees of K nodes: random branches (duplicate siblings included) and, with `references`, the
     reference continuation as one branch placed after the others, so that accepting it moves K/V into place.
-    Parents come before children, as the protocol asks."""
+    Parents come before children, as the protocol asks. `ranked`: path probabilities that rank the reference
+    branch first (0.9 a node, the random ones 0.05), as a drafter that knows its likeliest branch would."""
 
     method = "tree"
     capabilities = ProposerCapabilities(sends_trees=True)
 
     def __init__(self, vocab_size: int, seed: int = 0,
-                 references: Mapping[Hashable, Sequence[int]] | None = None) -> None:
+                 references: Mapping[Hashable, Sequence[int]] | None = None, ranked: bool = False) -> None:
         self.vocab_size = vocab_size
+        self.ranked = ranked
         self.rng = random.Random(seed)
         self.references = references
         self.calls = 0
@@ -146,10 +148,12 @@ class TreeProposer:
             duplicate = siblings and self.rng.random() < 0.3
             tokens.append(self.rng.choice(siblings) if duplicate else self.rng.randrange(self.vocab_size))
             parents.append(parent)
+        random_nodes = len(tokens)
         for depth, token in enumerate(true_path):
             parents.append(-1 if depth == 0 else len(tokens) - 1)
             tokens.append(token)
-        return Draft(tokens, parents=parents)
+        path_probs = [0.05] * random_nodes + [0.9] * len(true_path) if self.ranked else None
+        return Draft(tokens, parents=parents, path_probs=path_probs)
 
     def release(self, seq_id: Hashable) -> None:
         pass

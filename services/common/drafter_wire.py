@@ -50,6 +50,7 @@ class SequenceDraft:
     probs: torch.Tensor | None = None  # [len(token_ids), V]
     resync_needed: bool = False
     parents: tuple[int, ...] | None = None  # a token tree (Draft.parents); None: a chain
+    path_probs: tuple[float, ...] | None = None  # with a tree, optional (Draft.path_probs)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ def reply_to_proto(reply: DraftReply):
                 probs_fp16=encode_probs(d.probs),
                 resync_needed=d.resync_needed,
                 parents=d.parents or (),
+                path_probs=d.path_probs or (),
             )
             for d in reply.drafts
         ],
@@ -176,6 +178,7 @@ def reply_from_proto(message) -> DraftReply:
                 probs=decode_probs(d.probs_fp16, len(d.token_ids)),
                 resync_needed=d.resync_needed,
                 parents=tuple(d.parents) or None,
+                path_probs=tuple(d.path_probs) or None,
             )
             for d in message.drafts
         ),

@@ -44,6 +44,10 @@ class Draft:
     # (K counts tokens, i.e. the verify width, as for a chain). None: a chain. Trees are verified as
     # deterministic drafts (their probs are not used).
     parents: Sequence[int] | None = None
+    # With parents, optionally: each token's probability under the drafter that the continuation runs through it
+    # (the product of its path's draft probabilities). The verifier's planner ranks a tree's nodes by it when it
+    # cuts the tree to what is worth verifying; acceptance never reads it, so any value is lossless.
+    path_probs: Sequence[float] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,22 @@ the verifier's first path is the head's greedy chain, as far as it was kept.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values of one head position: [kv heads, 1, D] each
+
+
+@dataclass(frozen=True)
+class SentTree:
+    """A tree as the drafter sends it (Draft): tokens, parents, and each node's path probability under the head."""
+
+    tokens: list[int]
+    parents: list[int]
+    path_probs: list[float]
 
 
 @dataclass(frozen=True)
@@ -78,8 +88,8 @@ class _Expansion:
 
 
 def draft_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts: Sequence[TreeStart], topk: int,
-                depth: int, limits: Sequence[int], vocab_size: int) -> list[tuple[list[int], list[int]]]:
-    """(tokens, parents) of each sequence's tree: at most limits[b] tokens, paths at most `depth` long."""
+                depth: int, limits: Sequence[int], vocab_size: int) -> list[SentTree]:
+    """Each sequence's tree: at most limits[b] tokens, paths at most `depth` long."""
     trees = [_Tree(start) for start in starts]
     pending = [_Expansion(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
     for level in range(depth):
@@ -111,12 +121,14 @@ def draft_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts
     return [_best(tree.nodes, limit) for tree, limit in zip(trees, limits, strict=True)]
 
 
-def _best(nodes: list[_Node], limit: int) -> tuple[list[int], list[int]]:
+def _best(nodes: list[_Node], limit: int) -> SentTree:
     """The `limit` likeliest nodes (ties: the shallower), by depth then likelier first, parents renumbered."""
     best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].log_prob, nodes[i].depth))[:limit]
     order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].log_prob))
     where = {old: new for new, old in enumerate(order)}
-    return [nodes[i].token for i in order], [where[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order]
+    return SentTree([nodes[i].token for i in order], [where[nodes[i].parent] if nodes[i].parent >= 0 else -1
+                                                       for i in order],
+                    [math.exp(nodes[i].log_prob) for i in order])
 
 
 def padded_caches(head, rows: Sequence[tuple[KV | None, Sequence[KV]]]) -> tuple[KV, torch.Tensor]:

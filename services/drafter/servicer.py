@@ -156,6 +156,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 tuple(int(t) for t in draft.token_ids) if draft else (),
                 draft.probs if draft else None,
                 parents=tuple(int(p) for p in draft.parents) if draft and draft.parents is not None else None,
+                path_probs=tuple(float(p) for p in draft.path_probs)
+                if draft and draft.parents is not None and draft.path_probs is not None else None,
             )
         return DraftReply(step.step_id, tuple(answers))
 

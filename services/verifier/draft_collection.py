@@ -30,13 +30,15 @@ class ProposedDraft:
     tokens: list[int]
     probs: torch.Tensor | None  # [len(tokens), V]
     parents: list[int] | None = None  # a token tree (Draft.parents; never with probs); None: a chain
+    path_probs: list[float] | None = None  # with a tree, optional: each node's (Draft.path_probs), in [0, 1]
 
     def cut(self, k: int) -> ProposedDraft:
         """The first k tokens (a tree's first k nodes are a tree: parents come first)."""
         if k <= 0:
             return NO_DRAFT
         return ProposedDraft(self.tokens[:k], None if self.probs is None else self.probs[:k],
-                             None if self.parents is None else self.parents[:k])
+                             None if self.parents is None else self.parents[:k],
+                             None if self.path_probs is None else self.path_probs[:k])
 
 
 NO_DRAFT = ProposedDraft([], None)
@@ -200,4 +202,14 @@ class DraftCollector:
         if parents is not None or (probs is not None and (probs.dim() != 2 or probs.shape[0] < len(tokens)
                                                           or probs.shape[1] != vocab)):
             probs = None  # a tree is verified as deterministic drafts: lossless whatever q was
-        return ProposedDraft(tokens, None if probs is None else probs[: len(tokens)], parents)
+        return ProposedDraft(tokens, None if probs is None else probs[: len(tokens)], parents,
+                             _path_probs(draft.path_probs, len(tokens)) if parents is not None else None)
+
+
+def _path_probs(values: Sequence[float] | None, num_tokens: int) -> list[float] | None:
+    """A tree's path probabilities if there is one for each node and each is a probability, else None (the
+    planner then counts a depth's nodes alike)."""
+    if values is None or len(values) < num_tokens:
+        return None
+    kept = [float(v) for v in list(values)[:num_tokens]]
+    return kept if all(0.0 <= v <= 1.0 for v in kept) else None  # NaN fails both comparisons

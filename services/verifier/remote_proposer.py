@@ -310,5 +310,5 @@ class RemoteProposer:
             elif proposed.base_length != len(item.token_ids):
                 drafts.append(Draft(()))  # continues some other length: useless now
             else:
-                drafts.append(Draft(proposed.token_ids, proposed.probs, proposed.parents))
+                drafts.append(Draft(proposed.token_ids, proposed.probs, proposed.parents, proposed.path_probs))
         return drafts

@@ -20,6 +20,13 @@ for; this plan also pays for the drafting itself (draft_cost.py: a draft model's
 more than the verify step, and a step that asks for nothing does not call the drafter). After drafting, with the drafts in hand: only rows that got a draft
 contribute gain, so the width is chosen again and drafts are cut to it.
 
+A token tree's positions are its nodes, best first (tree_budget.py): each widens the forward by one column and is
+worth its depth's survival shared among the nodes at that depth, so a tree is cut to its best nodes as a chain is
+cut to its first tokens, and under load the planner verifies a few of them, or none. Before drafting, a tree row
+counts as a chain of its depth, and if it is asked at all it is asked for its whole node budget: a tree costs its
+drafter about its depth's levels whatever its width (EAGLE expands each level in one batched step; suffix trees
+are free), and which nodes are worth verifying is only known once the tree is in hand.
+
 A request whose drafts are never verified teaches nothing, so it could stay at K = 0 after its estimate fell,
 even when its text turns repetitive later. Such a row is re-probed: after `interval` steps without a verified
 draft, it verifies one position; a rejected probe doubles the interval, an accepted one resets it. A probe that
@@ -40,6 +47,7 @@ from services.verifier.draft_cost import DraftCostModel
 from services.verifier.request_state import RequestState
 from services.verifier.row_speculation import ProbeBudget, RowSpeculation
 from services.verifier.step_cost import StepCostModel, StepShape
+from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains, tree_depth
 
 OVERHEAD_SMOOTHING = 0.05  # weight of the newest step in the moving average of step overhead
 
@@ -108,7 +116,7 @@ class SpeculationPlanner:
             ask = min(cap, width - 1)
             if row is not None:
                 row.probing = can_probe and cap > 0 and ask == 0 and row.probe.due
-                ask = 1 if row.probing else ask
+                ask = 1 if row.probing else cap if row.trees and ask > 0 else ask
                 row.asked = ask > 0
             asks.append(ask)
         return asks
@@ -123,12 +131,14 @@ class SpeculationPlanner:
                 row.drafts.observe(bool(draft.tokens))
         if not any(d.tokens for d in drafts):
             return list(drafts)
-        survivals = [self._survival(s, len(d.tokens)) for s, d in zip(decode, drafts, strict=True)]
+        gains = [self._tree_gains(s, d) for s, d in zip(decode, drafts, strict=True)]
+        survivals = [self._survival(s, len(d.tokens)) if g is None else sorted(g, reverse=True)
+                     for s, d, g in zip(decode, drafts, gains, strict=True)]
         width = best_width(survivals, _span(decode), self.cost, self.overhead_s)
         if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
             width = 2  # a probe pays for one column, which every drafted row then uses
             self.probes.spend(self._probe_column_s)
-        return [d if len(d.tokens) < width else d.cut(width - 1) for d in drafts]
+        return [_cut(d, g, width - 1) for d, g in zip(drafts, gains, strict=True)]
 
     def observe_row(self, state: RequestState, num_draft: int, num_accepted: int) -> None:
         """A row's step outcome: a verified draft updates its estimates; none counts toward a re-probe."""
@@ -155,14 +165,31 @@ class SpeculationPlanner:
 
     @staticmethod
     def _survival(state: RequestState, cap: int, expected_draft: bool = False) -> list[float]:
-        """P(each position is accepted) for up to `cap` positions; with `expected_draft`, before asking, also
-        weighted by how often this row's proposer has a draft at all."""
+        """P(each position is accepted) for up to `cap` positions (for a tree: each depth); with `expected_draft`,
+        before asking, also weighted by how often this row's proposer has a draft at all."""
         row = state.speculation
         if row is None or cap <= 0:
             return []
         survival = row.acceptance.survival(cap)
         return [p * row.drafts.rate for p in survival] if expected_draft else survival
 
+    @classmethod
+    def _tree_gains(cls, state: RequestState, draft: ProposedDraft) -> list[float] | None:
+        """A tree draft's node gains (tree_budget.py); None for a chain. Notes on the row which it was."""
+        row = state.speculation
+        if row is not None and draft.tokens:
+            row.trees = draft.parents is not None
+        if draft.parents is None:
+            return None
+        return node_gains(draft, cls._survival(state, tree_depth(draft)))
+
 
 def _span(decode: Sequence[RequestState]) -> int:
     return max(len(s.token_ids) for s in decode)
+
+
+def _cut(draft: ProposedDraft, gains: list[float] | None, k: int) -> ProposedDraft:
+    """At most k draft tokens: a chain's first k, a tree's k best nodes."""
+    if len(draft.tokens) <= k:
+        return draft
+    return draft.cut(k) if gains is None else keep_nodes(draft, best_nodes(gains, k))

@@ -183,3 +183,5 @@ def test_wire_round_trip_keeps_everything():
     assert reply.drafts[0].probs.shape == (2, 11) and torch.allclose(reply.drafts[0].probs, probs, atol=1e-3)
     assert reply.drafts[1].probs is None
     assert decode_probs(encode_probs(probs), 3) is None  # not a whole [3, V] matrix: ignored
+    tree = SequenceDraft("s", 5, (1, 2, 3), parents=(-1, -1, 0), path_probs=(0.5, 0.25, 0.125))
+    assert reply_from_proto(reply_to_proto(DraftReply(8, (tree,)))).drafts == (tree,)

@@ -20,6 +20,7 @@ from tests.proposers import OracleProposer, TreeProposer
 from tests.stats import ALPHA, chi_square_p_value, total_variation
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
 from tests.unit.test_engine_distribution import V, exact_joint, sample_pairs
+from tests.step_costs import FixedCost
 from tests.unit.test_engine_greedy import build_schedule, make_engine
 
 
@@ -46,6 +47,16 @@ def test_a_tree_from_a_proposer_that_does_not_declare_trees_is_cut_to_its_first_
     assert collector._sanitize(tree, 4, True) == ProposedDraft([1, 2, 3, 4], None, [-1, -1, 1, 0])
 
 
+def test_path_probabilities_are_kept_only_when_each_node_has_a_probability():
+    collector = DraftCollector({}, VOCAB, 1.0)
+    tree = Draft([1, 2, 3], parents=[-1, -1, 0], path_probs=[0.5, 0.25, 0.125, 0.9])
+    assert collector._sanitize(tree, 3, True).path_probs == [0.5, 0.25, 0.125]
+    for bad in ([0.5, 0.25], [0.5, float("nan"), 0.1], [0.5, 1.5, 0.1], [-0.1, 0.2, 0.1]):
+        cut = collector._sanitize(Draft([1, 2, 3], parents=[-1, -1, 0], path_probs=bad), 3, True)
+        assert cut.parents == [-1, -1, 0] and cut.path_probs is None, bad
+    assert collector._sanitize(Draft([1, 2], parents=[-1, 0], path_probs=[0.5, 0.2]), 2, True).path_probs is None
+
+
 async def test_greedy_output_with_trees_equals_no_speculation():
     rng = random.Random(5)
     for model in (tiny_llama(seed=3), tiny_qwen2(seed=4)):
@@ -67,6 +78,32 @@ async def test_greedy_output_with_trees_equals_no_speculation():
             if k > 1:  # the true branch, placed after the random ones, was found and accepted: k // 2 a step
                 drafts = sum(spec.num_drafts for spec in tree_rows)
                 assert sum(spec.num_accepted_tokens for spec in tree_rows) >= 0.8 * (k // 2) * drafts > 0
+
+
+async def test_adaptive_speculation_cuts_trees_and_keeps_the_output():
+    """Under a steep CPU cost shape the planner verifies a few nodes of each 8-node tree, ranked by the drafter's
+    path probabilities or not (which nodes: test_tree_budget.py); greedy output equals no speculation either way."""
+    model = tiny_llama(seed=3)
+    rng = random.Random(8)
+    n = 4
+    prompts = [repetitive_prompt(rng, rng.randint(10, 30)) for _ in range(n)]
+    max_tokens = [30] * n
+    baseline = await run_schedule(make_engine(model, {}), build_schedule([SpeculationParams()] * n, prompts,
+                                                                         max_tokens))
+    references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
+    for ranked in (True, False):
+        proposer = TreeProposer(VOCAB, seed=1, references=references, ranked=ranked)
+        engine = make_engine(model, {"tree": proposer}, adaptive=True)
+        engine.planner.cost = FixedCost(per_token=0.004)
+        nodes = []  # per decode row of each forward: the draft tokens fed
+        forward = engine.runner.forward
+        engine.runner.forward = lambda rows: nodes.extend(len(r.token_ids) - 1 for r in rows) or forward(rows)
+        out = await run_schedule(engine, build_schedule([SpeculationParams("tree", 8)] * n, prompts, max_tokens))
+        for i in range(n):
+            assert out[f"r{i}"].tokens == baseline[f"r{i}"].tokens, (ranked, i)
+        cut = sum(1 for k in nodes if 0 < k < 8)
+        assert cut > 0.3 * sum(1 for k in nodes if 0 < k <= 8), (ranked, nodes)
+        assert engine.stats.num_accepted_tokens > 0
 
 
 async def test_a_runner_without_trees_verifies_the_first_path():

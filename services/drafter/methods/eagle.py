@@ -137,8 +137,8 @@ class EagleProposer:
             starts = [TreeStart(row.cache, row.position, row.token, row.feature) for _, row in ready]
             trees = draft_trees(self.head, self.embed, self._lm_rows(), starts, self.tree_topk, self.tree_depth,
                                 [min(row.k, self.tree_nodes) for _, row in ready], self.vocab_size)
-            for (i, _), (tokens, parents) in zip(ready, trees, strict=True):
-                drafts[i] = Draft(tokens, parents=parents)
+            for (i, _), tree in zip(ready, trees, strict=True):
+                drafts[i] = Draft(tree.tokens, parents=tree.parents, path_probs=tree.path_probs)
         elif ready:
             chains = self._chains([row for _, row in ready])
             for (i, row), chain in zip(ready, chains, strict=True):

@@ -46,7 +46,7 @@ import numpy as np
 
 from services.common.drafter_methods import MethodUnavailableError
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
-from services.common.token_trees import cut_to_depth
+from services.common.token_trees import cut_to_depth, tree_depths
 
 if TYPE_CHECKING:
     from services.common.speculative_config import SpeculativeConfig
@@ -185,9 +185,12 @@ class SuffixProposer:
         # Arctic grows the tree best first (a node after its parent, likelier children first) and gives each
         # node's parent with -1 for the root's children: the protocol's own shape. k bounds the nodes (the verify
         # width), num_speculative_tokens the depth.
-        tokens, parents = cut_to_depth([int(t) for t in result.token_ids[:k]], [int(p) for p in result.parents[:k]],
-                                       self.settings.tree_depth)
-        return Draft(tuple(tokens), parents=tuple(parents))
+        parents = [int(p) for p in result.parents[:k]]
+        depth = self.settings.tree_depth
+        tokens, kept_parents = cut_to_depth([int(t) for t in result.token_ids[:k]], parents, depth)
+        # arctic's probs: each node's estimated probability (counts along its path), what the verifier ranks by
+        path_probs = [float(p) for p, d in zip(result.probs[:k], tree_depths(parents), strict=True) if d < depth]
+        return Draft(tuple(tokens), parents=tuple(kept_parents), path_probs=tuple(path_probs))
 
     def _sync(self, seq_id: Hashable, token_ids: Sequence[int]) -> _Sequence:
         """Bring the sequence's trees up to `token_ids` (the whole committed sequence). Only the new tokens
