@@ -93,12 +93,17 @@ class SpeculativeConfig(BaseModel):
         return self.output_dir if self.method == EXTRACT_HIDDEN_STATES else None
 
     @classmethod
-    def parse(cls, text: str | None) -> SpeculativeConfig:
-        """Parse the JSON of a --speculative-config flag; empty means no speculation."""
-        if not text:
+    def parse(cls, text: str | None, overrides: dict | None = None) -> SpeculativeConfig:
+        """Parse the JSON of a --speculative-config flag; empty means no speculation (unless `overrides` name a
+        method). `overrides` (single fields set by flags, e.g. the drafter's --method) replace the JSON's before
+        anything is checked: the options given are checked against the method that is finally used."""
+        if not text and not overrides:
             return cls(method="none", num_speculative_tokens=0)
         try:
-            return cls.model_validate(json.loads(text))
+            given = json.loads(text) if text else {}
+            if not isinstance(given, dict):
+                raise ValueError(f"--speculative-config must be a JSON object, got {text}")
+            return cls.model_validate({**given, **(overrides or {})})
         except json.JSONDecodeError as error:
             raise ValueError(f"--speculative-config is not valid JSON: {error}") from error
         except ValidationError as error:

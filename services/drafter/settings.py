@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.speculative_config import SpeculativeConfig
@@ -63,11 +63,9 @@ class DrafterSettings(TlsServerSettings):
 
     @property
     def speculation(self) -> SpeculativeConfig:
-        base = SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else SpeculativeConfig()
         overrides = {
             field: getattr(self, name) for name, field in CONFIG_OVERRIDES.items() if getattr(self, name) is not None
         }
-        try:
-            return SpeculativeConfig.model_validate({**base.model_dump(), **overrides})
-        except ValidationError as error:
-            raise ValueError(f"invalid drafter settings: {error}") from error
+        if not self.speculative_config and not overrides:
+            return SpeculativeConfig()  # the defaults (ngram), where the verifier's flag would mean "none"
+        return SpeculativeConfig.parse(self.speculative_config, overrides)

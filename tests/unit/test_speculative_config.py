@@ -64,3 +64,13 @@ def test_each_method_reads_its_own_options_with_their_defaults():
     assert (eagle.sends_trees, eagle.options.tree_topk, eagle.verify_width) == (True, 4, 10)
     chain = SpeculativeConfig.parse('{"method": "eagle", "num_speculative_tokens": 3}')
     assert (chain.sends_trees, chain.verify_width) == (False, 3)
+
+
+def test_flag_overrides_choose_the_method_before_its_options_are_checked():
+    """The drafter's --method over a JSON that holds only that method's options (as the Helm chart renders it)."""
+    config = SpeculativeConfig.parse('{"suffix_decoding_max_tree_depth": 32}', {"method": "suffix"})
+    assert (config.method, config.options.suffix_decoding_max_tree_depth) == ("suffix", 32)
+    with pytest.raises(ValueError, match="not an option of method 'ngram'"):
+        SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_max_tree_depth": 32}', {"method": "ngram"})
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        SpeculativeConfig.parse("[1, 2]")
