@@ -7,8 +7,8 @@ a `specserve drafter` process each (eagle with the shipped head, ngram), reached
 engine (the verifier's own engine through its public API), so the EAGLE rows pay for the hidden states on the
 link. Rows: no speculation, ngram at K = 4, eagle at each fixed K (adaptive speculation off: the mean acceptance
 length per K), eagle with adaptive K, and eagle sending EAGLE-2 token trees (a third drafter process:
-`num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk` expanded per depth; adaptive off), at 1
-request and at `concurrency` requests; `rounds` rounds, each
+`num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk` expanded per depth; adaptive off, and
+adaptive: the planner cuts each tree to the nodes worth their cost), at 1 request and at `concurrency` requests; `rounds` rounds, each
 running every system once, medians. The link's hidden-state bytes per step are counted from what was committed.
 
 Every speculative output must equal the output without speculation (exit code 1 otherwise).
@@ -83,7 +83,9 @@ def modes(settings: EagleBenchSettings) -> list[Mode]:
             *(Mode(f"eagle{k}", f"eagle K={k}", "eagle", k) for k in settings.ks),
             Mode("eagle-adaptive", f"eagle adaptive K<={max(settings.ks)}", "eagle", max(settings.ks), True),
             Mode("eagletree", f"eagle tree depth {settings.tree_depth}, {settings.tree_nodes} tokens, top-"
-                 f"{settings.tree_topk}", "eagle-tree", settings.tree_nodes)]
+                 f"{settings.tree_topk}", "eagle-tree", settings.tree_nodes),
+            Mode("eagletree-adaptive", f"eagle tree depth {settings.tree_depth}, <={settings.tree_nodes} tokens, top-"
+                 f"{settings.tree_topk}, adaptive", "eagle-tree", settings.tree_nodes, True)]
 
 
 def held_out_prompts(tokenizer, count: int) -> list[tuple[int, ...]]:
