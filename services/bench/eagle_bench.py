@@ -58,10 +58,12 @@ class EagleBenchSettings:
     concurrency: int = 4
     rounds: int = 2
     compute_thread: str = "auto"
-    # EAGLE-2 token trees: paths at most tree_depth long, tree_nodes tokens verified, tree_topk expanded per depth
+    # EAGLE-2 token trees: paths at most tree_depth long, tree_nodes tokens verified, tree_topk expanded per depth.
+    # Measured on 8 held-out chats, 64 tokens, depth 4 (tokens a step, chain K=4: 1.82): 10 nodes top-4 2.22,
+    # 16 top-4 2.36, 24 top-8 2.46, 32 top-8 2.47; depth 5, 24 top-8: 2.49
     tree_depth: int = 4
-    tree_nodes: int = 10
-    tree_topk: int = 4
+    tree_nodes: int = 24
+    tree_topk: int = 8
 
     @property
     def max_k(self) -> int:

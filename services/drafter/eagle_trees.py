@@ -89,7 +89,11 @@ class _Expansion:
 
 def draft_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts: Sequence[TreeStart], topk: int,
                 depth: int, limits: Sequence[int], vocab_size: int) -> list[SentTree]:
-    """Each sequence's tree: at most limits[b] tokens, paths at most `depth` long."""
+    """Each sequence's tree: at most limits[b] tokens, paths at most `depth` long. A tree of k tokens is at most k
+    deep and holds at most k children of any node, so neither more levels nor more expansions a level are drafted
+    than the largest limit needs (a 1-token probe costs one head step, not a whole tree's)."""
+    most = max(limits, default=0)
+    depth, topk = min(depth, most), min(topk, most)
     trees = [_Tree(start) for start in starts]
     pending = [_Expansion(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
     for level in range(depth):

@@ -4,6 +4,7 @@ probability, as the head alone computes it step by step; top-1 trees are the cha
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -87,3 +88,22 @@ def test_every_node_is_a_top_k_child_scored_by_its_path(seed):
 def test_the_width_asked_bounds_the_tree():
     *_, drafts = tree_drafts(4, 4, width=5, nodes=10, topk=3, depth=4)
     assert all(len(d.token_ids) == 5 and len(d.parents) == 5 for d in drafts)
+
+
+@torch.no_grad()
+def test_a_small_budget_drafts_the_same_tree_with_fewer_head_steps():
+    """A tree of k tokens needs at most k levels and k expansions a level: asked for 3 tokens, the drafter expands
+    less and sends exactly the 3 nodes that a full 4-level, top-4 expansion keeps; path probabilities come along."""
+    from services.drafter import eagle_trees
+
+    for k in (1, 2, 3):
+        with mock.patch.object(eagle_trees, "_expand", wraps=eagle_trees._expand) as expand:
+            *_, small = tree_drafts(5, 1, width=k, nodes=12, topk=4, depth=4)
+        assert expand.call_count == k and max(len(call.args[2]) for call in expand.call_args_list) <= 3 * k
+        *_, full = tree_drafts(5, 1, width=12, nodes=12, topk=4, depth=4)
+        for cut, whole in zip(small, full, strict=True):
+            ranked = sorted(range(len(whole.token_ids)), key=lambda i: (-whole.path_probs[i], tree_depths(
+                whole.parents)[i]))[:k]
+            assert sorted((whole.token_ids[i], round(whole.path_probs[i], 5)) for i in ranked) == sorted(
+                (t, round(p, 5)) for t, p in zip(cut.token_ids, cut.path_probs, strict=True)), k
+            assert all(0 < p <= 1 for p in whole.path_probs)
