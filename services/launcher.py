@@ -143,7 +143,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
 def _banner(args: argparse.Namespace, children: Sequence[Child]) -> str:
     base = f"http://{args.host}:{args.port}"
     drafter = (
-        f"  drafter gRPC {args.host}:{args.drafter_port}, metrics http://{args.host}:{args.drafter_metrics_port}/metrics\n"
+        f"  drafter gRPC {args.host}:{args.drafter_port}, {_metrics(args.host, args.drafter_metrics_port)}\n"
         if any(child.name == "drafter" for child in children)
         else ""
     )
@@ -151,10 +151,15 @@ def _banner(args: argparse.Namespace, children: Sequence[Child]) -> str:
         "\nspecserve is serving:\n"
         f"  POST {base}/v1/completions\n  POST {base}/v1/chat/completions\n  GET  {base}/v1/models\n"
         f"  GET  {base}/health\n  GET  {base}/metrics\n  POST {base}/tokenize, {base}/detokenize\n"
-        f"  verifier gRPC {args.host}:{args.verifier_port}, metrics http://{args.host}:{args.verifier_metrics_port}/metrics\n"
+        f"  verifier gRPC {args.host}:{args.verifier_port}, {_metrics(args.host, args.verifier_metrics_port)}\n"
         f"{drafter}"
         "Children that exit are restarted; Ctrl-C stops everything."
     )
+
+
+def _metrics(host: str, port: int | None) -> str:
+    """Where a child's Prometheus metrics are; a metrics port of 0 turns them off (not "any free port")."""
+    return f"metrics http://{host}:{port}/metrics" if port else "metrics off"
 
 
 def serve(children: Sequence[Child], policy: RestartPolicy, *, start_timeout_s: float, banner: str = "",

@@ -217,6 +217,9 @@ def test_service_ports_given_as_zero_become_free_ports_named_consistently():
     assert flag(verifier.argv, "--drafter").endswith(f":{drafter.port}")
     assert flag(gateway.argv, "--verifier").endswith(f":{verifier.port}")
     assert flag(drafter.argv, "--metrics-port") == "0"  # a metrics port 0 means no endpoint, not a free port
+    banner = launcher._banner(args, [drafter, verifier, gateway])
+    assert f"drafter gRPC 127.0.0.1:{drafter.port}, metrics off" in banner  # not "http://127.0.0.1:0/metrics"
+    assert "verifier gRPC" in banner and ":8001/metrics" in banner
     assert launcher.plan(launcher.with_free_ports(parse()))[0].port == 50061  # given ports stay
 
 
