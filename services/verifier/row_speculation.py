@@ -59,4 +59,3 @@ class RowSpeculation:
     drafts: DraftRate = field(default_factory=DraftRate)
     asked: bool = False  # this step asked the proposer for a draft
     probing: bool = False  # ... as a probe
-    trees: bool = False  # its last draft was a token tree (asked at all, it is asked for its whole node budget)

@@ -23,9 +23,9 @@ contribute gain, so the width is chosen again and drafts are cut to it.
 A token tree's positions are its nodes, best first (tree_budget.py): each widens the forward by one column and is
 worth its depth's survival shared among the nodes at that depth, so a tree is cut to its best nodes as a chain is
 cut to its first tokens, and under load the planner verifies a few of them, or none. Before drafting, a tree row is
-planned as a chain (by its survival per depth), and if it is asked at all it is asked for its whole node budget: a
-tree costs its drafter about its depth's levels whatever its width (EAGLE expands each level in one batched step;
-suffix trees are free), and which nodes are worth verifying is only known once the tree is in hand.
+planned as a chain (its survival per position) and asked for as many tokens as that plan affords: a tree of k
+tokens costs its drafter at most k levels of k expansions (EAGLE; suffix trees are free), so a small ask is a
+cheap one, and which of the tree's nodes are worth verifying is decided once it is in hand.
 
 A request whose drafts are never verified teaches nothing, so it could stay at K = 0 after its estimate fell,
 even when its text turns repetitive later. Such a row is re-probed: after `interval` steps without a verified
@@ -106,11 +106,7 @@ class SpeculationPlanner:
             return list(caps)
         survivals = [self._survival(s, cap, expected_draft=True) for s, cap in zip(decode, caps, strict=True)]
         span = _span(decode)
-        # tree rows are asked for their whole budget whatever the width, so drafting costs at least that
-        tree_ask = max((cap for s, cap in zip(decode, caps, strict=True) if s.speculation and s.speculation.trees),
-                       default=0)
-        width = best_width(survivals, span, self.cost, self.overhead_s,
-                           lambda k: self.draft_cost.predict(max(k, tree_ask) if k > 0 else 0))
+        width = best_width(survivals, span, self.cost, self.overhead_s, self.draft_cost.predict)
         narrow = self.cost.predict(StepShape(len(decode), 1, span + 1))
         self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
         can_probe = self.probes.earn(narrow + self.overhead_s, self._probe_column_s)
@@ -120,7 +116,7 @@ class SpeculationPlanner:
             ask = min(cap, width - 1)
             if row is not None:
                 row.probing = can_probe and cap > 0 and ask == 0 and row.probe.due
-                ask = 1 if row.probing else cap if row.trees and ask > 0 else ask
+                ask = 1 if row.probing else ask
                 row.asked = ask > 0
             asks.append(ask)
         return asks
@@ -179,10 +175,7 @@ class SpeculationPlanner:
 
     @classmethod
     def _tree_gains(cls, state: RequestState, draft: ProposedDraft) -> list[float] | None:
-        """A tree draft's node gains (tree_budget.py); None for a chain. Notes on the row which it was."""
-        row = state.speculation
-        if row is not None and draft.tokens:
-            row.trees = draft.parents is not None
+        """A tree draft's node gains (tree_budget.py); None for a chain."""
         if draft.parents is None:
             return None
         return node_gains(draft, cls._survival(state, tree_depth(draft)))
