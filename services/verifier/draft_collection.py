@@ -40,6 +40,13 @@ class ProposedDraft:
                              None if self.parents is None else self.parents[:k],
                              None if self.path_probs is None else self.path_probs[:k])
 
+    def first_path(self) -> ProposedDraft:
+        """A tree cut to its first root-to-leaf path (a chain): for a runner without `supports_trees`, a request
+        one grammar matcher follows, or a proposer that does not declare `sends_trees`."""
+        if self.parents is None:
+            return self
+        return ProposedDraft([self.tokens[i] for i in leaf_paths(self.parents)[0]], None)
+
 
 NO_DRAFT = ProposedDraft([], None)
 
@@ -195,8 +202,8 @@ class DraftCollector:
             if len(parents) < len(tokens) or any(not -1 <= p < i for i, p in enumerate(parents)):
                 return NO_DRAFT
             if not trees:
-                tokens, parents = [tokens[i] for i in leaf_paths(parents)[0]], None
-            elif parents == list(range(-1, len(tokens) - 1)):
+                return ProposedDraft(tokens, None, parents).first_path()
+            if parents == list(range(-1, len(tokens) - 1)):
                 parents = None  # a chain after all
         probs = draft.probs
         if parents is not None or (probs is not None and (probs.dim() != 2 or probs.shape[0] < len(tokens)

@@ -7,9 +7,9 @@ on any path, the tokens speculation-off would sample (noise keyed by position, t
 of them are confirmed at once), so the path that confirms the most is the tree's outcome and the output is the
 same whichever tree was sent. Everything that verification does per chain (penalties along the drafts, token
 rules, logprobs) applies unchanged; a request with output constraints feeds only its tree's first path
-(first_path), since one grammar matcher cannot walk several paths at once. Draft probabilities are not used for
-trees (multi-draft rejection sampling would use them to accept more often; the deterministic rule is exact
-without them).
+(ProposedDraft.first_path), since one grammar matcher cannot walk several paths at once. Draft probabilities are
+not used for trees (multi-draft rejection sampling would use them to accept more often; the deterministic rule is
+exact without them).
 """
 
 from __future__ import annotations
@@ -29,13 +29,6 @@ class VerifyLine:
     state: int  # index among the step's requests
     fed: list[int]
     tokens: list[int]
-
-
-def first_path(draft: ProposedDraft) -> ProposedDraft:
-    """A tree draft cut to its first root-to-leaf path (a chain), for a runner without `supports_trees`."""
-    if draft.parents is None:
-        return draft
-    return ProposedDraft([draft.tokens[i] for i in leaf_paths(draft.parents)[0]], None)
 
 
 def fed_parents(parents: Sequence[int]) -> list[int]:

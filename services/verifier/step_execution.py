@@ -14,7 +14,7 @@ import torch
 
 from services.modeling.runner import ModelRunner, RowInput
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
-from services.verifier.draft_trees import best_lines, fed_parents, first_path, verify_lines
+from services.verifier.draft_trees import best_lines, fed_parents, verify_lines
 from services.verifier.outputs import TokenLogprob
 from services.verifier.prompt_scoring import score_positions
 from services.verifier.rejection import verify
@@ -146,7 +146,7 @@ def execute(
         return []
     # A tree's first path only, where the runner cannot feed trees or one grammar matcher would walk its paths
     trees_ok = getattr(runner, "supports_trees", False)
-    drafts = [d if trees_ok and s.constraint is None else first_path(d) for s, d in zip(decode, drafts, strict=True)]
+    drafts = [d if trees_ok and s.constraint is None else d.first_path() for s, d in zip(decode, drafts, strict=True)]
     all_drafts = list(drafts) + [NO_DRAFT] * len(first_token_logits)
     lines = verify_lines(all_drafts)
     max_k = max(len(line.tokens) for line in lines)

@@ -10,7 +10,7 @@ from services.common.proposer import Draft
 from services.modeling.generic_runner import GenericRunner
 from services.verifier.draft_collection import NO_DRAFT, DraftCollector, ProposedDraft
 from services.common.token_trees import leaf_paths
-from services.verifier.draft_trees import first_path, verify_lines
+from services.verifier.draft_trees import verify_lines
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
@@ -27,7 +27,7 @@ from tests.unit.test_engine_greedy import build_schedule, make_engine
 def test_paths_and_lines():
     assert leaf_paths([-1, 0, 0, 1, -1]) == [[0, 1, 3], [0, 2], [4]]
     tree = ProposedDraft([7, 8, 9], None, [-1, -1, 1])
-    lines = verify_lines([tree, NO_DRAFT, first_path(tree)])
+    lines = verify_lines([tree, NO_DRAFT, tree.first_path()])
     assert [(line.state, line.fed, line.tokens) for line in lines] == [
         (0, [0, 1], [7]), (0, [0, 2, 3], [8, 9]), (1, [0], []), (2, [0, 1], [7])]
 
