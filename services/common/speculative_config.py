@@ -73,9 +73,14 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("; ".join(_describe(e) for e in error.errors())) from None
 
     @property
-    def sends_trees(self) -> bool:
+    def tree_tokens(self) -> int | None:
+        """The tokens a tree may hold (the method's num_draft_tokens); None: the method drafts chains."""
         options = self.options
-        return isinstance(options, TreeOptions) and options.num_draft_tokens is not None
+        return options.num_draft_tokens if isinstance(options, TreeOptions) else None
+
+    @property
+    def sends_trees(self) -> bool:
+        return self.tree_tokens is not None
 
     @property
     def enabled(self) -> bool:
@@ -85,8 +90,8 @@ class SpeculativeConfig(BaseModel):
     @property
     def verify_width(self) -> int:
         """Draft tokens each row may have verified per step: a tree's nodes, or a chain's length."""
-        options = self.options
-        return options.num_draft_tokens if self.sends_trees else self.num_speculative_tokens
+        tree_tokens = self.tree_tokens
+        return self.num_speculative_tokens if tree_tokens is None else tree_tokens
 
     @property
     def extract_dir(self) -> str | None:

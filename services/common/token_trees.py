@@ -47,15 +47,20 @@ def leaf_paths(parents: Sequence[int]) -> list[list[int]]:
     return paths
 
 
+def renumbered_parents(parents: Sequence[int], kept: Sequence[int]) -> list[int]:
+    """The parents of the subtree of nodes `kept` (closed under ancestors, listed parents first), as indices into
+    `kept`."""
+    where = {old: new for new, old in enumerate(kept)}
+    return [where[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+
+
+def nodes_to_depth(parents: Sequence[int], max_depth: int) -> list[int]:
+    """The nodes above depth max_depth (a path through them holds at most max_depth tokens), in their order."""
+    return [i for i, depth in enumerate(tree_depths(parents)) if depth < max_depth]
+
+
 def cut_to_depth(tokens: Sequence[int], parents: Sequence[int], max_depth: int) -> tuple[list[int], list[int]]:
-    """The tree without its nodes at depth max_depth or more (a path then holds at most max_depth tokens), the
-    kept nodes in their order and their parents renumbered."""
-    depths = tree_depths(parents)
-    new_index: dict[int, int] = {}
-    kept_tokens, kept_parents = [], []
-    for i, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
-        if depths[i] < max_depth:
-            new_index[i] = len(kept_tokens)
-            kept_tokens.append(token)
-            kept_parents.append(-1 if parent < 0 else new_index[parent])
-    return kept_tokens, kept_parents
+    """The tree without its nodes at depth max_depth or more, the kept nodes in their order and their parents
+    renumbered."""
+    kept = nodes_to_depth(parents, max_depth)
+    return [tokens[i] for i in kept], renumbered_parents(parents, kept)

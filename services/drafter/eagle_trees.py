@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.token_trees import renumbered_parents
+
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values of one head position: [kv heads, 1, D] each
 
 
@@ -129,9 +131,7 @@ def _best(nodes: list[_Node], limit: int) -> SentTree:
     """The `limit` likeliest nodes (ties: the shallower), by depth then likelier first, parents renumbered."""
     best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].log_prob, nodes[i].depth))[:limit]
     order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].log_prob))
-    where = {old: new for new, old in enumerate(order)}
-    return SentTree([nodes[i].token for i in order], [where[nodes[i].parent] if nodes[i].parent >= 0 else -1
-                                                       for i in order],
+    return SentTree([nodes[i].token for i in order], renumbered_parents([node.parent for node in nodes], order),
                     [math.exp(nodes[i].log_prob) for i in order])
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.token_trees import tree_depths
+from services.common.token_trees import renumbered_parents, tree_depths
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
 
 
@@ -50,10 +50,7 @@ def keep_nodes(draft: ProposedDraft, kept: Sequence[int]) -> ProposedDraft:
     stays a tree (the verifier feeds it either way)."""
     if not kept:
         return NO_DRAFT
-    parents = draft.parents or []
-    where = {old: new for new, old in enumerate(kept)}
-    return ProposedDraft([draft.tokens[i] for i in kept], None, [where[parents[i]] if parents[i] >= 0 else -1
-                                                                  for i in kept],
+    return ProposedDraft([draft.tokens[i] for i in kept], None, renumbered_parents(draft.parents or [], kept),
                          None if draft.path_probs is None else [draft.path_probs[i] for i in kept])
 
 

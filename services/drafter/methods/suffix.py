@@ -46,7 +46,7 @@ import numpy as np
 
 from services.common.drafter_methods import MethodUnavailableError
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
-from services.common.token_trees import cut_to_depth, tree_depths
+from services.common.token_trees import nodes_to_depth, renumbered_parents
 
 if TYPE_CHECKING:
     from services.common.speculative_config import SpeculativeConfig
@@ -186,11 +186,10 @@ class SuffixProposer:
         # node's parent with -1 for the root's children: the protocol's own shape. k bounds the nodes (the verify
         # width), num_speculative_tokens the depth.
         parents = [int(p) for p in result.parents[:k]]
-        depth = self.settings.tree_depth
-        tokens, kept_parents = cut_to_depth([int(t) for t in result.token_ids[:k]], parents, depth)
+        kept = nodes_to_depth(parents, self.settings.tree_depth)
         # arctic's probs: each node's estimated probability (counts along its path), what the verifier ranks by
-        path_probs = [float(p) for p, d in zip(result.probs[:k], tree_depths(parents), strict=True) if d < depth]
-        return Draft(tuple(tokens), parents=tuple(kept_parents), path_probs=tuple(path_probs))
+        return Draft(tuple(int(result.token_ids[i]) for i in kept), parents=tuple(renumbered_parents(parents, kept)),
+                     path_probs=tuple(float(result.probs[i]) for i in kept))
 
     def _sync(self, seq_id: Hashable, token_ids: Sequence[int]) -> _Sequence:
         """Bring the sequence's trees up to `token_ids` (the whole committed sequence). Only the new tokens
