@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from services.modeling.block_pool import PrefixCacheStats
+from services.modeling.hidden_layers import FINAL_ONLY, check_hidden_layers
 from services.modeling.runner import ForwardOutput, KVUsage, RowInput
 
 
@@ -26,6 +27,11 @@ class GenericRunner:
         self._caches: dict[Hashable, DynamicCache] = {}
         self._lengths: dict[Hashable, int] = {}
         self._prefix_stats = PrefixCacheStats()
+        self.hidden_layers = FINAL_ONLY  # the states forward returns (hidden_layers.py)
+
+    def serve_hidden_layers(self, layers: Sequence[int]) -> None:
+        """Return the states of these target layers, concatenated, as ForwardOutput.hidden_states."""
+        self.hidden_layers = check_hidden_layers(layers, int(self.model.config.num_hidden_layers))
 
     def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
         if seq_id in self._caches:
@@ -85,7 +91,7 @@ class GenericRunner:
             )
             self._lengths[row.seq_id] = start + n
             logits.append(out.logits[0, n - row.num_logits :].float())  # [m, V]
-            hidden.append(out.hidden_states[-1][0])  # [n, H]
+            hidden.append(torch.cat([out.hidden_states[i][0] for i in self.hidden_layers], dim=-1))  # [n, layers*H]
         num_selected = max(r.num_logits for r in rows)
         width = max(h.shape[0] for h in hidden)
         padded_logits = torch.zeros(len(rows), num_selected, self.vocab_size, device=self.device)

@@ -18,6 +18,7 @@ from services.common.token_trees import tree_ancestors, tree_depths
 from services.modeling.attention import additive_mask, grouped_attention
 from services.modeling.attention_paths import AttentionPaths
 from services.modeling.cpu_linear import LinearFn
+from services.modeling.hidden_layers import FINAL_LAYER, FINAL_ONLY, check_hidden_layers
 from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
@@ -116,6 +117,7 @@ class LlamaFamilyRunner:
             if owns_model:
                 self.freed_weight_bytes = free_packed_modules(layers, linears[:-1]) + free_packed_head(model, linears[-1])
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
+        self.hidden_layers = FINAL_ONLY  # the states forward returns (hidden_layers.py); serve_hidden_layers sets them
         self.attention_paths = AttentionPaths.for_device(self.device)
         kv_cache = kv_cache or KVCacheConfig()
         bytes_per_token = PagedKVCache.bytes_per_token(len(layers), self.num_kv_heads, self.head_dim, self.dtype)
@@ -200,16 +202,21 @@ class LlamaFamilyRunner:
     def reserve(self, seq_id: Hashable, length: int) -> None:
         self.cache.reserve(seq_id, length)
 
+    def serve_hidden_layers(self, layers: Sequence[int]) -> None:
+        """Return the states of these target layers, concatenated, as ForwardOutput.hidden_states (hidden_layers.py;
+        default: the final normed one). Set before any sequence is fed, with keep_hidden_states."""
+        self.hidden_layers = check_hidden_layers(layers, len(self.model.model.layers))
+
     def keep_hidden_states(self) -> None:
-        """Keep every position's final hidden state beside its K/V (paged_kv_cache.keep_hidden_states)."""
-        self.cache.keep_hidden_states(self.model.config.hidden_size, self.dtype)
+        """Keep every position's served hidden states beside its K/V (paged_kv_cache.keep_hidden_states)."""
+        self.cache.keep_hidden_states(len(self.hidden_layers) * self.model.config.hidden_size, self.dtype)
 
     @property
     def caches_hidden_states(self) -> bool:
         return self.cache.hidden is not None
 
     def cached_hidden_states(self, seq_id: Hashable, length: int) -> torch.Tensor:
-        """[length, H] final hidden states of the sequence's first `length` positions (kept ones)."""
+        """[length, layers * H] served hidden states of the sequence's first `length` positions (kept ones)."""
         return self.cache.hidden_states(seq_id, length)
 
     @property
@@ -285,7 +292,10 @@ class LlamaFamilyRunner:
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids)  # [B, L, H]
         cos, sin = inner.rotary_emb(hidden, positions)
+        captured: dict[int, torch.Tensor] = {}  # the residual stream entering layer i, where served
         for index, layer in enumerate(inner.layers):
+            if index in self.hidden_layers:
+                captured[index] = hidden
             attention = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)
@@ -313,8 +323,11 @@ class LlamaFamilyRunner:
             residual = hidden
             hidden = residual + self._mlp(index, layer.mlp, layer.post_attention_layernorm(hidden))
         hidden = inner.norm(hidden)  # [B, L, H]
+        captured[FINAL_LAYER] = hidden
+        served = hidden if self.hidden_layers == FINAL_ONLY else torch.cat(
+            [captured[i] for i in self.hidden_layers], dim=-1)  # [B, L, layers * H]
         if self.cache.hidden is not None:
-            self.cache.hidden[write_slots] = hidden[write_rows, write_cols]
+            self.cache.hidden[write_slots] = served[write_rows, write_cols]
 
         for row in rows:
             self.cache.append_tokens(row.seq_id, row.token_ids, publish=row.parents is None)
@@ -328,7 +341,7 @@ class LlamaFamilyRunner:
         ).reshape(batch, num_selected)  # [B, M]
         selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
         logits = self._lm_head(selected).float()  # [B, M, V]
-        return ForwardOutput(logits=logits, hidden_states=hidden)
+        return ForwardOutput(logits=logits, hidden_states=served)
 
 
 def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[LinearFn | None]) -> int:

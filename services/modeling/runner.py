@@ -36,7 +36,9 @@ class RowInput:
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor  # [B, max num_logits, V] float32; row b valid in [:num_logits_b], i.e. its last positions
-    hidden_states: torch.Tensor  # [B, L, H] final (normed) hidden states of the fed tokens; row b valid in [:len_b]
+    # [B, L, layers * H] the fed tokens' hidden states of the runner's served layers (hidden_layers.py; by default
+    # the final normed one); row b valid in [:len_b]
+    hidden_states: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import torch
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Proposer, capabilities_known, capabilities_of
 from services.modeling.runner import ModelRunner
+from services.modeling.hidden_layers import FINAL_ONLY
 from services.verifier import kv_scheduling
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.engine_config import EngineConfig
@@ -41,6 +42,7 @@ from services.verifier.random_streams import seed_to_int64
 from services.verifier.request_state import RequestState
 from services.verifier.request_stream import RequestStream
 from services.verifier.sampling_params import GenerationRequest
+from services.verifier.served_hidden_layers import served_hidden_layers
 from services.verifier.spec_stats import PeriodicStatsLogger, SpecDecodeStats
 from services.verifier.speculation_planner import SpeculationPlanner
 from services.verifier.step_cost import StepCostModel, profile_step_cost
@@ -88,6 +90,9 @@ class Engine:
         self.grammars = grammars
         self.runner = runner
         self.config = config or EngineConfig()
+        self.hidden_layers = served_hidden_layers((proposers or {}).values(), self.config.hidden_layers)
+        if self.hidden_layers != FINAL_ONLY:
+            runner.serve_hidden_layers(self.hidden_layers)
         if hasattr(runner, "keep_hidden_states") and (self.config.extract_hidden_states_dir is not None or any(
                 capabilities_of(p).needs_hidden_states for p in (proposers or {}).values())):
             runner.keep_hidden_states()  # so that requests that keep hidden states reuse cached prefixes too
@@ -414,7 +419,8 @@ class Engine:
         if folder is None or states is None:
             return
         try:
-            write_request_states(folder, state.request_id, state.token_ids, state.num_prompt_tokens, states)
+            write_request_states(folder, state.request_id, state.token_ids, state.num_prompt_tokens, states,
+                                 self.hidden_layers)
         except OSError:
             logger.exception("could not write the hidden states of request %s to %s", state.request_id, folder)
 

@@ -30,6 +30,9 @@ class EngineConfig:
     # extract_hidden_states: write every finished request's token ids and target hidden states here
     # (hidden_state_files.py); None: off.
     extract_hidden_states_dir: Path | None = None
+    # The target layers whose hidden states drafters (and extract_hidden_states) receive (hidden_layers.py); None:
+    # the layers the attached drafters declare, else the final one (served_hidden_layers.py)
+    hidden_layers: tuple[int, ...] | None = None
     # vLLM's --max-logprobs: the most alternatives a request may ask per position (logprobs, prompt_logprobs);
     # -1: the whole vocabulary
     max_logprobs: int = 20

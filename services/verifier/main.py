@@ -40,6 +40,16 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
                         "measures at every start)")
     parser.add_argument("--drafter-tls-root-cert", dest="drafter_tls_root_cert", default=s,
                         help="PEM root certificate: connect to drafters over TLS")
+    parser.add_argument("--hidden-layers", dest="hidden_layers", type=layer_list, default=s, metavar="LIST",
+                        help="target layers whose hidden states drafters read, e.g. 2,15,27 for an EAGLE-3 head (-1: "
+                        "the final normed one; default: what the drafters reached at start-up declare)")
+
+
+def layer_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers like 2,15,27, got {text!r}") from None
 
 
 def settings_from_args(args: argparse.Namespace) -> VerifierSettings:

@@ -40,6 +40,7 @@ from services.common.drafter_wire import (
 )
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities, vocabulary_mismatch
 from services.common.tls import open_channel
+from services.modeling.hidden_layers import check_hidden_layers
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class RemoteProposerConfig:
     vocab_size: int  # the verifier's (target model's) vocabulary size
     tokenizer_fingerprint: str = ""  # the verifier's; compared when both sides have one
     hidden_size: int = 0  # the target's hidden size, for drafters that read its states (0: unknown, not checked)
+    num_layers: int = 0  # the target's decoder layers, likewise (0: unknown, not checked)
     info_timeout_s: float = 2.0
     # Its own wait for a step's answer; None: none, the caller's deadline cancels the call (the verifier engine's,
     # which follows what the drafter's calls take: draft_deadline.py).
@@ -75,25 +77,31 @@ class RemoteProposerConfig:
     channel_options: tuple[tuple[str, int], ...] = ()  # beyond the shared link policy (open_channel)
 
 
-def check_compatible(info: DrafterDescription, config: RemoteProposerConfig) -> None:
+def check_compatible(info: DrafterDescription, config: RemoteProposerConfig,
+                     served_layers: tuple[int, ...] | None = None) -> None:
     declared = info.capabilities
     why = vocabulary_mismatch(declared.vocabulary, (config.vocab_size, config.tokenizer_fingerprint))
     if why is None and declared.needs_hidden_states:
-        why = hidden_states_mismatch(declared, config.hidden_size)
+        why = hidden_states_mismatch(declared, config.hidden_size, config.num_layers, served_layers)
     if why is not None:
         raise IncompatibleDrafterError(
             f"drafter at {config.target} ({info.method}) {why}; refusing it (use a drafter built for this model)"
         )
 
 
-SERVED_HIDDEN_LAYERS = (-1,)  # the target states the engine keeps: its final, normed layer
-
-
-def hidden_states_mismatch(info: ProposerCapabilities, hidden_size: int) -> str | None:
-    """Why this verifier cannot feed a drafter that reads the target's hidden states, or None."""
-    if tuple(info.hidden_layers) != SERVED_HIDDEN_LAYERS:
-        return (f"reads target layers {list(info.hidden_layers)}, but this verifier serves only the final layer "
-                f"({list(SERVED_HIDDEN_LAYERS)})")
+def hidden_states_mismatch(info: ProposerCapabilities, hidden_size: int, num_layers: int = 0,
+                           served_layers: tuple[int, ...] | None = None) -> str | None:
+    """Why this verifier cannot feed a drafter that reads the target's hidden states, or None. `served_layers`:
+    the layers the verifier's engine serves, once fixed at start-up (hidden_layers.py); None: not fixed yet."""
+    layers = tuple(info.hidden_layers)
+    if served_layers is not None and layers != served_layers:
+        return (f"reads target layers {list(layers)}, but this verifier serves layers {list(served_layers)} (they "
+                f"are fixed at start-up by the drafters reached then, or --hidden-layers: restart the verifier)")
+    if num_layers:
+        try:
+            check_hidden_layers(layers, num_layers)
+        except ValueError as error:
+            return str(error)
     if hidden_size and info.hidden_size and info.hidden_size != hidden_size:
         return f"was built for target states of width {info.hidden_size}, but the target's are {hidden_size} wide"
     return None
@@ -135,6 +143,7 @@ class RemoteProposer:
         self.method = method  # replaced by the drafter's own method once Info has answered
         # likewise: what the drafter declares (hidden states, pre-drafts, trees, its K); None: not known yet
         self.capabilities: ProposerCapabilities | None = None
+        self.served_hidden_layers: tuple[int, ...] | None = None  # set by the verifier at start-up (serve_...)
         self._channel: grpc.aio.Channel | None = None
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
@@ -154,11 +163,16 @@ class RemoteProposer:
         stub = drafter_pb2_grpc.DrafterStub(self._get_channel())
         message = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.config.info_timeout_s)
         described = description_from_proto(message)
-        check_compatible(described, self.config)
+        check_compatible(described, self.config, self.served_hidden_layers)
         self.method = described.method
         self.capabilities = described.capabilities  # e.g. the engine then keeps its requests' hidden states
         self._retry_at = 0.0  # it answers and fits: no reason to keep backing off
         return described
+
+    def serve_hidden_layers(self, layers: tuple[int, ...]) -> None:
+        """The target layers the verifier serves from now on: a drafter (this one restarted, or reached only now)
+        that declares others is refused."""
+        self.served_hidden_layers = tuple(layers)
 
     async def close(self) -> None:
         self._drop_link()

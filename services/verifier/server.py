@@ -108,7 +108,8 @@ def default_speculation(settings: VerifierSettings, drafter_names: Sequence[str]
 
 
 async def _attach_drafters(
-    settings: VerifierSettings, vocab_size: int, fingerprint: str, model_id: str, metrics, hidden_size: int = 0
+    settings: VerifierSettings, vocab_size: int, fingerprint: str, model_id: str, metrics, hidden_size: int = 0,
+    num_layers: int = 0,
 ) -> list[TrackedProposer]:
     """One RemoteProposer per --drafter. An unreachable drafter is only a warning (it may start later; its
     requests run with K = 0 until then); one that refuses this model's vocabulary stops startup."""
@@ -117,7 +118,7 @@ async def _attach_drafters(
     for name, address in settings.drafter_targets.items():
         config = RemoteProposerConfig(
             # no deadline of its own: the engine's (draft_deadline.py) cancels a late call
-            address, vocab_size, fingerprint, hidden_size=hidden_size, step_timeout_s=None,
+            address, vocab_size, fingerprint, hidden_size=hidden_size, num_layers=num_layers, step_timeout_s=None,
             channel_credentials=credentials,
         )
         tracked = TrackedProposer(name, RemoteProposer(config), metrics.observe_round_trip(model_id, name))
@@ -154,7 +155,8 @@ async def start_verifier(
     metrics = create_metrics()
     runner = runner or create_runner(model, settings.max_num_seqs, max_model_len, settings.kv_cache)
     drafters = await _attach_drafters(settings, runner.vocab_size, tokenizer_fingerprint, model_id, metrics,
-                                      int(getattr(model.config, "hidden_size", 0) or 0))
+                                      int(getattr(model.config, "hidden_size", 0) or 0),
+                                      int(getattr(model.config, "num_hidden_layers", 0) or 0))
     default = default_speculation(settings, [d.name for d in drafters])
     engine = Engine(
         TimedRunner(runner, metrics.forward_seconds, model_id),
@@ -168,12 +170,15 @@ async def start_verifier(
             extract_hidden_states_dir=extract_dir(settings),
             step_cost_cache=step_cost_cache,
             max_logprobs=settings.max_logprobs,
+            hidden_layers=tuple(settings.hidden_layers) if settings.hidden_layers is not None else None,
         ),
         {d.name: d for d in drafters},
         eos_token_ids,
         compute,
         grammars,
     )
+    for drafter in drafters:  # from now on a drafter that reads other target layers is refused
+        drafter.proposer.serve_hidden_layers(engine.hidden_layers)
     metrics.attach(EngineCollector(engine, model_id, lambda: [d.name for d in drafters]))
     facts = ModelFacts(
         model_id, max_model_len, runner.vocab_size, tuple(engine.eos_token_ids), runner.max_num_seqs,

@@ -62,6 +62,9 @@ class VerifierSettings(TlsServerSettings):
     metrics_port: int | None = Field(8001, ge=0, le=65535)  # 0 or None: no metrics endpoint
     speculative_config: str | None = None  # JSON, as vLLM's --speculative-config
     drafters: list[str] = Field(default_factory=list)  # "name=host:port"
+    # the target layers whose hidden states drafters receive (services/modeling/hidden_layers.py); None: what the
+    # drafters reached at start-up declare (served_hidden_layers.py)
+    hidden_layers: list[int] | None = None
     drain_s: float = Field(0.0, ge=0)  # on SIGTERM: NOT_SERVING this long before refusing new calls
     grace_s: float = Field(5.0, ge=0)  # then: time for calls in flight to finish
     drafter_tls_root_cert: str | None = None  # PEM root certificate: the links to drafters use TLS

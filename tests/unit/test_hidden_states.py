@@ -1,7 +1,8 @@
 """The target's hidden states a drafter that needs them (EAGLE) receives: for every committed token the target
-has run on, exactly transformers' own final hidden state (`output_hidden_states`, after the final norm), row i
-for token i, across chunked prefill, partial acceptance, bonus tokens and rows of different lengths; the last
-committed token (the bonus) has none yet. Drafters that do not ask get none."""
+has run on, exactly transformers' own hidden states (`output_hidden_states`) of the layers it declared (by
+default the final one, after the final norm; an EAGLE-3 head reads several, side by side), row i for token i,
+across chunked prefill, partial acceptance, bonus tokens and rows of different lengths; the last committed token
+(the bonus) has none yet. Drafters that do not ask get none."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
+from services.modeling.generic_runner import GenericRunner
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
@@ -26,8 +28,9 @@ class RecordingProposer:
 
     method = "recorder"
 
-    def __init__(self, needs: bool, continuation: dict[Hashable, list[int]], seed: int = 0) -> None:
-        self.capabilities = ProposerCapabilities(needs_hidden_states=needs)
+    def __init__(self, needs: bool, continuation: dict[Hashable, list[int]], seed: int = 0,
+                 layers: tuple[int, ...] = (-1,)) -> None:
+        self.capabilities = ProposerCapabilities(needs_hidden_states=needs, hidden_layers=layers)
         self.continuation = continuation
         self.seen: list[tuple[Hashable, list[int], torch.Tensor | None]] = []  # token_ids is live: copied
         self.rng = random.Random(seed)
@@ -45,8 +48,10 @@ class RecordingProposer:
         pass
 
 
-@pytest.mark.parametrize("needs", [True, False])
-async def test_drafters_receive_the_targets_own_hidden_states(needs):
+@pytest.mark.parametrize("needs,layers", [(True, (-1,)), (False, (-1,)), (True, (1, 0, -1)), (True, (1,))],
+                         ids=["final", "none", "three-layers", "one-inner-layer"])
+@pytest.mark.parametrize("runner_kind", ["llama", "generic"])
+async def test_drafters_receive_the_targets_own_hidden_states(needs, layers, runner_kind):
     model = tiny_llama(seed=5)
     prompts = {"a": list(range(3, 40)), "b": [7, 8, 9, 10, 11], "c": list(range(50, 20, -1))}
     continuation = {}
@@ -54,9 +59,9 @@ async def test_drafters_receive_the_targets_own_hidden_states(needs):
         for rid, prompt in prompts.items():
             continuation[rid] = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                                min_new_tokens=24)[0].tolist()
-    proposer = RecordingProposer(needs, continuation)
-    engine = Engine(LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128),
-                    EngineConfig(max_num_batched_tokens=16, log_stats_interval_s=0, adaptive_speculation=False),
+    proposer = RecordingProposer(needs, continuation, layers=layers)
+    runner = (LlamaFamilyRunner if runner_kind == "llama" else GenericRunner)(model, max_num_seqs=4, max_model_len=128)
+    engine = Engine(runner, EngineConfig(max_num_batched_tokens=16, log_stats_interval_s=0, adaptive_speculation=False),
                     {"recorder": proposer})
     requests = [GenerationRequest(rid, tuple(p), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
                                   SpeculationParams("recorder", 4)) for rid, p in prompts.items()]
@@ -68,10 +73,11 @@ async def test_drafters_receive_the_targets_own_hidden_states(needs):
         assert all(states is None for _, _, states in proposer.seen)
         return
     with torch.no_grad():
-        truth = {rid: model(input_ids=torch.tensor([c]), output_hidden_states=True).hidden_states[-1][0]
+        every = {rid: model(input_ids=torch.tensor([c]), output_hidden_states=True).hidden_states
                  for rid, c in continuation.items()}
+    truth = {rid: torch.cat([states[i][0] for i in layers], dim=-1) for rid, states in every.items()}
     for seq_id, token_ids, states in proposer.seen:
-        assert states is not None and states.shape[0] == len(token_ids) - 1
+        assert states is not None and states.shape == (len(token_ids) - 1, 64 * len(layers))
         assert torch.allclose(states, truth[seq_id][: states.shape[0]], atol=1e-4)
     stats = engine.stats
     accepted = stats.num_accepted_tokens
