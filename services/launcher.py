@@ -96,8 +96,13 @@ def _given_engine_flags(args: argparse.Namespace) -> list[str]:
 
 def with_shipped_head(spec: SpeculativeConfig, target: str | None) -> SpeculativeConfig:
     """eagle without a model drafts with the head that ships for the served target; a target with none is a
-    usage error now, before any process starts."""
-    if spec.method != "eagle" or spec.model:
+    usage error now, before any process starts. An EAGLE head shares the served target's embedding and LM head:
+    --model names it for a published head whose config does not (target_model)."""
+    if spec.method not in ("eagle", "eagle3"):
+        return spec
+    if target and spec.model and getattr(spec, "target_model", None) is None:
+        spec = spec.model_copy(update={"target_model": target})
+    if spec.model or spec.method != "eagle":
         return spec
     from services.modeling.eagle_heads import shipped_head
 

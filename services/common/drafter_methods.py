@@ -45,6 +45,8 @@ class BuiltinMethod:
 BUILTIN_METHODS = MappingProxyType({
     "draft_model": BuiltinMethod("services.drafter.methods.draft_model"),
     "eagle": BuiltinMethod("services.drafter.methods.eagle", EagleOptions),
+    # vLLM's name for EAGLE-3 heads; the module reads either kind of head, whichever the folder holds
+    "eagle3": BuiltinMethod("services.drafter.methods.eagle", EagleOptions),
     "ngram": BuiltinMethod("services.drafter.methods.ngram", NgramOptions),
     "suffix": BuiltinMethod("services.drafter.methods.suffix", SuffixOptions),
 })

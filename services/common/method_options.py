@@ -60,6 +60,9 @@ class EagleOptions(TreeOptions):
     # SGLang's speculative_eagle_topk: children each expanded node gets, and nodes expanded per depth
     # (services/drafter/eagle_trees.py); None: DEFAULT_EAGLE_TOPK where num_draft_tokens asks for trees
     eagle_topk: int | None = Field(None, ge=1, le=16)
+    # the target model (a --model spec) whose embedding and LM head the head shares, for a published head whose
+    # config does not name one (services/modeling/eagle_head_files.py); None: the head's own `target`
+    target_model: str | None = None
 
     @model_validator(mode="after")
     def _trees_only(self) -> EagleOptions:

@@ -100,7 +100,7 @@ def draft_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts
     pending = [_Expansion(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
     for level in range(depth):
         outputs, own = _expand(head, embed, pending)
-        log_probs = torch.log_softmax(outputs[:, -1] @ draft_weight.T, dim=-1)  # [R, Vd]
+        log_probs = torch.log_softmax(head.draft_logits(outputs[:, -1], draft_weight), dim=-1)  # [R, Vd]
         top = log_probs.topk(min(topk, log_probs.shape[-1]), dim=-1)
         ids, values = head.token_ids(top.indices).tolist(), top.values.tolist()
         for r, row in enumerate(pending):

@@ -42,6 +42,14 @@ class EagleConfig:
     vocab_size: int
     target: str = ""  # the target model it was trained for (a --model spec)
     draft_vocab_size: int = 0  # > 0: drafts come from `EagleHead.draft_vocab` only; 0: the whole vocabulary
+    # RMSNorm on the fc output before attention (specserve's heads); the published EAGLE-1 heads have none
+    input_norm: bool = True
+    fc_bias: bool = True  # the published EAGLE-1 heads' fc may have no bias
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers it reads (services/modeling/hidden_layers.py): the final, normed one."""
+        return (-1,)
 
     @staticmethod
     def for_target(config, target: str = "") -> EagleConfig:
@@ -85,8 +93,8 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         h, d = config.hidden_size, config.head_dim
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        self.input_norm = RMSNorm(h, config.rms_norm_eps)
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
+        self.input_norm = RMSNorm(h, config.rms_norm_eps) if config.input_norm else nn.Identity()
         self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=False)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=False)
@@ -109,26 +117,38 @@ class EagleHead(nn.Module):
         """Target token ids of indices into the rows `draft_weight` returned."""
         return indices if self.draft_vocab is None else self.draft_vocab[indices]
 
+    def target_features(self, states: torch.Tensor) -> torch.Tensor:
+        """The head's feature of the target's hidden states as the verifier sends them: EAGLE-1 reads the final
+        state as it is (an EAGLE-3 head fuses several layers here)."""
+        return states
+
+    def draft_logits(self, outputs: torch.Tensor, draft_weight: torch.Tensor) -> torch.Tensor:
+        """Scores over the draft vocabulary of the head's outputs [..., H], `draft_weight` being what
+        `draft_weight` returned (taken once by a drafter: indexing the LM head every step would cost more)."""
+        return outputs @ draft_weight.T
+
     # -- pieces ----------------------------------------------------------------------------------------------
-    def _inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([embeddings, features], dim=-1))  # [B, T, H]
+    def _inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention reads at each position, and the residual it adds to: EAGLE-1 fuses [embedding;
+        feature] into one vector that is both."""
+        x = self.fc(torch.cat([embeddings, features], dim=-1))  # [B, T, H]
+        return self.input_norm(x), x
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, heads, T, D] queries, keys and values of the (normed) inputs at `positions`."""
+        """[B, heads, T, D] queries, keys and values of the attention inputs at `positions`."""
         c = self.config
         b, t, _ = x.shape
-        normed = self.input_norm(x)
-        q = self.q_proj(normed).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(normed).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(normed).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         return rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta), v
 
     def _expand(self, kv: torch.Tensor) -> torch.Tensor:
         return kv.repeat_interleave(self.config.num_attention_heads // self.config.num_key_value_heads, dim=1)
 
-    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def _finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = attended.shape
-        hidden = x + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
+        hidden = residual + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
         normed = self.post_norm(hidden)
         return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
 
@@ -150,7 +170,7 @@ class EagleHead(nn.Module):
         for j in range(1, steps + 1):
             if j > 1:
                 features = torch.cat([features[:, :1], outputs[-1][:, :-1]], dim=1)
-            x = self._inputs(embeddings, features)
+            x, residual = self._inputs(embeddings, features)
             q, k, v = self._qkv(x, positions)
             k_steps.append(self._expand(k))
             v_steps.append(self._expand(v))
@@ -163,7 +183,7 @@ class EagleHead(nn.Module):
                 values.append(v_steps[i - 1])
             weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # [B, Hq, T, i*T]
             attended = weights @ torch.cat(values, dim=2)
-            outputs.append(self._finish(x, attended))
+            outputs.append(self._finish(residual, attended))
         return outputs
 
     # -- incremental (a drafter) -------------------------------------------------------------------------------
@@ -171,7 +191,7 @@ class EagleHead(nn.Module):
              cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Feed positions start..start+T-1 of one sequence batch ([B, T, H] each) after `cache` (keys and values of
         positions 0..start-1, or None); returns the outputs and the grown cache."""
-        x = self._inputs(embeddings, features)
+        x, residual = self._inputs(embeddings, features)
         positions = torch.arange(start, start + x.shape[1], device=x.device)
         q, k, v = self._qkv(x, positions)
         if cache is not None:
@@ -181,7 +201,7 @@ class EagleHead(nn.Module):
         allowed = keys[None, :] <= positions[:, None]  # [T, total]
         s = (q @ self._expand(k).transpose(-1, -2)) / math.sqrt(self.config.head_dim)
         attended = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ self._expand(v)
-        return self._finish(x, attended), (k, v)
+        return self._finish(residual, attended), (k, v)
 
     def step_rows(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                   cache: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor
@@ -190,13 +210,13 @@ class EagleHead(nn.Module):
         embeddings and features [B, 1, H] at `positions` [B], after `cache`, keys and values [B, kv heads, L, D]
         padded to one length, whose real columns `key_mask` [B, L] marks; returns the outputs [B, 1, H], the grown
         cache and mask."""
-        x = self._inputs(embeddings, features)
+        x, residual = self._inputs(embeddings, features)
         q, k, v = self._qkv(x, positions[:, None])
         k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         key_mask = torch.cat([key_mask, key_mask.new_ones(key_mask.shape[0], 1)], dim=1)
         s = (q @ self._expand(k).transpose(-1, -2)) / math.sqrt(self.config.head_dim)  # [B, Hq, 1, L+1]
         attended = torch.softmax(s.masked_fill(~key_mask[:, None, None, :], float("-inf")), dim=-1) @ self._expand(v)
-        return self._finish(x, attended), (k, v), key_mask
+        return self._finish(residual, attended), (k, v), key_mask
 
     # -- files -------------------------------------------------------------------------------------------------
     def save(self, folder: Path, extra: dict | None = None) -> None:

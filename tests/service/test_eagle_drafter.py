@@ -1,6 +1,7 @@
-"""The EAGLE drafter as a real gRPC service (a tiny random target and a tiny random head): it receives the
-target's hidden states, drafts, and the output is lossless — greedy output identical to speculation off, and
-sampled output distributed as the target's (chi-square on the first tokens, as the engine distribution test)."""
+"""The EAGLE drafter as a real gRPC service (a tiny random target and a tiny random head, EAGLE-1 or EAGLE-3): it
+receives the target's hidden states (of the layers its head reads), drafts, and the output is lossless — greedy
+output identical to speculation off, and sampled output distributed as the target's (chi-square on the first
+tokens, as the engine distribution test)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConf
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
 from tests.stats import ALPHA, chi_square_p_value, reference_processed, total_variation
+from tests.tiny_heads import random_eagle3_head
 from tests.tiny_models import tiny_llama
 
 V = 12
@@ -29,9 +31,16 @@ PROMPT = (1, 5, 2, 7, 1, 5)
 TREE = {"tree_nodes": 6, "tree_topk": 3, "tree_depth": 3}  # EAGLE-2 trees of 6 tokens, 3 deep
 
 
-def eagle_for(target, draft_vocab: tuple[int, ...] = (), trees: bool = False) -> EagleProposer:
+EAGLE3_LAYERS = (0, 1, -1)  # the tiny target has two layers: its embeddings, the second's input and the final state
+
+
+def eagle_for(target, draft_vocab: tuple[int, ...] = (), trees: bool = False, eagle3: bool = False) -> EagleProposer:
     """A random head; with `draft_vocab`, one that drafts from those tokens only (a reduced vocabulary); with
-    `trees`, sending token trees (TREE)."""
+    `trees`, sending token trees (TREE); `eagle3`: an EAGLE-3 head reading EAGLE3_LAYERS."""
+    if eagle3:
+        head = random_eagle3_head(target.config, EAGLE3_LAYERS, draft_vocab)
+        return EagleProposer(head, target.get_input_embeddings(), target.get_output_embeddings(), V,
+                             **(TREE if trees else {}))
     torch.manual_seed(0)
     config = EagleConfig.for_target(target.config)
     if draft_vocab:
@@ -47,6 +56,7 @@ async def with_eagle(proposer: EagleProposer, run):
     server, port = await serve(proposer, "127.0.0.1", 0, num_speculative_tokens=proposer.tree_nodes or 3)
     remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", V, step_timeout_s=None))
     assert remote.method == "eagle" and remote.capabilities.needs_hidden_states and remote.capabilities.pre_drafts
+    assert remote.capabilities.hidden_layers == proposer.head.config.hidden_layers
     try:
         return await run(remote)
     finally:
@@ -66,10 +76,12 @@ def target():
     return tiny_llama(seed=21, vocab_size=V)
 
 
-@pytest.mark.parametrize(("draft_vocab", "pipelining", "trees"),
-                         [((), None, False), ((1, 3, 4, 5, 6, 7, 9), None, False), ((), True, False), ((), None, True)],
-                         ids=["whole vocabulary", "reduced vocabulary", "pipelined", "trees"])
-async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab, pipelining, trees):
+@pytest.mark.parametrize(("draft_vocab", "pipelining", "trees", "eagle3"),
+                         [((), None, False, False), ((1, 3, 4, 5, 6, 7, 9), None, False, False), ((), True, False, False),
+                          ((), None, True, False), ((1, 3, 4, 5, 6, 7, 9), None, False, True), ((), True, True, True)],
+                         ids=["whole vocabulary", "reduced vocabulary", "pipelined", "trees", "eagle3",
+                              "eagle3 pipelined trees"])
+async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab, pipelining, trees, eagle3):
     prompts = [PROMPT, (3, 3, 4, 4, 5, 5, 6), tuple(range(1, 12))]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = await run_schedule(engine(target, {}), {0: [GenerationRequest(f"r{i}", p, params)
@@ -82,7 +94,7 @@ async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_v
                                              for i, p in enumerate(prompts)]})
         return results, e.stats
 
-    proposer = eagle_for(target, draft_vocab, trees)
+    proposer = eagle_for(target, draft_vocab, trees, eagle3)
     results, stats = await with_eagle(proposer, run)
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == plain[f"r{i}"].tokens
@@ -105,9 +117,10 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-@pytest.mark.parametrize(("pipelining", "trees"), [(False, False), (True, False), (False, True)],
-                         ids=["plain", "pipelined", "trees"])
-async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining, trees):
+@pytest.mark.parametrize(("pipelining", "trees", "eagle3"),
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+                         ids=["plain", "pipelined", "trees", "eagle3"])
+async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining, trees, eagle3):
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     samples = 2000
 
@@ -118,7 +131,7 @@ async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, 
                     for i in range(samples)]
         return await run_schedule(e, {0: requests}), e.stats
 
-    proposer = eagle_for(target, trees=trees)
+    proposer = eagle_for(target, trees=trees, eagle3=eagle3)
     results, stats = await with_eagle(proposer, run)
     counts = proposer.pipeline_counts
     assert (counts.used + counts.discarded > 0) == pipelining  # pre-drafts were made (the request asked), or none

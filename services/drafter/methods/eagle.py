@@ -47,6 +47,7 @@ from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDraft
 from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches
 from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle_head import EagleHead
+from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -86,11 +87,19 @@ class EagleProposer:
 
     @property
     def capabilities(self) -> ProposerCapabilities:
-        """It reads the target's final hidden states of the width its head was trained on, drafts from the
-        target's vocabulary, pre-drafts (a request may set draft_pipelining), and sends trees where configured."""
+        """It reads the target's hidden states of the layers and width its head was trained on (the final one for
+        EAGLE-1, three for EAGLE-3), drafts from the target's vocabulary, pre-drafts (a request may set
+        draft_pipelining), and sends trees where configured."""
+        config = self.head.config
         return ProposerCapabilities(
             vocab_size=self.vocab_size, tokenizer_fingerprint=self.tokenizer_fingerprint, needs_hidden_states=True,
-            hidden_size=self.head.config.hidden_size, pre_drafts=True, sends_trees=self.tree_nodes is not None)
+            hidden_size=getattr(config, "target_hidden_size", config.hidden_size), hidden_layers=config.hidden_layers,
+            pre_drafts=True, sends_trees=self.tree_nodes is not None)
+
+    @property
+    def state_width(self) -> int:
+        """The width of the target states it reads per token: its layers side by side."""
+        return self.capabilities.hidden_size * len(self.head.config.hidden_layers)
 
     @property
     def pipeline_counts(self):
@@ -182,6 +191,8 @@ class EagleProposer:
         n = len(tokens) - 1  # the last committed token x_n; states exist for x_0..x_{n-1}
         if states is None or n < 1 or states.shape[0] < n or item.num_speculative_tokens < 1:
             return None
+        if states.dim() != 2 or states.shape[1] != self.state_width:  # not the layers it reads: no draft
+            return None
         seq = self._sequences.setdefault(item.seq_id, HeadSequence())
         if seq.fed > n - 1:  # the verifier re-sent a shorter sequence: start over
             seq.fed, seq.cache, seq.published = 0, None, (0, 0)
@@ -190,10 +201,12 @@ class EagleProposer:
         states = states.to(self.embed.weight.dtype)
         if seq.fed < n - 1:  # commit positions fed..n-2: [x_{t+1}; f_t]
             ids = torch.tensor([list(tokens[seq.fed + 1 : n])])
-            _, seq.cache = self.head.step(self.embed(ids), states[None, seq.fed : n - 1], seq.fed, seq.cache)
+            features = self.head.target_features(states[None, seq.fed : n - 1])
+            _, seq.cache = self.head.step(self.embed(ids), features, seq.fed, seq.cache)
             seq.fed = n - 1
             seq.published = self.prefix_cache.publish(tokens, seq.cache, seq.fed, seq.published)
-        return ChainStart(seq.cache, n - 1, int(tokens[n]), states[n - 1 : n], item.num_speculative_tokens)
+        return ChainStart(seq.cache, n - 1, int(tokens[n]), self.head.target_features(states[n - 1 : n]),
+                          item.num_speculative_tokens)
 
     def _chains(self, rows: list[ChainStart], forced: list[tuple[int, ...]] | None = None,
                 stop: Callable[[], bool] | None = None) -> list[list[int]] | None:
@@ -211,7 +224,7 @@ class EagleProposer:
             if j and stop is not None and stop():
                 return None
             out, cache, mask = self.head.step_rows(self.embed(tokens[:, None]), features, positions + j, cache, mask)
-            tokens = self.head.token_ids((out[:, -1] @ draft_weight.T).argmax(-1))  # [B]
+            tokens = self.head.token_ids(self.head.draft_logits(out[:, -1], draft_weight).argmax(-1))  # [B]
             picked = tokens.tolist()
             if forced is not None and any(j < len(f) for f in forced):
                 picked = [f[j] if j < len(f) else t for f, t in zip(forced, picked, strict=True)]
@@ -234,6 +247,11 @@ class ChainStart:
     k: int
 
 
+def head_embedding(head: EagleHead) -> torch.nn.Module | None:
+    """An EAGLE-3 checkpoint's own token embedding, where it ships one; otherwise the target's is used."""
+    return getattr(head, "embed_tokens", None)
+
+
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     from services.modeling.loading import load_model
 
@@ -241,15 +259,17 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
 
     options = config.options  # EagleOptions (services/common/method_options.py)
     head_dir = Path(config.model).expanduser() if config.model else shipped_head()
-    if not (head_dir / "eagle_config.json").is_file():
-        raise ValueError(f"method 'eagle' needs --model HEAD_DIR holding eagle_config.json; {head_dir} has none")
-    head = EagleHead.load(head_dir)
-    target_spec = head.config.target
+    head = load_eagle_head(head_dir)  # any layout users have (eagle_head_files.py); a clear error otherwise
+    target_spec = options.target_model or head.config.target
     if not target_spec:
-        raise ValueError(f"{head_dir}/eagle_config.json names no target model to share the embedding with")
+        raise ValueError(f"the EAGLE head at {head_dir} names no target model to share the embedding with: set "
+                         "target_model in the speculative config to the verifier's --model")
     loaded = load_model(target_spec, device="cpu", dtype="float32")
-    embed, lm_head = loaded.model.get_input_embeddings(), loaded.model.get_output_embeddings()
-    logger.info("EAGLE head %s for %s (hidden %d)", head_dir, target_spec, head.config.hidden_size)
+    fit_head_to_target(head, loaded.model.config, head_dir)
+    embed = head_embedding(head) or loaded.model.get_input_embeddings()
+    lm_head = loaded.model.get_output_embeddings()
+    logger.info("%s head %s for %s (hidden %d, target layers %s)", type(head).__name__, head_dir, target_spec,
+                head.config.hidden_size, list(head.config.hidden_layers))
     return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
                          tokenizer_fingerprint(loaded.tokenizer), pipelining=bool(config.draft_pipelining),
                          tree_nodes=options.num_draft_tokens, tree_topk=options.tree_topk,
