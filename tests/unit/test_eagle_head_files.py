@@ -210,3 +210,33 @@ def test_a_head_that_does_not_fit_the_target_is_refused(tmp_path):
     wide.hidden_size = 128
     with pytest.raises(HeadFormatError, match="reads target states 64 wide, the target's are 128"):
         fit_head_to_target(head, wide)
+
+
+def test_the_eagle_methods_build_a_drafter_from_a_published_head_and_refuse_the_wrong_kind(tmp_path):
+    """`{"method": "eagle3", "model": HEAD, "target_model": TARGET}`: the drafter shares TARGET's embedding and
+    declares the head's layers; the method must match the head's kind, and eagle3 needs a head (none ships)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from services.common.drafter_methods import build_proposer
+    from services.common.speculative_config import SpeculativeConfig
+
+    target_dir = tmp_path / "target"
+    tiny_llama(seed=5, vocab_size=V).save_pretrained(target_dir)
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(target_dir)
+    head_dir = write(tmp_path / "head", speculators_config(), eagle3_tensors("layers.0."))
+
+    def config(**fields) -> SpeculativeConfig:
+        return SpeculativeConfig.model_validate({"num_speculative_tokens": 3, **fields})
+
+    proposer = build_proposer(config(method="eagle3", model=str(head_dir), target_model=str(target_dir)))
+    assert proposer.method == "eagle3" and isinstance(proposer.head, Eagle3Head)
+    assert proposer.capabilities.hidden_layers == tuple(LAYERS) and proposer.state_width == 3 * H
+    with pytest.raises(ValueError, match="is an EAGLE-3 head: use method 'eagle3'"):
+        build_proposer(config(method="eagle", model=str(head_dir), target_model=str(target_dir)))
+    with pytest.raises(ValueError, match="method 'eagle3' needs model"):
+        build_proposer(config(method="eagle3"))
+    with pytest.raises(Exception, match="tiny-llama"):  # the head names a target that is nowhere here
+        build_proposer(config(method="eagle3", model=str(head_dir)))

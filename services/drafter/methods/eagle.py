@@ -46,6 +46,7 @@ from services.common.speculative_config import SpeculativeConfig
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
 from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches
 from services.drafter.head_prefix_cache import HeadPrefixCache
+from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import EagleHead
 from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
@@ -258,8 +259,15 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     from services.modeling.eagle_heads import shipped_head
 
     options = config.options  # EagleOptions (services/common/method_options.py)
+    if config.method == "eagle3" and not config.model:
+        raise ValueError("method 'eagle3' needs model: the folder of an EAGLE-3 head (a speculators checkpoint or "
+                         "one in its authors' layout); the heads that ship with specserve are EAGLE-1 (method 'eagle')")
     head_dir = Path(config.model).expanduser() if config.model else shipped_head()
     head = load_eagle_head(head_dir)  # any layout users have (eagle_head_files.py); a clear error otherwise
+    kind = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
+    if config.method in ("eagle", "eagle3") and kind != config.method:
+        raise ValueError(f"the head at {head_dir} is {'an EAGLE-3' if kind == 'eagle3' else 'an EAGLE-1'} head: "
+                         f"use method {kind!r}")
     target_spec = options.target_model or head.config.target
     if not target_spec:
         raise ValueError(f"the EAGLE head at {head_dir} names no target model to share the embedding with: set "
@@ -271,6 +279,6 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     logger.info("%s head %s for %s (hidden %d, target layers %s)", type(head).__name__, head_dir, target_spec,
                 head.config.hidden_size, list(head.config.hidden_layers))
     return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
-                         tokenizer_fingerprint(loaded.tokenizer), pipelining=bool(config.draft_pipelining),
+                         tokenizer_fingerprint(loaded.tokenizer), method=kind, pipelining=bool(config.draft_pipelining),
                          tree_nodes=options.num_draft_tokens, tree_topk=options.tree_topk,
                          tree_depth=config.num_speculative_tokens)
