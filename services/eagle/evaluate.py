@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from services.modeling.eagle_head import EagleHead
+from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
 
 
 @dataclass
@@ -49,10 +50,12 @@ def leading_matches(drafts: list[int], truth: list[int]) -> int:
 
 
 @torch.no_grad()
-def chain_acceptance(head: EagleHead, embed, lm_head, ids: list[int], features: torch.Tensor, start: int,
+def chain_acceptance(head: EagleHead, embed, lm_head, ids: list[int], states: torch.Tensor, start: int,
                      k: int, report: AcceptanceReport) -> None:
-    """Every position n >= start of `ids` (the target's greedy text; features [1, T, H] its own) drafts K."""
+    """Every position n >= start of `ids` (the target's greedy text; states [1, T, W] its own, of the layers the
+    head reads) drafts K."""
     lm_weight = head.draft_weight(lm_head.weight)
+    features = head.target_features(states)
     emb = embed(torch.tensor([ids]))
     _, cache = head.step(emb[:, 1:start], features[:, : start - 1], 0, None)  # committed context before start
     for n in range(start, len(ids) - k):
@@ -61,7 +64,7 @@ def chain_acceptance(head: EagleHead, embed, lm_head, ids: list[int], features: 
         token_emb = emb[:, n : n + 1]
         for j in range(k):
             out, chain_cache = head.step(token_emb, feature, n - 1 + j, chain_cache)
-            token = int(head.token_ids((out[:, -1] @ lm_weight.T).argmax(-1)))
+            token = int(head.token_ids(head.draft_logits(out[:, -1], lm_weight).argmax(-1)))
             drafts.append(token)
             token_emb, feature = embed(torch.tensor([[token]])), out
         matched = leading_matches(drafts, ids[n + 1 : n + 1 + k])
@@ -82,8 +85,10 @@ def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_token
 
     loaded = load_model(model, device="cpu", dtype="float32")
     target, tokenizer = loaded.model, loaded.tokenizer
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    head = EagleHead.load(head_dir)
+    head = load_eagle_head(head_dir)
+    fit_head_to_target(head, target.config, head_dir)
+    embed = getattr(head, "embed_tokens", None) or target.get_input_embeddings()
+    lm_head = target.get_output_embeddings()
     report = AcceptanceReport(k, 0, [0] * k, [0] * k, 0)
     with open_dataset("r") as f:
         held = [m for cid, m in conversations(f) if is_held_out(cid)][:num_prompts]
@@ -92,6 +97,7 @@ def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_token
         out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
         ids = out[0].tolist()
         with torch.no_grad():
-            features = target.model(input_ids=torch.tensor([ids])).last_hidden_state
-        chain_acceptance(head, embed, lm_head, ids, features, len(prompt), k, report)
+            every = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        states = torch.cat([every[i] for i in head.config.hidden_layers], dim=-1)  # as the verifier serves them
+        chain_acceptance(head, embed, lm_head, ids, states, len(prompt), k, report)
     return report

@@ -31,10 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from services.eagle.extract import Example
+from services.modeling.eagle3_head import Eagle3Config, Eagle3Head
 from services.modeling.eagle_head import EagleConfig, EagleHead
+from services.modeling.hidden_layers import default_eagle3_layers
 
 logger = logging.getLogger(__name__)
 DEFAULT_DIR = Path("~/.cache/specserve/eagle-train").expanduser()
+DEFAULT_DIR_EAGLE3 = Path("~/.cache/specserve/eagle3-train").expanduser()
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,16 @@ class TrainSettings:
     precision: str = "auto"
     seed: int = 0
 
-    @property
-    def extracted(self) -> Path:
-        return self.out / "extracted"
+    # an EAGLE-3 head (eagle3_head.py), reading vLLM's default low/middle/high target layers; else EAGLE-1
+    eagle3: bool = False
+
+    def extracted(self, layers: Sequence[int]) -> Path:
+        """Where the target's answers and the states of `layers` are kept: a folder per set of layers."""
+        return self.out / ("extracted" if tuple(layers) == (-1,) else "extracted-" + "-".join(map(str, layers)))
+
+    def head_layers(self, target_config) -> tuple[int, ...]:
+        """The target layers the head reads: EAGLE-3's depend on the target's depth (vLLM's default three)."""
+        return default_eagle3_layers(target_config.num_hidden_layers) if self.eagle3 else (-1,)
 
 
 def reachable(length: int, prompt_len: int, step: int) -> torch.Tensor:
@@ -74,12 +84,18 @@ def reachable(length: int, prompt_len: int, step: int) -> torch.Tensor:
 
 
 def step_losses(head: EagleHead, embed, lm_weight: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
-                prompt_len: int, settings: TrainSettings) -> list[torch.Tensor]:
-    """Per drafting step, the loss over the answer positions a chain can reach at that step. `ids` [1, T] and
-    `features` [1, T, H] (row t: the target's state after token t); `lm_weight` the draft vocabulary's rows of
-    the target's LM head."""
+                prompt_len: int, settings: TrainSettings, final: torch.Tensor | None = None,
+                head_weight: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per drafting step, the loss over the answer positions a chain can reach at that step. `ids` [1, T];
+    `features` [1, T, W] the target states the head reads (row t: after token t), `final` [1, T, H] the target's
+    final states (None: `features`, as for EAGLE-1); `lm_weight` the draft vocabulary's rows of the target's LM
+    head, which give the target's distributions; `head_weight` what the head scores its own drafts with (None:
+    `lm_weight`, as for EAGLE-1; an EAGLE-3 head's own LM head, trained with it). The feature regression applies
+    to heads that predict the target's next feature (EAGLE-1), not to EAGLE-3's."""
+    final = features if final is None else final
+    head_weight = lm_weight if head_weight is None else head_weight
     emb = embed(ids[:, 1:])  # x_{t+1}
-    outputs = head.unrolled(emb, features[:, :-1], settings.steps)  # step j's predictions of f_{t+1}
+    outputs = head.unrolled(emb, head.target_features(features[:, :-1]), settings.steps)  # step j's outputs at t
     losses = []
     for j, out in enumerate(outputs, start=1):
         reach = reachable(out.shape[1], prompt_len, j)
@@ -87,13 +103,14 @@ def step_losses(head: EagleHead, embed, lm_weight: torch.Tensor, ids: torch.Tens
             continue
         if settings.loss_positions and len(reach) > settings.loss_positions:
             reach = reach[torch.randperm(len(reach))[: settings.loss_positions].sort().values]
-        truth = features[:, 1:][:, reach]
+        truth = final[:, 1:][:, reach]
         with torch.no_grad():
             p = F.softmax((truth @ lm_weight.T).float(), dim=-1)  # the target's, over the draft vocabulary
-        logq = F.log_softmax((out[:, reach] @ lm_weight.T).float(), dim=-1)
-        ce = -(p * logq).sum(-1).mean()
-        reg = F.smooth_l1_loss(out[:, reach].float(), truth.float())
-        losses.append(settings.step_decay ** (j - 1) * (ce + settings.feature_weight * reg))
+        logq = F.log_softmax(head.draft_logits(out[:, reach], head_weight).float(), dim=-1)
+        loss = -(p * logq).sum(-1).mean()
+        if head.predicts_target_features:
+            loss = loss + settings.feature_weight * F.smooth_l1_loss(out[:, reach].float(), truth.float())
+        losses.append(settings.step_decay ** (j - 1) * loss)
     return losses
 
 
@@ -150,6 +167,29 @@ def lr_at(settings: TrainSettings, update: int, total_updates: int) -> float:
     return settings.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def new_head(target, settings: TrainSettings, vocab: torch.Tensor | None) -> EagleHead:
+    """A fresh head for the target: EAGLE-1, or EAGLE-3 reading vLLM's default layers, its LM head starting
+    from the target's rows of its draft vocabulary."""
+    if not settings.eagle3:
+        config = EagleConfig.for_target(target.config, settings.model)
+        if vocab is not None:
+            config = EagleConfig(**{**asdict(config), "draft_vocab_size": len(vocab)})
+        head = EagleHead(config)
+        if vocab is not None:
+            head.draft_vocab.copy_(vocab)
+        return head
+    base = EagleConfig.for_target(target.config, settings.model)
+    vocab = torch.arange(base.vocab_size) if vocab is None else vocab
+    head = Eagle3Head(Eagle3Config(
+        base.hidden_size, base.intermediate_size, base.num_attention_heads, base.num_key_value_heads,
+        base.rms_norm_eps, base.rope_theta, base.vocab_size, len(vocab), base.hidden_size,
+        default_eagle3_layers(target.config.num_hidden_layers), settings.model))
+    head.draft_vocab.copy_(vocab)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab])
+    return head
+
+
 def train_head(target, examples: Sequence[Example], settings: TrainSettings, eos_ids: Sequence[int]) -> EagleHead:
     """Stage 2: train (or resume) the head on extracted examples; returns it with its final weights saved."""
     from tqdm import tqdm
@@ -160,13 +200,8 @@ def train_head(target, examples: Sequence[Example], settings: TrainSettings, eos
     state = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
     vocab = state["draft_vocab"] if state else (
         draft_vocabulary(examples, settings.draft_vocab, eos_ids) if settings.draft_vocab else None)
-    config = EagleConfig.for_target(target.config, settings.model)
-    if vocab is not None:
-        config = EagleConfig(**{**asdict(config), "draft_vocab_size": len(vocab)})
     torch.manual_seed(settings.seed)
-    head = EagleHead(config)
-    if vocab is not None:
-        head.draft_vocab.copy_(vocab)
+    head = new_head(target, settings, vocab)
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
     done = 0  # examples consumed, over all passes
     if state:
@@ -174,7 +209,8 @@ def train_head(target, examples: Sequence[Example], settings: TrainSettings, eos
         optimizer.load_state_dict(state["optimizer"])
         done = state["done"]
         logger.info("resumed at example %d", done)
-    lm_weight = head.draft_weight(lm_head.weight).detach()
+    # the target's distributions over the draft vocabulary come from its own LM head rows
+    lm_weight = (lm_head.weight if head.draft_vocab is None else lm_head.weight[head.draft_vocab]).detach()
     total = settings.passes * len(examples)
     total_updates = math.ceil(total / settings.accumulate)
 
@@ -196,9 +232,10 @@ def train_head(target, examples: Sequence[Example], settings: TrainSettings, eos
 
     def forward_backward(e: Example, bf16: bool) -> list[torch.Tensor]:
         n = min(len(e.ids), e.features.shape[0])  # the last token has no state: drop it
+        own = None if head.predicts_target_features else head.draft_weight(lm_head.weight)  # EAGLE-3's LM head
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             losses = step_losses(head, embed, lm_weight, e.ids[None, :n], e.features[None, :n].float(),
-                                 e.prompt_len, settings)
+                                 e.prompt_len, settings, e.final[None, :n].float(), own)
             if losses:
                 (sum(losses) / settings.accumulate).backward()
         return losses
@@ -247,10 +284,12 @@ def train(settings: TrainSettings) -> None:
     loaded = load_model(settings.model, device="cpu", dtype="float32")
     loaded.model.requires_grad_(False)
     prompts = training_prompts(loaded.tokenizer, settings)
+    layers = settings.head_layers(loaded.model.config)
+    folder = settings.extracted(layers)
     with tqdm(total=len(prompts), unit="answer", desc="extract", mininterval=5) as bar:
-        extract(loaded, prompts, settings.extracted, max_new_tokens=settings.max_new_tokens,
-                concurrency=settings.concurrency, progress=bar.update)
-    examples = read_examples(extracted_files(settings.extracted, len(prompts)))
+        extract(loaded, prompts, folder, max_new_tokens=settings.max_new_tokens, concurrency=settings.concurrency,
+                progress=bar.update, layers=tuple(dict.fromkeys((*layers, -1))))
+    examples = read_examples(extracted_files(folder, len(prompts)), layers)
     logger.info("training on %d answers (%d tokens)", len(examples), sum(len(e.ids) for e in examples))
     train_head(loaded.model, examples, settings, sorted(loaded.eos_token_ids))
 
@@ -258,7 +297,12 @@ def train(settings: TrainSettings) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainSettings()
     parser.add_argument("--model", default=defaults.model, help="the target (a --model spec)")
-    parser.add_argument("--out", type=Path, default=defaults.out, help="data, checkpoint and head folder (resumed)")
+    parser.add_argument("--eagle3", action="store_true",
+                        help="train an EAGLE-3 head (fused low/middle/high target layers, its own LM head), saved "
+                        "in the speculators layout vLLM loads; default: an EAGLE-1 head")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"data, checkpoint and head folder (resumed; default {defaults.out}, or "
+                        f"{DEFAULT_DIR_EAGLE3} with --eagle3)")
     parser.add_argument("--prompts", type=int, default=defaults.prompts, help="training prompts the target answers")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--steps", type=int, default=defaults.steps, help="drafting steps unrolled in training")
@@ -280,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve train-eagle", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    settings = TrainSettings(model=args.model, out=args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+    out = args.out or (DEFAULT_DIR_EAGLE3 if args.eagle3 else DEFAULT_DIR)
+    settings = TrainSettings(model=args.model, out=out, eagle3=args.eagle3, prompts=args.prompts,
+                             max_new_tokens=args.max_new_tokens,
                              steps=args.steps, passes=args.passes, lr=args.lr, accumulate=args.accumulate,
                              draft_vocab=args.draft_vocab,
                              threads=args.threads, precision=args.precision)

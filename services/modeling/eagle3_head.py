@@ -17,6 +17,7 @@ only the inputs, the feature fusion and the scoring are overridden. This layout 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -54,6 +55,8 @@ class Eagle3Config:
 
 
 class Eagle3Head(EagleHead):
+    predicts_target_features = False
+
     def __init__(self, config: Eagle3Config) -> None:
         nn.Module.__init__(self)
         self.config = config
@@ -89,3 +92,9 @@ class Eagle3Head(EagleHead):
         normed = self.hidden_norm(features)
         residual = normed if self.config.norm_before_residual else features
         return torch.cat([self.input_norm(embeddings), normed], dim=-1), residual
+
+    def save(self, folder: Path, extra: dict | None = None) -> None:
+        """In the speculators layout vLLM loads (eagle_head_files.save_speculators), fp16."""
+        from services.modeling.eagle_head_files import save_speculators
+
+        save_speculators(self, folder, extra)

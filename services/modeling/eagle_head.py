@@ -89,6 +89,10 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 
 class EagleHead(nn.Module):
+    # its outputs are predictions of the target's next feature, scored by the target's LM head (training adds a
+    # regression on them); an EAGLE-3 head's are not
+    predicts_target_features = True
+
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         self.config = config

@@ -199,3 +199,38 @@ def _load(folder: Path, head: torch.nn.Module, tensors: dict[str, torch.Tensor],
                                   f"{list(own[name].shape)}")
         own[name] = value.float()
     head.load_state_dict(own)
+
+
+def save_speculators(head: Eagle3Head, folder: Path, extra: dict | None = None) -> None:
+    """An EAGLE-3 head as a speculators checkpoint (config.json + model.safetensors, fp16), the layout vLLM loads
+    and load_eagle_head reads back; `extra` (training progress) goes under the config's "specserve" key."""
+    from safetensors.torch import save_file
+
+    c = head.config
+    own = head.state_dict()
+    tensors = {"layers.0." + published: own[name] for published, name in LAYER_TENSORS.items()}
+    tensors |= {"layers.0.input_layernorm.weight": own["input_norm.weight"],
+                "layers.0.hidden_norm.weight": own["hidden_norm.weight"], "fc.weight": own["fc.weight"],
+                "norm.weight": own["norm.weight"], "lm_head.weight": own["lm_head.weight"]}
+    tensors = {name: t.detach().to(torch.float16).contiguous() for name, t in tensors.items()}
+    draft_vocab = head.draft_vocab.long()
+    tensors["d2t"] = (draft_vocab - torch.arange(len(draft_vocab))).contiguous()
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[draft_vocab] = True
+    tensors["t2d"] = t2d
+    layer = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
+             "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size,
+             "hidden_act": "silu", "tie_word_embeddings": False}
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "transformer_layer_config": layer, "draft_vocab_size": c.draft_vocab_size,
+              "norm_before_residual": c.norm_before_residual, "target_hidden_size": c.target_hidden_size,
+              "eagle_aux_hidden_state_layer_ids": list(c.target_layers),
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 4}],
+                                     "verifier": {"name_or_path": c.target, "architectures": []}},
+              **({"specserve": extra} if extra else {})}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

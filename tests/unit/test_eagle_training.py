@@ -3,6 +3,7 @@ steps lower the loss, and the acceptance count is vLLM's (1 + leading accepted d
 
 from __future__ import annotations
 
+import copy
 import io
 from dataclasses import asdict
 
@@ -59,8 +60,8 @@ def test_losses_cover_only_the_answer_positions_a_chain_reaches():
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens_and_the_end_tokens():
-    examples = [Example(torch.tensor([50, 50, 50, 7, 7, 7, 8, 9]), 3, torch.zeros(7, 4)),
-                Example(torch.tensor([51, 7, 8, 3]), 1, torch.zeros(3, 4))]
+    examples = [Example(torch.tensor([50, 50, 50, 7, 7, 7, 8, 9]), 3, torch.zeros(7, 4), torch.zeros(7, 4)),
+                Example(torch.tensor([51, 7, 8, 3]), 1, torch.zeros(3, 4), torch.zeros(3, 4))]
     assert draft_vocabulary(examples, 3, always=[2]).tolist() == [2, 7, 8]  # never the prompts' 50 and 51
 
 
@@ -114,3 +115,48 @@ def test_a_perfect_head_is_accepted_everywhere():
     chain_acceptance(OracleHead(EagleConfig.for_target(target.config), features), target.get_input_embeddings(),
                      target.lm_head, ids, features, 8, 4, report)
     assert report.positions > 0 and report.mean_acceptance_length == 5.0, report
+
+
+def test_eagle3_training_steps_lower_the_loss_and_its_head_keeps_through_its_speculators_files(tmp_path):
+    """An EAGLE-3 head learns from the fused states of its layers, scoring with its own LM head (trained with
+    it); saved in the speculators layout and loaded back, it drafts exactly the same."""
+    from services.modeling.eagle_head_files import load_eagle_head
+    from tests.tiny_heads import random_eagle3_head
+
+    target = tiny_llama(seed=3)
+    target.requires_grad_(False)
+    vocab = torch.arange(0, 96, 2)  # a reduced draft vocabulary: the even ids
+    head = random_eagle3_head(target.config, (0, 1, -1), vocab.tolist())
+    head.train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    ids = torch.randint(0, 96, (1, 40))
+    with torch.no_grad():
+        every = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    states, final = torch.cat([every[0], every[1], every[-1]], dim=-1), every[-1]
+    settings = TrainSettings(steps=3)
+    lm_rows = target.lm_head.weight[vocab]
+    before = head.lm_head.weight.detach().clone()
+    history = []
+    for _ in range(30):
+        losses = step_losses(head, target.get_input_embeddings(), lm_rows, ids, states, 10, settings, final,
+                             head.draft_weight(target.lm_head.weight))
+        assert len(losses) == 3
+        optimizer.zero_grad()
+        sum(losses).backward()
+        optimizer.step()
+        history.append(float(sum(losses).detach()))
+    assert history[-1] < 0.9 * history[0]
+    assert not torch.equal(before, head.lm_head.weight)  # its own LM head learns too
+    head.eval()
+    head.save(tmp_path / "head", {"examples_trained": 1})
+    loaded = load_eagle_head(tmp_path / "head")
+    assert loaded.config.hidden_layers == (0, 1, -1) and loaded.draft_vocab.tolist() == vocab.tolist()
+    rounded = copy.deepcopy(head)  # the files hold fp16
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            parameter.copy_(parameter.half().float())
+        logits = []
+        for h in (rounded, loaded):
+            out, _ = h.step(target.get_input_embeddings()(ids[:, 1:21]), h.target_features(states[:, :20]), 0, None)
+            logits.append(h.draft_logits(out, h.draft_weight(None)))
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
