@@ -121,7 +121,10 @@ async def _attach_drafters(
             address, vocab_size, fingerprint, hidden_size=hidden_size, num_layers=num_layers, step_timeout_s=None,
             channel_credentials=credentials,
         )
-        tracked = TrackedProposer(name, RemoteProposer(config), metrics.observe_round_trip(model_id, name))
+        proposer = RemoteProposer(config)
+        if settings.hidden_layers is not None:  # fixed by the flag: a drafter reading other layers is refused now
+            proposer.serve_hidden_layers(tuple(settings.hidden_layers))
+        tracked = TrackedProposer(name, proposer, metrics.observe_round_trip(model_id, name))
         await tracked.probe()
         report = tracked.report()
         if report.state == verifier_pb2.DRAFTER_STATE_REFUSED:

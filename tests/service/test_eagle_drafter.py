@@ -141,3 +141,27 @@ async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, 
     assert stats.num_drafts > 0
     expected = exact_joint(target, params)
     assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
+
+
+async def test_a_verifier_serves_the_layers_its_eagle3_drafter_reads_or_refuses_it_for_hidden_layers(target):
+    """Started beside an EAGLE-3 drafter, the verifier serves that drafter's layers (and holds later drafters to
+    them); with --hidden-layers naming others, it refuses the drafter at start-up, saying why."""
+    from services.verifier.remote_proposer import IncompatibleDrafterError
+    from services.verifier.server import start_verifier
+    from services.verifier.settings import VerifierSettings
+
+    proposer = eagle_for(target, eagle3=True)
+    server, port = await serve(proposer, "127.0.0.1", 0, num_speculative_tokens=3)
+    base = {"port": 0, "metrics_port": 0, "max_num_seqs": 4, "max_model_len": 64, "log_stats_interval_s": 0,
+            "drafters": [f"eagle3=127.0.0.1:{port}"]}
+    try:
+        running = await start_verifier(target, "tiny", VerifierSettings(**base))
+        try:
+            assert running.engine.hidden_layers == EAGLE3_LAYERS
+            assert running.drafters[0].proposer.served_hidden_layers == EAGLE3_LAYERS
+        finally:
+            await running.stop(0, 0.5)
+        with pytest.raises(IncompatibleDrafterError, match=r"this verifier serves layers \[-1\]"):
+            await start_verifier(target, "tiny", VerifierSettings(**base, hidden_layers=[-1]))
+    finally:
+        await server.server.stop(0)

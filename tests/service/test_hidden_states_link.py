@@ -95,20 +95,27 @@ class DeclaringDrafter:
         pass
 
 
-@pytest.mark.parametrize(("width", "layers", "refused"), [
-    (64, (-1,), None), (128, (-1,), "width 128"), (64, (-1, 3, 7), r"layers \[-1, 3, 7\]")])
-async def test_a_verifier_refuses_a_drafter_whose_states_it_cannot_serve(width, layers, refused):
+@pytest.mark.parametrize(("width", "layers", "served", "refused"), [
+    (64, (-1,), None, None), (128, (-1,), None, "width 128"), (64, (0, 1, -1), None, None),
+    (64, (0, 1, -1), (0, 1, -1), None), (64, (-1, 3, 7), None, "hidden layer 3 does not exist"),
+    (64, (0, 1, -1), (-1,), r"reads target layers \[0, 1, -1\], but this verifier serves layers \[-1\]")])
+async def test_a_verifier_refuses_a_drafter_whose_states_it_cannot_serve(width, layers, served, refused):
+    """Layers the target has are accepted until the verifier fixes the ones it serves (at start-up); from then
+    on a drafter declaring others is refused, as is one for another width or for layers the target lacks."""
     from services.verifier.remote_proposer import IncompatibleDrafterError
 
     server, port = await serve(DeclaringDrafter(width, layers), "127.0.0.1", 0)
-    config = RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, hidden_size=64)  # the tiny models' width
+    config = RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, hidden_size=64, num_layers=2)  # the tiny models'
+    remote = RemoteProposer(config)
+    if served is not None:
+        remote.serve_hidden_layers(served)
     try:
         if refused is None:
-            remote = await RemoteProposer.connect(config)
-            assert remote.capabilities.needs_hidden_states
-            await remote.close()
+            await remote.info()
+            assert remote.capabilities.needs_hidden_states and remote.capabilities.hidden_layers == layers
         else:
             with pytest.raises(IncompatibleDrafterError, match=refused):
-                await RemoteProposer.connect(config)
+                await remote.info()
     finally:
+        await remote.close()
         await server.server.stop(0)

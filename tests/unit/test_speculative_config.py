@@ -31,7 +31,7 @@ def test_empty_flag_means_no_speculation():
     ("text", "message"),
     [
         ("{not json", "not valid JSON"),
-        ('{"method": "medusa"}', "unknown speculative method 'medusa'; available: draft_model, eagle, ngram, suffix"),
+        ('{"method": "medusa"}', "unknown speculative method 'medusa'; available: draft_model, eagle, eagle3, ngram, suffix"),
         ('{"method": "ngram", "num_speculative_tokens": -1}', "num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
         ('{"method": "ngram", "bogus": 1}', r"bogus: not an option of method 'ngram' \(its options: prompt_lookup_min, "
