@@ -204,8 +204,12 @@ class LlamaFamilyRunner:
 
     def serve_hidden_layers(self, layers: Sequence[int]) -> None:
         """Return the states of these target layers, concatenated, as ForwardOutput.hidden_states (hidden_layers.py;
-        default: the final normed one). Set before any sequence is fed, with keep_hidden_states."""
-        self.hidden_layers = check_hidden_layers(layers, len(self.model.model.layers))
+        default: the final normed one). Set while no sequence is held; states kept for other layers are dropped
+        (keep_hidden_states keeps them again)."""
+        layers = check_hidden_layers(layers, len(self.model.model.layers))
+        if layers != self.hidden_layers:
+            self.cache.forget_hidden_states()
+        self.hidden_layers = layers
 
     def keep_hidden_states(self) -> None:
         """Keep every position's served hidden states beside its K/V (paged_kv_cache.keep_hidden_states)."""

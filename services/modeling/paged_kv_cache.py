@@ -62,13 +62,23 @@ class PagedKVCache:
     def keep_hidden_states(self, width: int, dtype: torch.dtype) -> None:
         """Keep each position's final hidden state beside its K/V, in the same slot, so that a sequence that
         starts from a cached prefix can have the prefix's states too (an EAGLE drafter reads them): with them
-        its prompt reuses cached blocks like any other. Blocks cached before are forgotten: they have no states."""
-        if self.hidden is not None:
+        its prompt reuses cached blocks like any other. Blocks cached before are forgotten: they have no states. Called
+        again with another width (another engine on this runner serving other layers), it starts over likewise."""
+        if self.hidden is not None and self.hidden.shape[1] == width:
             return
         if self._seqs:
             raise RuntimeError("keep_hidden_states must be called while no sequence holds blocks")
-        self.pool.forget_all()
+        self.pool.forget_all()  # cached blocks have no states (or states of other layers)
         self.hidden = torch.zeros(self.keys.shape[2], width, dtype=dtype, device=self.keys.device)
+
+    def forget_hidden_states(self) -> None:
+        """Stop keeping states (the runner is about to serve other layers): cached blocks are forgotten with them."""
+        if self.hidden is None:
+            return
+        if self._seqs:
+            raise RuntimeError("the served hidden layers can change only while no sequence holds blocks")
+        self.pool.forget_all()
+        self.hidden = None
 
     def hidden_states(self, seq_id: Hashable, length: int) -> torch.Tensor:
         """[length, H]: the kept states of the sequence's first `length` positions."""

@@ -91,8 +91,10 @@ class Engine:
         self.runner = runner
         self.config = config or EngineConfig()
         self.hidden_layers = served_hidden_layers((proposers or {}).values(), self.config.hidden_layers)
-        if self.hidden_layers != FINAL_ONLY:
+        if hasattr(runner, "serve_hidden_layers"):  # (again: an earlier engine on this runner may have set others)
             runner.serve_hidden_layers(self.hidden_layers)
+        elif self.hidden_layers != FINAL_ONLY:
+            raise ValueError(f"this runner serves only the final hidden states, not layers {list(self.hidden_layers)}")
         if hasattr(runner, "keep_hidden_states") and (self.config.extract_hidden_states_dir is not None or any(
                 capabilities_of(p).needs_hidden_states for p in (proposers or {}).values())):
             runner.keep_hidden_states()  # so that requests that keep hidden states reuse cached prefixes too

@@ -111,3 +111,29 @@ async def test_a_cached_prefix_comes_with_its_hidden_states():
     seen = [(token_ids, states) for seq_id, token_ids, states in proposer.seen if seq_id == "second"]
     assert seen and all(torch.allclose(states, truth[: states.shape[0]], atol=1e-4) for _, states in seen)
     assert prompts["second"] + results["second"].tokens == continuation["second"]
+
+
+async def test_engines_on_one_runner_serve_their_own_layers_and_never_reuse_another_sets_states():
+    """A runner shared by engines whose drafters read other layers (a benchmark's engines, one after another):
+    each gets its own layers' states, and a prefix cached with another set's states (even one as wide) is not
+    served as its own."""
+    model = tiny_llama(seed=5)
+    runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128)
+    prompt = list(range(3, 43))  # two full blocks of 16: cached after the first engine's request
+    with torch.no_grad():
+        full = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0].tolist()
+        every = model(input_ids=torch.tensor([full]), output_hidden_states=True).hidden_states
+    for n, layers in enumerate([(-1,), (1, 0, -1), (0, 1, -1), (0, 1, -1)]):
+        rid = f"r{n}"
+        proposer = RecordingProposer(True, {rid: full}, layers=layers)
+        engine = Engine(runner, EngineConfig(max_num_batched_tokens=64, log_stats_interval_s=0,
+                                             adaptive_speculation=False), {"recorder": proposer})
+        request = GenerationRequest(rid, tuple(prompt), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                                    SpeculationParams("recorder", 4))
+        results = await run_schedule(engine, {0: [request]})
+        assert prompt + results[rid].tokens == full
+        # the same layers as the engine before: the prefix comes from the cache; other layers: computed again
+        assert results[rid].outputs[-1].num_cached_tokens == (32 if n == 3 else 0)
+        truth = torch.cat([every[i][0] for i in layers], dim=-1)
+        assert proposer.seen and all(torch.allclose(states, truth[: states.shape[0]], atol=1e-4)
+                                     for _, _, states in proposer.seen)
