@@ -100,6 +100,8 @@ def with_shipped_head(spec: SpeculativeConfig, target: str | None) -> Speculativ
     --model names it for a published head whose config does not (target_model)."""
     if spec.method not in ("eagle", "eagle3"):
         return spec
+    if spec.method == "eagle3" and not spec.model:
+        raise ValueError("method 'eagle3' needs model: the folder of an EAGLE-3 head (none ships with specserve)")
     if target and spec.model and getattr(spec, "target_model", None) is None:
         spec = spec.model_copy(update={"target_model": target})
     if spec.model or spec.method != "eagle":

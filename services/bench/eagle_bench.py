@@ -5,7 +5,8 @@ The target is the head's own (SmolLM2-135M-Instruct by default); the prompts are
 held-out ShareGPT conversations, which the head never trained on, greedy. Both drafters run as they are deployed:
 a `specserve drafter` process each (eagle with the shipped head, ngram), reached over gRPC by the bench's in-process
 engine (the verifier's own engine through its public API), so the EAGLE rows pay for the hidden states on the
-link. Rows: no speculation, ngram at K = 4, eagle at each fixed K (adaptive speculation off: the mean acceptance
+link. With `--eagle3-head`, EAGLE-3 rows too (K = 4 as a chain, fixed and adaptive, and as a tree), on engines
+of their own since they read other target layers. Rows: no speculation, ngram at K = 4, eagle at each fixed K (adaptive speculation off: the mean acceptance
 length per K), eagle with adaptive K, and eagle sending EAGLE-2 token trees (a third drafter process:
 `num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk` expanded per depth; adaptive off, and
 adaptive: the planner cuts each tree to the nodes worth their cost), at 1 request and at `concurrency` requests; `rounds` rounds, each
@@ -64,6 +65,10 @@ class EagleBenchSettings:
     tree_depth: int = 4
     tree_nodes: int = 24
     tree_topk: int = 8
+    # an EAGLE-3 head folder (any layout eagle_head_files.py reads): adds its rows (K = eagle3_k as a chain, fixed
+    # and adaptive, and as a tree of the shape above), on engines of their own (one verifier serves one layer set)
+    eagle3_head: str | None = None
+    eagle3_k: int = 4
 
     @property
     def max_k(self) -> int:
@@ -87,7 +92,21 @@ def modes(settings: EagleBenchSettings) -> list[Mode]:
             Mode("eagletree", f"eagle tree depth {settings.tree_depth}, {settings.tree_nodes} tokens, top-"
                  f"{settings.tree_topk}", "eagle-tree", settings.tree_nodes),
             Mode("eagletree-adaptive", f"eagle tree depth {settings.tree_depth}, <={settings.tree_nodes} tokens, top-"
-                 f"{settings.tree_topk}, adaptive", "eagle-tree", settings.tree_nodes, True)]
+                 f"{settings.tree_topk}, adaptive", "eagle-tree", settings.tree_nodes, True),
+            *(eagle3_modes(settings) if settings.eagle3_head else [])]
+
+
+def eagle3_modes(settings: EagleBenchSettings) -> list[Mode]:
+    k = settings.eagle3_k
+    return [Mode(f"eagle3{k}", f"eagle3 K={k}", "eagle3", k),
+            Mode("eagle3-adaptive", f"eagle3 adaptive K<={k}", "eagle3", k, True),
+            Mode("eagle3tree", f"eagle3 tree depth {settings.tree_depth}, {settings.tree_nodes} tokens, top-"
+                 f"{settings.tree_topk}", "eagle3-tree", settings.tree_nodes)]
+
+
+def reads_three_layers(method: str | None) -> bool:
+    """The EAGLE-3 drafters: their engines serve other target layers than the rest's."""
+    return bool(method) and method.startswith("eagle3")
 
 
 def held_out_prompts(tokenizer, count: int) -> list[tuple[int, ...]]:
@@ -114,17 +133,25 @@ async def measure_round(runner: ModelRunner, compute: Executor, prompts, setting
     what keeping the states costs the verifier, the file writes included)."""
     ids = RequestIds()
     out = []
+    groups = [("fixed", False, False), ("adaptive", True, False), ("states", False, False)]
+    if settings.eagle3_head:  # on engines of their own: they serve other target layers
+        groups += [("eagle3", False, True), ("eagle3-adaptive", True, True)]
     with tempfile.TemporaryDirectory(prefix="specserve-bench-states-") as states_dir:
-        for group in ("fixed", "adaptive", "states"):
-            adaptive = group == "adaptive"
+        for group, adaptive, eagle3 in groups:
             config = EngineConfig(log_stats_interval_s=0, adaptive_speculation=adaptive, profile_step_cost=adaptive,
                                   extract_hidden_states_dir=Path(states_dir) if group == "states" else None)
             proposers = {method: RemoteProposer(RemoteProposerConfig(address, runner.vocab_size, fingerprint,
                                                                      step_timeout_s=None), method=method)
-                         for method, address in addresses.items()} if group != "states" else {}
+                         for method, address in addresses.items()
+                         if reads_three_layers(method) == eagle3} if group != "states" else {}
+            for proposer in proposers.values():  # reached now, so that the engine serves the layers they read
+                await proposer.info()
             engine = Engine(runner, config, proposers, eos, compute)
-            group_modes = [m for m in modes(settings) if m.adaptive == adaptive] if group != "states" else [
+            group_modes = [m for m in modes(settings) if m.adaptive == adaptive and m.k > 0
+                           and reads_three_layers(m.method) == eagle3] if group != "states" else [
                 Mode("off-states", "off, states captured", None, 0)]
+            if group == "fixed":
+                group_modes.insert(0, modes(settings)[0])  # no speculation
             try:
                 async with engine:
                     for mode in group_modes:
@@ -150,15 +177,16 @@ async def measure_mode(engine: Engine, ids: RequestIds, prompts, settings: Eagle
                                 speculative=mode.k > 0)]
 
 
-def link_bytes_per_step(measurements: Sequence[Measurement], hidden_size: int) -> str:
-    """Hidden states on the link: each committed token's state crosses once (fp16), so a step that commits
-    accepted + 1 tokens of a sequence sends (accepted + 1) x hidden x 2 bytes for it."""
+def link_bytes_per_step(measurements: Sequence[Measurement], hidden_size: int, eagle3_layers: int = 3) -> str:
+    """Hidden states on the link: each committed token's states cross once (fp16), so a step that commits
+    accepted + 1 tokens of a sequence sends (accepted + 1) x layers x hidden x 2 bytes for it."""
     parts = []
     for m in measurements:
         if m.key.startswith("eagle") and m.concurrency == 1:
             gens = [g for repeat in m.generations for g in repeat]
             tokens, steps = sum(len(g.tokens) for g in gens), sum(g.num_steps for g in gens)
-            parts.append(f"{m.system}: {tokens / max(1, steps) * hidden_size * 2 / 1024:.2f} KiB")
+            width = hidden_size * (eagle3_layers if m.key.startswith("eagle3") else 1)
+            parts.append(f"{m.system}: {tokens / max(1, steps) * width * 2 / 1024:.2f} KiB")
     return "; ".join(parts)
 
 
@@ -176,11 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-nodes", type=int, default=defaults.tree_nodes, help="num_draft_tokens of the tree row")
     parser.add_argument("--tree-topk", type=int, default=defaults.tree_topk, help="eagle_topk of the tree row")
+    parser.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head folder: adds its rows")
+    parser.add_argument("--eagle3-k", type=int, default=defaults.eagle3_k, help="K of the EAGLE-3 chain rows")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     settings = EagleBenchSettings(args.model, args.head, args.num_prompts, args.max_tokens,
                                   tuple(int(k) for k in args.ks.split(",")), defaults.ngram_k, args.concurrency,
-                                  args.rounds, args.compute_thread, args.tree_depth, args.tree_nodes, args.tree_topk)
+                                  args.rounds, args.compute_thread, args.tree_depth, args.tree_nodes, args.tree_topk,
+                                  args.eagle3_head, args.eagle3_k)
     from services.modeling.eagle_heads import shipped_head
 
     head = Path(settings.head) if settings.head else shipped_head(settings.model)
@@ -219,6 +250,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "method": "eagle", "model": str(head), "num_speculative_tokens": settings.tree_depth,
                     "num_draft_tokens": settings.tree_nodes, "eagle_topk": settings.tree_topk})], progress))[0],
         }
+        if settings.eagle3_head:
+            header["eagle3 head"] = settings.eagle3_head
+            tree = {"num_speculative_tokens": settings.tree_depth, "num_draft_tokens": settings.tree_nodes,
+                    "eagle_topk": settings.tree_topk}
+            for method, extra in (("eagle3", {"num_speculative_tokens": settings.max_k}), ("eagle3-tree", tree)):
+                addresses[method] = stack.enter_context(drafter_process(["--speculative-config", json.dumps({
+                    "method": "eagle3", "model": settings.eagle3_head, "target_model": settings.model, **extra})],
+                    progress))[0]
         fingerprint = tokenizer_fingerprint(target.tokenizer)
         for number in range(settings.rounds):
             progress(f"round {number + 1}/{settings.rounds}")

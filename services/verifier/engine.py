@@ -31,8 +31,8 @@ import torch
 
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Proposer, capabilities_known, capabilities_of
-from services.modeling.runner import ModelRunner
 from services.modeling.hidden_layers import FINAL_ONLY
+from services.modeling.runner import ModelRunner
 from services.verifier import kv_scheduling
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.engine_config import EngineConfig

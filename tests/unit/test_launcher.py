@@ -89,6 +89,21 @@ def test_eagle_without_a_model_drafts_with_the_head_that_ships_for_the_target():
     assert json.loads(flag(drafter.argv, "--speculative-config"))["model"] == "/heads/mine"
 
 
+def test_an_eagle3_head_shares_the_served_models_embedding_and_needs_a_folder():
+    """A published head names its target by Hub id: the drafter is told to share the served --model's (unless the
+    config says otherwise); eagle3 without a head is a usage error before anything starts (none ships)."""
+    given = '{"method": "eagle3", "model": "/heads/eagle3"}'
+    drafter, verifier, _ = launcher.plan(parse("--model", "smollm2-135m-instruct", "--speculative-config", given))
+    sent = json.loads(flag(drafter.argv, "--speculative-config"))
+    assert sent == {"method": "eagle3", "model": "/heads/eagle3", "target_model": "smollm2-135m-instruct"}
+    assert json.loads(flag(verifier.argv, "--speculative-config")) == sent
+    own = '{"method": "eagle3", "model": "/heads/eagle3", "target_model": "/models/mine"}'
+    drafter, _, _ = launcher.plan(parse("--model", "smollm2-135m-instruct", "--speculative-config", own))
+    assert json.loads(flag(drafter.argv, "--speculative-config"))["target_model"] == "/models/mine"
+    with pytest.raises(ValueError, match="method 'eagle3' needs model"):
+        launcher.plan(parse("--speculative-config", '{"method": "eagle3"}'))
+
+
 def test_no_speculation_starts_no_drafter():
     children = launcher.plan(parse("--speculative-config", '{"method": "none"}'))
     assert [c.name for c in children] == ["verifier", "gateway"]

@@ -239,7 +239,8 @@ class EagleProposer:
 @dataclass
 class ChainStart:
     """Where one sequence's draft chain starts: its committed cache, the head position of its last committed
-    token x_n (n - 1), that token, its target feature f_{n-1} [1, H], and the K wanted."""
+    token x_n (n - 1), that token, the head's feature of the target's state after x_{n-1} [1, H]
+    (EagleHead.target_features), and the K wanted."""
 
     cache: tuple[torch.Tensor, torch.Tensor] | None
     position: int
