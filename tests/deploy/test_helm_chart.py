@@ -278,6 +278,8 @@ def test_settings_values_reach_the_processes():
     big = render({"verifier": {"settings": {"max_waiting_requests": 2_000_000, "adaptive_speculation": False}}})
     verifier = process_settings(big, _deployment(big, "verifier"))
     assert (verifier.max_waiting_requests, verifier.adaptive_speculation) == (2_000_000, False)
+    eagle3 = render({"verifier": {"settings": {"hidden_layers": [2, 15, 27]}}})  # a list reaches it as JSON
+    assert process_settings(eagle3, _deployment(eagle3, "verifier")).hidden_layers == [2, 15, 27]
 
 
 def test_every_service_setting_is_set_by_the_chart_or_allowed_in_values():

@@ -64,7 +64,7 @@ app.kubernetes.io/part-of: specserve
 
 {{/* Whether a drafter runs a model (so it needs the model volume and the drafterModel image). */}}
 {{- define "specserve.drafterHasModel" -}}
-{{- if or .model (has .method (list "draft_model" "eagle")) }}true{{ end -}}
+{{- if or .model (has .method (list "draft_model" "eagle" "eagle3")) }}true{{ end -}}
 {{- end -}}
 
 {{/* The drafter's image entry: its own, else drafterModel for a method with a model, else drafter. */}}
