@@ -34,8 +34,9 @@ class TreeOptions(MethodOptions):
     num_draft_tokens: int | None = Field(None, ge=1, le=MAX_SPECULATIVE_TOKENS)
 
 
-class NgramOptions(MethodOptions):
-    """Prompt lookup: the n-gram sizes tried, longest first (vLLM's names)."""
+class NgramOptions(TreeOptions):
+    """Prompt lookup: the n-gram sizes tried, longest first (vLLM's names); with num_draft_tokens, the
+    continuations of its several matches as a token tree."""
 
     prompt_lookup_min: int = Field(1, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)

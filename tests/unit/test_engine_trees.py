@@ -132,3 +132,29 @@ async def test_sampled_output_with_trees_follows_the_target():
     assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
     # negative control: the same samples against another temperature's joint
     assert chi_square_p_value(joint, exact_joint(target, SamplingParams(temperature=0.6))) < ALPHA
+
+
+async def test_ngram_trees_keep_greedy_output_and_sampled_distribution():
+    """The ngram drafter's trees (the continuations of every match of its n-gram) through the engine: greedy output
+    identical to no speculation, with drafts accepted on repetitive text; sampled output follows the target."""
+    from services.drafter.methods.ngram import NgramProposer, NgramSettings
+
+    model = tiny_llama(seed=3)
+    rng = random.Random(11)
+    n = 6
+    prompts = [repetitive_prompt(rng, rng.randint(10, 40)) for _ in range(n)]
+    max_tokens = [rng.randint(10, 40) for _ in range(n)]
+    baseline = await run_schedule(make_engine(model, {}), build_schedule([SpeculationParams()] * n, prompts,
+                                                                         max_tokens))
+    engine = make_engine(model, {"ngram": NgramProposer(NgramSettings(1, 3), tree_depth=4)})
+    speculative = await run_schedule(engine, build_schedule([SpeculationParams("ngram", 10)] * n, prompts, max_tokens))
+    for i in range(n):
+        assert speculative[f"r{i}"].tokens == baseline[f"r{i}"].tokens, i
+    assert engine.stats.num_accepted_tokens > 0
+    target = tiny_llama(seed=21, vocab_size=V)
+    params = SamplingParams(temperature=0.9)
+    joint, engine = await sample_pairs(target, params, SpeculationParams("ngram", 6),
+                                       {"ngram": NgramProposer(NgramSettings(1, 2), tree_depth=3)})
+    assert engine.stats.num_drafts > 0
+    expected = exact_joint(target, params)
+    assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)

@@ -41,3 +41,46 @@ async def test_proposer_answers_each_input_in_order():
     proposer = NgramProposer(NgramSettings(1, 3))
     drafts = await proposer.propose([DraftInput("a", [1, 2, 1], 2), DraftInput("b", [9, 8], 2)])
     assert [list(d.token_ids) for d in drafts] == [[2, 1], []]
+
+
+def tree(tokens, nodes, depth, lo=1, hi=4):
+    from services.drafter.methods.ngram import propose_ngram_tree
+
+    return propose_ngram_tree(np.array(tokens), nodes, depth, NgramSettings(lo, hi))
+
+
+def paths(draft):
+    from services.common.token_trees import leaf_paths
+
+    return [[draft.token_ids[i] for i in path] for path in leaf_paths(list(draft.parents))]
+
+
+def test_a_tree_merges_the_continuations_of_every_match_most_recent_first():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12
+    tokens = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 7, 1, 2]
+    # [1, 2] occurs at 0, 4 and 8: continuations (most recent first) [7, 1, 2], [3, 5, 1], [3, 4, 1]
+    draft = tree(tokens, 16, 3)
+    assert paths(draft) == [[7, 1, 2], [3, 5, 1], [3, 4, 1]]
+    assert list(draft.token_ids[:3]) == lookup(tokens, 3)  # the first path is the chain
+    assert all(p < i for i, p in enumerate(draft.parents))
+    shares = dict(zip(draft.token_ids, draft.path_probs))  # the shared 3 carries two of the three matches
+    assert draft.path_probs[draft.token_ids.index(3)] == pytest.approx(2 / 3) and shares[7] == pytest.approx(1 / 3)
+    capped = tree(tokens, 4, 3)  # the node budget cuts the later branches
+    assert len(capped.token_ids) == 4 and paths(capped) == [[7, 1, 2], [3]]
+    assert paths(tree(tokens, 16, 1)) == [[7], [3]]  # depth 1: the distinct next tokens
+    assert tree([5, 6, 7], 8, 3).token_ids == () and tree(tokens, 0, 3).token_ids == ()
+    assert tree([1, 2], 8, 3, lo=3).token_ids == ()  # no n-gram that long
+
+
+async def test_the_proposer_sends_trees_where_configured_and_declares_it():
+    from services.common.speculative_config import SpeculativeConfig
+    from services.drafter.methods.ngram import build_proposer
+
+    chains = build_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    trees = build_proposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, num_draft_tokens=8))
+    assert not chains.capabilities.sends_trees and trees.capabilities.sends_trees and trees.tree_depth == 3
+    tokens = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 7, 1, 2]
+    [chain] = await chains.propose([DraftInput("a", tokens, 3)])
+    [sent] = await trees.propose([DraftInput("a", tokens, 6)])  # K: the tree's tokens this step
+    assert chain.parents is None and list(chain.token_ids) == [7, 1, 2]
+    assert len(sent.token_ids) == 6 and paths(sent) == [[7, 1, 2], [3, 5, 1]]
