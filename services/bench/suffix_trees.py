@@ -1,4 +1,5 @@
-"""Suffix decoding with token trees vs chains (and no speculation), side by side in one run (`make bench-trees`).
+"""Suffix decoding (or, with --method ngram, prompt lookup) with token trees vs chains (and no speculation), side
+by side in one run (`make bench-trees`).
 
 The same in-process engine (the verifier's, in-process proposers) serves each workload in every mode, the modes
 interleaved round by round: no speculation; the suffix chain of K tokens and the suffix tree of up to N tokens
@@ -10,7 +11,8 @@ cache. Each mode starts from a fresh proposer, then runs every prompt of the wor
 draft from earlier answers as in a session. Prints tok/s, mean accepted tokens per verified draft and the
 ratios, medians of rounds; exits 1 if any speculative output differs from no speculation (greedy).
 
-    python -m services.bench.suffix_trees [--model smollm2-135m-instruct] [--k 5] [--nodes 12] [--rounds 3]
+    python -m services.bench.suffix_trees [--model smollm2-135m-instruct] [--method suffix] [--k 5] [--nodes 12]
+        [--rounds 3]
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ from services.verifier.sampling_params import GenerationRequest, SamplingParams,
 WORKLOADS = ("edit-sequence", "multi-turn")
 
 
-async def run_mode(engine, ids: RequestIds, prompts, max_tokens: int, mode: dict | None, concurrency: int):
+async def run_mode(engine, ids: RequestIds, prompts, max_tokens: int, mode: dict | None, concurrency: int,
+                   method: str = "suffix"):
     """Every prompt in order (`concurrency` copies of each at once); returns (tokens per prompt, seconds,
     drafts, accepted)."""
     spec = SpeculationParams()
     if mode is not None:
-        config = SpeculativeConfig.model_validate({"method": "suffix", **mode})
-        engine.proposers["suffix"] = build_proposer(config)
-        spec = SpeculationParams("suffix", config.verify_width)
+        config = SpeculativeConfig.model_validate({"method": method, **mode})
+        engine.proposers[method] = build_proposer(config)
+        spec = SpeculationParams(method, config.verify_width)
     outputs, seconds, drafts, accepted = [], 0.0, 0, 0
     for prompt in prompts:
         requests = [GenerationRequest(ids.next("t"), tuple(prompt), SamplingParams(max_tokens=max_tokens,
@@ -84,8 +87,10 @@ async def bench(args) -> int:
              f"tree depth {args.nodes}, N={args.nodes}": {"num_speculative_tokens": args.nodes,
                                                           "num_draft_tokens": args.nodes}}
     print(json.dumps(describe_hardware()))
-    print(f"{args.model}, greedy, suffix decoding (min_token_prob {SuffixOptions().suffix_decoding_min_token_prob}),"
-          f" adaptive speculation off (every draft verified), {args.rounds} rounds, modes interleaved")
+    drafter = (f"suffix decoding (min_token_prob {SuffixOptions().suffix_decoding_min_token_prob})"
+               if args.method == "suffix" else "prompt lookup (ngram)")
+    print(f"{args.model}, greedy, {drafter}, adaptive speculation off (every draft verified), {args.rounds} rounds, "
+          "modes interleaved")
     ids, differ = RequestIds(), 0
     with ThreadPoolExecutor(1) as compute:
         async with build_engine(runner, eos, compute, adaptive_speculation=False) as engine:
@@ -108,7 +113,7 @@ async def measure(engine, ids: RequestIds, workloads, modes: dict, args) -> int:
                 order = list(modes) if round_ % 2 == 0 else list(modes)[::-1]
                 for name in order:
                     outputs, seconds, drafts, accepted = await run_mode(
-                        engine, ids, workload.prompts, workload.max_tokens, modes[name], concurrency)
+                        engine, ids, workload.prompts, workload.max_tokens, modes[name], concurrency, args.method)
                     tokens = sum(len(t) for per_prompt in outputs for t in per_prompt)
                     measured[name].append((tokens / seconds, accepted / drafts if drafts else 0.0))
                     if outputs != reference:
@@ -132,6 +137,7 @@ async def measure(engine, ids: RequestIds, workloads, modes: dict, args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--method", choices=["suffix", "ngram"], default="suffix", help="the drafter")
     parser.add_argument("--k", type=int, default=5, help="the chain's tokens, and the tree's depth budget")
     parser.add_argument("--nodes", type=int, default=12, help="the tree's tokens (num_draft_tokens)")
     parser.add_argument("--rounds", type=int, default=3)
