@@ -22,18 +22,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.modeling.eagle_head import EagleHead, RMSNorm
+from services.modeling.eagle_head import EagleHead, HeadShape, RMSNorm
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int  # the target's
+class Eagle3Config(HeadShape):
     draft_vocab_size: int
     target_hidden_size: int
     target_layers: tuple[int, ...]  # (): not named yet, vLLM's default three (eagle_head_files.fit_head_to_target)

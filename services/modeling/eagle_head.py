@@ -32,7 +32,10 @@ CONFIG_FILE = "eagle_config.json"
 
 
 @dataclass(frozen=True)
-class EagleConfig:
+class HeadShape:
+    """The head's decoder layer (its width, MLP, heads, norm, RoPE) and the target's vocabulary: what every EAGLE
+    head's config starts with (Eagle3Config too)."""
+
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -40,6 +43,14 @@ class EagleConfig:
     rms_norm_eps: float
     rope_theta: float
     vocab_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class EagleConfig(HeadShape):
     target: str = ""  # the target model it was trained for (a --model spec)
     draft_vocab_size: int = 0  # > 0: drafts come from `EagleHead.draft_vocab` only; 0: the whole vocabulary
     # RMSNorm on the fc output before attention (specserve's heads); the published EAGLE-1 heads have none
@@ -57,10 +68,6 @@ class EagleConfig:
             "rope_theta", 10000.0)
         return EagleConfig(config.hidden_size, config.intermediate_size, config.num_attention_heads,
                            config.num_key_value_heads, config.rms_norm_eps, float(theta), config.vocab_size, target)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
 
 class RMSNorm(nn.Module):
