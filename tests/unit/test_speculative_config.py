@@ -34,12 +34,13 @@ def test_empty_flag_means_no_speculation():
         ('{"method": "medusa"}', "unknown speculative method 'medusa'; available: draft_model, eagle, eagle3, ngram, suffix"),
         ('{"method": "ngram", "num_speculative_tokens": -1}', "num_speculative_tokens"),
         ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
-        ('{"method": "ngram", "bogus": 1}', r"bogus: not an option of method 'ngram' \(its options: prompt_lookup_min, "
-                                            r"prompt_lookup_max\)"),
+        ('{"method": "ngram", "bogus": 1}', r"bogus: not an option of method 'ngram' \(its options: num_draft_tokens, "
+                                            r"prompt_lookup_min, prompt_lookup_max\)"),
         ('{"method": "ngram", "suffix_decoding_max_tree_depth": 8}', "not an option of method 'ngram'"),
         ('{"method": "draft_model", "model": "m", "prompt_lookup_max": 3}', r"it has no options"),
         ('{"method": "none", "prompt_lookup_max": 3}', r"not an option of method 'none'"),
-        ('{"method": "ngram", "num_draft_tokens": 8}', "token trees, which method 'ngram' does not draft"),
+        ('{"method": "draft_model", "model": "m", "num_draft_tokens": 8}',
+         r"token trees, which method 'draft_model' does not draft \(methods that do: eagle, eagle3, ngram, suffix\)"),
         ('{"method": "suffix", "num_draft_tokens": 65}', "num_draft_tokens"),
         ('{"method": "eagle", "eagle_topk": 2}', "eagle_topk shapes EAGLE's token trees"),
         ('{"method": "suffix", "num_draft_tokens": 8, "eagle_topk": 2}', "eagle_topk: not an option of method 'suffix'"),
