@@ -80,7 +80,7 @@ class TrainSettings:
 def reachable(length: int, prompt_len: int, step: int) -> torch.Tensor:
     """Head positions t (of `length`) whose step-`step` output a serving chain computes: the chain starts at the
     last committed token, the first of them the prompt's bonus token (head position prompt_len - 1)."""
-    return torch.arange(max(step - 1, prompt_len - 2 + step), length)
+    return torch.arange(min(max(step - 1, prompt_len - 2 + step), length), length)  # none: an answer too short
 
 
 def step_losses(head: EagleHead, embed, lm_weight: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,

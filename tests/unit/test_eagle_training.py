@@ -57,6 +57,8 @@ def test_losses_cover_only_the_answer_positions_a_chain_reaches():
     assert reachable(30, 10, 1).tolist() == list(range(9, 30))
     assert reachable(30, 10, 3).tolist() == list(range(11, 30))
     assert reachable(30, 1, 2).tolist() == list(range(1, 30))  # never a position before the chain's step
+    # an answer too short for step 3's chain (the target answered with its end token at once): no position
+    assert reachable(9, 10, 1).tolist() == [] and reachable(9, 10, 3).tolist() == []
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_answer_tokens_and_the_end_tokens():
