@@ -104,8 +104,8 @@ def eagle3_modes(settings: EagleBenchSettings) -> list[Mode]:
                  f"{settings.tree_topk}", "eagle3-tree", settings.tree_nodes)]
 
 
-def reads_three_layers(method: str | None) -> bool:
-    """The EAGLE-3 drafters: their engines serve other target layers than the rest's."""
+def is_eagle3(method: str | None) -> bool:
+    """The EAGLE-3 drafters: their engines serve other target layers than the rest's (one set per engine)."""
     return bool(method) and method.startswith("eagle3")
 
 
@@ -143,12 +143,12 @@ async def measure_round(runner: ModelRunner, compute: Executor, prompts, setting
             proposers = {method: RemoteProposer(RemoteProposerConfig(address, runner.vocab_size, fingerprint,
                                                                      step_timeout_s=None), method=method)
                          for method, address in addresses.items()
-                         if reads_three_layers(method) == eagle3} if group != "states" else {}
+                         if is_eagle3(method) == eagle3} if group != "states" else {}
             for proposer in proposers.values():  # reached now, so that the engine serves the layers they read
                 await proposer.info()
             engine = Engine(runner, config, proposers, eos, compute)
             group_modes = [m for m in modes(settings) if m.adaptive == adaptive and m.k > 0
-                           and reads_three_layers(m.method) == eagle3] if group != "states" else [
+                           and is_eagle3(m.method) == eagle3] if group != "states" else [
                 Mode("off-states", "off, states captured", None, 0)]
             if group == "fixed":
                 group_modes.insert(0, modes(settings)[0])  # no speculation

@@ -87,7 +87,7 @@ def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_token
     target, tokenizer = loaded.model, loaded.tokenizer
     head = load_eagle_head(head_dir)
     fit_head_to_target(head, target.config, head_dir)
-    embed = getattr(head, "embed_tokens", None) or target.get_input_embeddings()
+    embed = head.token_embedding(target)
     lm_head = target.get_output_embeddings()
     report = AcceptanceReport(k, 0, [0] * k, [0] * k, 0)
     with open_dataset("r") as f:

@@ -128,6 +128,11 @@ class EagleHead(nn.Module):
         """Target token ids of indices into the rows `draft_weight` returned."""
         return indices if self.draft_vocab is None else self.draft_vocab[indices]
 
+    def token_embedding(self, target: nn.Module) -> nn.Module:
+        """The embedding it reads tokens through: its own where a checkpoint ships one (some EAGLE-3 heads), else
+        the target's."""
+        return getattr(self, "embed_tokens", None) or target.get_input_embeddings()
+
     def target_features(self, states: torch.Tensor) -> torch.Tensor:
         """The head's feature of the target's hidden states as the verifier sends them: EAGLE-1 reads the final
         state as it is (an EAGLE-3 head fuses several layers here)."""

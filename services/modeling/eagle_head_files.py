@@ -56,11 +56,11 @@ def load_eagle_head(folder: Path, dtype: torch.dtype = torch.float32) -> EagleHe
         raise HeadFormatError(f"{folder} holds no EAGLE head: expected {CONFIG_FILE} (specserve's) or config.json (a "
                               "published EAGLE-1 or EAGLE-3 head, or a speculators checkpoint)")
     fields = json.loads((folder / "config.json").read_text())
-    tensors = {name.removeprefix("model."): t for name, t in read_tensors(folder).items()}
     kind = fields.get("speculators_model_type")
+    if kind not in (None, "eagle3"):  # before reading any weights
+        raise HeadFormatError(f"{folder}: speculators model type {kind!r} is not supported (only 'eagle3')")
+    tensors = {name.removeprefix("model."): t for name, t in read_tensors(folder).items()}
     if kind is not None:
-        if kind != "eagle3":
-            raise HeadFormatError(f"{folder}: speculators model type {kind!r} is not supported (only 'eagle3')")
         head = _eagle3(folder, _speculators_fields(fields), tensors, "layers.0.", norm_before_residual_default=True)
     elif "draft_vocab_size" in fields or any(name.startswith("midlayer.") for name in tensors):
         head = _eagle3(folder, fields, tensors, "midlayer.", norm_before_residual_default=False)

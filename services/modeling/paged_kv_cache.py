@@ -60,15 +60,15 @@ class PagedKVCache:
         self.hidden: torch.Tensor | None = None  # [slots, H] when kept (keep_hidden_states)
 
     def keep_hidden_states(self, width: int, dtype: torch.dtype) -> None:
-        """Keep each position's final hidden state beside its K/V, in the same slot, so that a sequence that
-        starts from a cached prefix can have the prefix's states too (an EAGLE drafter reads them): with them
-        its prompt reuses cached blocks like any other. Blocks cached before are forgotten: they have no states. Called
-        again with another width (another engine on this runner serving other layers), it starts over likewise."""
-        if self.hidden is not None and self.hidden.shape[1] == width:
+        """Keep each position's served hidden states (`width` wide) beside its K/V, in the same slot, so that a
+        sequence that starts from a cached prefix can have the prefix's states too (an EAGLE drafter reads them):
+        with them its prompt reuses cached blocks like any other. Blocks cached before are forgotten: they have no
+        states. (A runner that changes its layers drops the kept ones first: forget_hidden_states.)"""
+        if self.hidden is not None:
             return
         if self._seqs:
             raise RuntimeError("keep_hidden_states must be called while no sequence holds blocks")
-        self.pool.forget_all()  # cached blocks have no states (or states of other layers)
+        self.pool.forget_all()
         self.hidden = torch.zeros(self.keys.shape[2], width, dtype=dtype, device=self.keys.device)
 
     def forget_hidden_states(self) -> None:
@@ -81,7 +81,7 @@ class PagedKVCache:
         self.hidden = None
 
     def hidden_states(self, seq_id: Hashable, length: int) -> torch.Tensor:
-        """[length, H]: the kept states of the sequence's first `length` positions."""
+        """[length, width]: the kept states of the sequence's first `length` positions."""
         if self.hidden is None:
             raise RuntimeError("hidden states are not kept (keep_hidden_states)")
         return self.hidden[torch.tensor(self.slots(seq_id, 0, length), dtype=torch.int64, device=self.hidden.device)]

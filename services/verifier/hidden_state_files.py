@@ -20,6 +20,7 @@ import torch
 
 from services.modeling.hidden_layers import FINAL_ONLY
 
+
 def file_for(output_dir: Path, request_id: str) -> Path:
     """The request's file; ids are sanitised into file names (a client-chosen id never escapes the folder)."""
     return output_dir / (re.sub(r"[^A-Za-z0-9._-]", "_", request_id)[:200] + ".safetensors")

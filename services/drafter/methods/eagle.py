@@ -100,7 +100,8 @@ class EagleProposer:
     @property
     def state_width(self) -> int:
         """The width of the target states it reads per token: its layers side by side."""
-        return self.capabilities.hidden_size * len(self.head.config.hidden_layers)
+        config = self.head.config
+        return getattr(config, "target_hidden_size", config.hidden_size) * len(config.hidden_layers)
 
     @property
     def pipeline_counts(self):
@@ -249,11 +250,6 @@ class ChainStart:
     k: int
 
 
-def head_embedding(head: EagleHead) -> torch.nn.Module | None:
-    """An EAGLE-3 checkpoint's own token embedding, where it ships one; otherwise the target's is used."""
-    return getattr(head, "embed_tokens", None)
-
-
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     from services.modeling.loading import load_model
 
@@ -275,7 +271,7 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
                          "target_model in the speculative config to the verifier's --model")
     loaded = load_model(target_spec, device="cpu", dtype="float32")
     fit_head_to_target(head, loaded.model.config, head_dir)
-    embed = head_embedding(head) or loaded.model.get_input_embeddings()
+    embed = head.token_embedding(loaded.model)
     lm_head = loaded.model.get_output_embeddings()
     logger.info("%s head %s for %s (hidden %d, target layers %s)", type(head).__name__, head_dir, target_spec,
                 head.config.hidden_size, list(head.config.hidden_layers))
