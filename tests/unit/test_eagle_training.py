@@ -7,6 +7,7 @@ import copy
 import io
 from dataclasses import asdict
 
+import pytest
 import torch
 
 from services.eagle.evaluate import AcceptanceReport, chain_acceptance, leading_matches
@@ -162,3 +163,20 @@ def test_eagle3_training_steps_lower_the_loss_and_its_head_keeps_through_its_spe
             out, _ = h.step(target.get_input_embeddings()(ids[:, 1:21]), h.target_features(states[:, :20]), 0, None)
             logits.append(h.draft_logits(out, h.draft_weight(None)))
     assert torch.allclose(logits[0], logits[1], atol=1e-4)
+
+
+def test_the_other_source_chat_prompts_cover_every_category_in_a_short_run():
+    from services.eagle.chat_prompts import CHAT_PROMPTS, chat_prompt_messages
+    from services.eagle.evaluate import evaluation_prompts
+
+    categories = {category for category, _ in CHAT_PROMPTS}
+    texts = [text for _, text in CHAT_PROMPTS]
+    assert len(set(texts)) == len(texts) == 48
+    first = chat_prompt_messages(len(categories))
+    by_text = dict((text, category) for category, text in CHAT_PROMPTS)
+    assert {by_text[chat[0]["content"]] for chat in first} == categories
+    assert all(len(chat) == 1 and chat[0]["role"] == "user" for chat in chat_prompt_messages())
+    assert sorted(chat[0]["content"] for chat in chat_prompt_messages()) == sorted(texts)
+    assert evaluation_prompts("chat", 5) == chat_prompt_messages(5)
+    with pytest.raises(ValueError, match="sharegpt, chat"):
+        evaluation_prompts("mt-bench", 5)
