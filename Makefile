@@ -125,8 +125,8 @@ bench-pipelining: install
 	$(BIN)/python -m services.bench.draft_pipelining --pair eagle --prompts 4 --max-tokens 64 $(PIPELINING_BENCH_ARGS)
 
 # Reproduce the shipped EAGLE head (services/modeling/eagle_heads/$(MODEL)/): the target answers EAGLE_PROMPTS
-# ShareGPT prompts (extract_hidden_states), the head trains on them, its held-out acceptance is measured, and the
-# head is copied into the package. Resumable (run it again after an interruption); about 1.5 h on a 2-core CPU.
+# ShareGPT prompts (extract_hidden_states), the head trains on them, its acceptance on held-out ShareGPT and on
+# hand-written chat prompts is measured, and the head is copied into the package. Resumable (run it again after an interruption); about 1.5 h on a 2-core CPU.
 EAGLE_OUT ?= $(HOME)/.cache/specserve/eagle-train
 EAGLE_PROMPTS ?= 2600
 EAGLE_PASSES ?= 4
@@ -134,8 +134,10 @@ eagle-head: fetch-model
 	$(PIP_INSTALL) -e '.[train]'
 	$(BIN)/specserve train-eagle --model $(MODEL) --out $(EAGLE_OUT) --prompts $(EAGLE_PROMPTS) \
 	  --passes $(EAGLE_PASSES) --eval-prompts 20
+	$(BIN)/specserve train-eagle --model $(MODEL) --out $(EAGLE_OUT) --eval-only --eval-set chat --eval-prompts 48
 	mkdir -p services/modeling/eagle_heads/$(MODEL)
 	cp $(EAGLE_OUT)/head/model.safetensors $(EAGLE_OUT)/head/eagle_config.json $(EAGLE_OUT)/head/evaluation.json \
+	  $(EAGLE_OUT)/head/evaluation-chat.json \
 	  services/modeling/eagle_heads/$(MODEL)/
 
 # `specserve serve` on free ports under saturating mixed traffic (SOAK_ARGS, e.g. --duration-s 60); exit 1 when a
