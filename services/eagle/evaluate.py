@@ -1,8 +1,8 @@
 """Held-out acceptance of an EAGLE head, measured the way serving drafts: the target writes its greedy answer to
-prompts kept out of training (held-out ShareGPT first turns, or the chat prompts of another source); at every position n of that answer the head drafts a chain of K by argmax from the
-committed context (target features up to n-1, the token x_n), feeding back its own features; the acceptance
-length is 1 + the number of leading drafts equal to the target's next tokens (vLLM's count: the bonus token
-included)."""
+prompts kept out of training (held-out ShareGPT first turns, or the chat prompts of another source); at every
+position n of that answer the head drafts a chain of K by argmax from the committed context (target features up
+to n-1, the token x_n), feeding back its own features; the acceptance length is 1 + the number of leading drafts
+equal to the target's next tokens (vLLM's count: the bonus token included)."""
 
 from __future__ import annotations
 
