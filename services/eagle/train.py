@@ -34,7 +34,7 @@ from services.eagle.evaluate import EVAL_SETS
 from services.eagle.extract import Example
 from services.modeling.eagle3_head import Eagle3Config, Eagle3Head
 from services.modeling.eagle_head import EagleConfig, EagleHead
-from services.modeling.hidden_layers import default_eagle3_layers
+from services.modeling.hidden_layers import check_hidden_layers, default_eagle3_layers
 
 logger = logging.getLogger(__name__)
 DEFAULT_DIR = Path("~/.cache/specserve/eagle-train").expanduser()
@@ -68,14 +68,24 @@ class TrainSettings:
 
     # an EAGLE-3 head (eagle3_head.py), reading vLLM's default low/middle/high target layers; else EAGLE-1
     eagle3: bool = False
+    # the three target layers an EAGLE-3 head reads (hidden_layers.py numbering, -1 the final normed state);
+    # None: vLLM's default for the target's depth
+    eagle3_layers: tuple[int, ...] | None = None
 
     def extracted(self, layers: Sequence[int]) -> Path:
         """Where the target's answers and the states of `layers` are kept: a folder per set of layers."""
         return self.out / ("extracted" if tuple(layers) == (-1,) else "extracted-" + "-".join(map(str, layers)))
 
     def head_layers(self, target_config) -> tuple[int, ...]:
-        """The target layers the head reads: EAGLE-3's depend on the target's depth (vLLM's default three)."""
-        return default_eagle3_layers(target_config.num_hidden_layers) if self.eagle3 else (-1,)
+        """The target layers the head reads: EAGLE-3's are --eagle3-layers, or vLLM's default three for the
+        target's depth."""
+        if not self.eagle3:
+            return (-1,)
+        if self.eagle3_layers is None:
+            return default_eagle3_layers(target_config.num_hidden_layers)
+        if len(self.eagle3_layers) != 3:
+            raise ValueError(f"an EAGLE-3 head reads three target layers, not {list(self.eagle3_layers)}")
+        return check_hidden_layers(self.eagle3_layers, target_config.num_hidden_layers)
 
 
 def reachable(length: int, prompt_len: int, step: int) -> torch.Tensor:
@@ -184,7 +194,7 @@ def new_head(target, settings: TrainSettings, vocab: torch.Tensor | None) -> Eag
     head = Eagle3Head(Eagle3Config(
         base.hidden_size, base.intermediate_size, base.num_attention_heads, base.num_key_value_heads,
         base.rms_norm_eps, base.rope_theta, base.vocab_size, len(vocab), base.hidden_size,
-        default_eagle3_layers(target.config.num_hidden_layers), settings.model))
+        settings.head_layers(target.config), settings.model))
     head.draft_vocab.copy_(vocab)
     with torch.no_grad():
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab])
@@ -301,6 +311,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eagle3", action="store_true",
                         help="train an EAGLE-3 head (fused low/middle/high target layers, its own LM head), saved "
                         "in the speculators layout vLLM loads; default: an EAGLE-1 head")
+    parser.add_argument("--eagle3-layers", default=None,
+                        help="with --eagle3: the three target layers the head reads, e.g. 2,15,-1 (layer i is the "
+                        "residual stream entering decoder layer i, -1 the final normed state; default vLLM's, "
+                        "2,L/2,L-3)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"data, checkpoint and head folder (resumed; default {defaults.out}, or "
                         f"{DEFAULT_DIR_EAGLE3} with --eagle3)")
@@ -329,7 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     out = args.out or (DEFAULT_DIR_EAGLE3 if args.eagle3 else DEFAULT_DIR)
-    settings = TrainSettings(model=args.model, out=out, eagle3=args.eagle3, prompts=args.prompts,
+    if args.eagle3_layers is not None and not args.eagle3:
+        parser.error("--eagle3-layers needs --eagle3")
+    try:
+        layers = None if args.eagle3_layers is None else tuple(int(v) for v in args.eagle3_layers.split(","))
+    except ValueError:
+        parser.error(f"--eagle3-layers: comma-separated integers, not {args.eagle3_layers!r}")
+    settings = TrainSettings(model=args.model, out=out, eagle3=args.eagle3, eagle3_layers=layers, prompts=args.prompts,
                              max_new_tokens=args.max_new_tokens,
                              steps=args.steps, passes=args.passes, lr=args.lr, accumulate=args.accumulate,
                              draft_vocab=args.draft_vocab,

@@ -180,3 +180,19 @@ def test_the_other_source_chat_prompts_cover_every_category_in_a_short_run():
     assert evaluation_prompts("chat", 5) == chat_prompt_messages(5)
     with pytest.raises(ValueError, match="sharegpt, chat"):
         evaluation_prompts("mt-bench", 5)
+
+
+def test_an_eagle3_head_reads_the_layers_it_is_told_or_vllms_default():
+    from services.eagle.train import new_head
+
+    target = tiny_llama(seed=3)  # 2 decoder layers
+    config = target.config
+    assert TrainSettings().head_layers(config) == (-1,)
+    assert TrainSettings(eagle3=True).head_layers(config) == (0, 1, 1)  # vLLM's default for a shallow target
+    told = TrainSettings(eagle3=True, eagle3_layers=(0, 1, -1))
+    assert told.head_layers(config) == (0, 1, -1)
+    assert new_head(target, told, torch.arange(0, 96, 2)).config.hidden_layers == (0, 1, -1)
+    with pytest.raises(ValueError, match="three target layers"):
+        TrainSettings(eagle3=True, eagle3_layers=(0, -1)).head_layers(config)
+    with pytest.raises(ValueError, match="hidden layer 5 does not exist"):
+        TrainSettings(eagle3=True, eagle3_layers=(0, 5, -1)).head_layers(config)
