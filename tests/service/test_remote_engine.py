@@ -25,11 +25,12 @@ def model():
     return tiny_llama(seed=3)
 
 
-def make_engine(model, proposers) -> Engine:
+def make_engine(model, proposers, adaptive_speculation: bool = True) -> Engine:
     runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=200)
     return Engine(
         runner,
-        EngineConfig(max_num_batched_tokens=32, log_stats_interval_s=0, draft_timeout_s=2.0),
+        EngineConfig(max_num_batched_tokens=32, log_stats_interval_s=0, draft_timeout_s=2.0,
+                     adaptive_speculation=adaptive_speculation),
         proposers,
     )
 
@@ -146,7 +147,10 @@ async def test_token_trees_cross_the_link_and_stay_greedy_identical(model):
                                num_speculative_tokens=6)
     remote = await RemoteProposer.connect(remote_config(port))
     try:
-        engine = make_engine(model, {"tree": remote})
+        # Adaptive speculation off: the planner sizes its asks and cuts by measured step times, and a tree asked
+        # for 2 tokens holds 1 of the true branch, so the count below would depend on the machine's load (it
+        # failed once in a fresh-clone run beside another worker: 43 accepted for 27 drafts).
+        engine = make_engine(model, {"tree": remote}, adaptive_speculation=False)
         result = await run_schedule(engine, {0: requests(prompts, max_tokens, [SpeculationParams("tree", 6)] * n)})
         for i in range(n):
             assert result[f"r{i}"].tokens == baseline[f"r{i}"].tokens, f"r{i}"
