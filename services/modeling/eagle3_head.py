@@ -43,6 +43,10 @@ class Eagle3Config(HeadShape):
         return self.target_layers
 
     @property
+    def target_layer_width(self) -> int:
+        return self.target_hidden_size
+
+    @property
     def num_fused_layers(self) -> int:
         return len(self.target_layers) or 3
 

@@ -48,6 +48,11 @@ class HeadShape:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def target_layer_width(self) -> int:
+        """The width of one target layer's state it reads: the head's own width (an EAGLE-3 head may differ)."""
+        return self.hidden_size
+
 
 @dataclass(frozen=True)
 class EagleConfig(HeadShape):

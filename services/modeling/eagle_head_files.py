@@ -92,7 +92,7 @@ def fit_head_to_target(head: EagleHead, target_config, folder: Path | str = "") 
     if c.vocab_size != target_config.vocab_size:
         raise HeadFormatError(f"{where} has a vocabulary of {c.vocab_size} tokens, the target "
                               f"{target_config.vocab_size}: it was built for another model")
-    width = getattr(c, "target_hidden_size", c.hidden_size)
+    width = c.target_layer_width
     if width != target_config.hidden_size:
         raise HeadFormatError(f"{where} reads target states {width} wide, the target's are {target_config.hidden_size}")
     if isinstance(c, Eagle3Config) and not c.target_layers:

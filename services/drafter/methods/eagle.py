@@ -94,14 +94,14 @@ class EagleProposer:
         config = self.head.config
         return ProposerCapabilities(
             vocab_size=self.vocab_size, tokenizer_fingerprint=self.tokenizer_fingerprint, needs_hidden_states=True,
-            hidden_size=getattr(config, "target_hidden_size", config.hidden_size), hidden_layers=config.hidden_layers,
+            hidden_size=config.target_layer_width, hidden_layers=config.hidden_layers,
             pre_drafts=True, sends_trees=self.tree_nodes is not None)
 
     @property
     def state_width(self) -> int:
         """The width of the target states it reads per token: its layers side by side."""
         config = self.head.config
-        return getattr(config, "target_hidden_size", config.hidden_size) * len(config.hidden_layers)
+        return config.target_layer_width * len(config.hidden_layers)
 
     @property
     def pipeline_counts(self):
