@@ -7,11 +7,10 @@ a `specserve drafter` process each (eagle with the shipped head, ngram), reached
 engine (the verifier's own engine through its public API), so the EAGLE rows pay for the hidden states on the
 link. With `--eagle3-head`, EAGLE-3 rows too (K = 4 as a chain, fixed and adaptive, and as a tree), on engines
 of their own since they read other target layers. Rows: no speculation, ngram at K = 4, eagle at each fixed K
-(adaptive speculation off: the mean acceptance
-length per K), eagle with adaptive K, and eagle sending EAGLE-2 token trees (a third drafter process:
-`num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk` expanded per depth; adaptive off, and
-adaptive: the planner cuts each tree to the nodes worth their cost), at 1 request and at `concurrency` requests; `rounds` rounds, each
-running every system once, medians. The link's hidden-state bytes per step are counted from what was committed.
+(adaptive speculation off: the mean acceptance length per K), eagle with adaptive K, and eagle sending EAGLE-2
+token trees (a third drafter process: `num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk`
+expanded per depth; adaptive off, and adaptive: the planner cuts each tree to the nodes worth their cost), at 1
+request and at `concurrency` requests; `rounds` rounds, each running every system once, medians. The link's hidden-state bytes per step are counted from what was committed.
 
 Every speculative output must equal the output without speculation (exit code 1 otherwise).
 """

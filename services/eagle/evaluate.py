@@ -109,7 +109,7 @@ def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_token
     lm_head = target.get_output_embeddings()
     report = AcceptanceReport(k, 0, [0] * k, [0] * k, 0)
     for messages in evaluation_prompts(eval_set, num_prompts):
-        prompt = encode_chat(tokenizer, messages[:1])[:384]
+        prompt = encode_chat(tokenizer, messages)[:384]
         out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
         ids = out[0].tolist()
         with torch.no_grad():
