@@ -19,6 +19,7 @@ from services.modeling.paged_kv_cache import DEFAULT_BLOCK_SIZE
 from services.modeling.loading import LoadedModel, load_model
 from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner_factory import create_runner
+from services.modeling.step_graphs import GraphSettings
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
@@ -40,6 +41,8 @@ class LocalEngineOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
     adaptive_speculation: bool = True
+    enforce_eager: bool = False  # on an accelerator: no captured graphs (step_graphs.py)
+    cuda_graph_sizes: tuple[int, ...] | None = None  # None: step_graphs.default_capture_sizes
     speculative_config: SpeculativeConfig = field(
         default_factory=lambda: SpeculativeConfig(method="none", num_speculative_tokens=0)
     )
@@ -79,7 +82,8 @@ def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None =
     max_model_len = resolve_max_model_len(loaded.model, options.max_model_len)
     memory = parse_bytes(options.kv_cache_memory_bytes) if options.kv_cache_memory_bytes is not None else None
     kv_cache = KVCacheConfig(memory, options.block_size, options.enable_prefix_caching)
-    runner = create_runner(loaded.model, options.max_num_seqs, max_model_len, kv_cache)
+    graphs = GraphSettings(options.enforce_eager, tuple(options.cuda_graph_sizes or ()) or None)
+    runner = create_runner(loaded.model, options.max_num_seqs, max_model_len, kv_cache, graphs=graphs)
     engine = Engine(
         runner,
         EngineConfig(

@@ -77,6 +77,7 @@ class TlsFlags:
 ENGINE_FLAGS = (
     "model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "compute_thread",
     "adaptive_speculation", "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "max_logprobs",
+    "enforce_eager", "cuda_graph_sizes",
 )
 
 
@@ -89,6 +90,8 @@ def _given_engine_flags(args: argparse.Namespace) -> list[str]:
         flag = name.replace("_", "-")
         if isinstance(value, bool):  # an on/off flag: --name or --no-name
             flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif isinstance(value, list):  # nargs="+"
+            flags += [f"--{flag}", *map(str, value)]
         elif value is not None:
             flags += [f"--{flag}", str(value)]
     return flags

@@ -14,15 +14,16 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from services.common.token_trees import tree_ancestors, tree_depths
-from services.modeling.attention import additive_mask, grouped_attention
+from services.modeling.attention import grouped_attention
 from services.modeling.attention_paths import AttentionPaths
 from services.modeling.cpu_linear import LinearFn
+from services.modeling.forward_batch import ForwardBatch, attention_masks, build_forward_batch
 from services.modeling.hidden_layers import FINAL_LAYER, FINAL_ONLY, check_hidden_layers
 from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
 from services.modeling.runner import ForwardOutput, KVUsage, RowInput
+from services.modeling.step_graphs import GraphSettings, StepGraphs
 from services.modeling.weight_release import release_mapped
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -82,6 +83,7 @@ class LlamaFamilyRunner:
         kernel_chooser: KernelChooser | None = None,
         kv_cache: KVCacheConfig | None = None,
         owns_model: bool = False,
+        graphs: GraphSettings | None = None,
     ) -> None:
         """pack_weights: let each linear run oneDNN-packed weights (cpu_linear.py) at the token-row counts
         where a start-up measurement found them faster than F.linear (kernel_choice.py); a shape packed at
@@ -90,7 +92,9 @@ class LlamaFamilyRunner:
         kv_cache: the paged KV pool's memory budget, block size and prefix caching (kv_budget.py).
         owns_model: nothing but this runner calls the model's decoder layers (a verifier or drafter process), so
         each linear keeps one layout: one kernel per shape at every M, and the modules' own weights are freed
-        where the packed copy was chosen (the one-copy rule: the weights are not twice in memory)."""
+        where the packed copy was chosen (the one-copy rule: the weights are not twice in memory).
+        graphs: on an accelerator, decode and verify forwards replay captured graphs (step_graphs.py) unless
+        enforce_eager; CPU forwards run eagerly."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a llama-family model this runner supports")
         config = model.config
@@ -126,6 +130,7 @@ class LlamaFamilyRunner:
             len(layers), self.num_kv_heads, self.head_dim, num_blocks, kv_cache.block_size, self.dtype, self.device,
             kv_cache.enable_prefix_caching,
         )
+        self.graphs = StepGraphs.for_runner(self._body, self.device, max_num_seqs, graphs or GraphSettings())
 
     @property
     def kernel_measurement_s(self) -> float:
@@ -209,11 +214,19 @@ class LlamaFamilyRunner:
         layers = check_hidden_layers(layers, len(self.model.model.layers))
         if layers != self.hidden_layers:
             self.cache.forget_hidden_states()
+            self._forget_graphs()
         self.hidden_layers = layers
 
     def keep_hidden_states(self) -> None:
         """Keep every position's served hidden states beside its K/V (paged_kv_cache.keep_hidden_states)."""
+        if self.cache.hidden is None:
+            self._forget_graphs()
         self.cache.keep_hidden_states(len(self.hidden_layers) * self.model.config.hidden_size, self.dtype)
+
+    def _forget_graphs(self) -> None:
+        """The forward now computes something else (other served layers, kept states): capture it again."""
+        if self.graphs is not None:
+            self.graphs.clear()
 
     @property
     def caches_hidden_states(self) -> bool:
@@ -241,61 +254,42 @@ class LlamaFamilyRunner:
                 raise ValueError(f"row {row.seq_id!r}: {n} tokens, {row.num_logits} logits asked")
             if start + n > self.max_model_len:
                 raise ValueError(f"row {row.seq_id!r} would exceed max_model_len={self.max_model_len}")
-        batch, width = len(rows), max(lengths)
-        span = max(s + n for s, n in zip(starts, lengths, strict=True))
-        device = self.device
-
-        input_ids = torch.tensor(
-            [list(r.token_ids) + [0] * (width - n) for r, n in zip(rows, lengths, strict=True)], device=device
-        )  # [B, L]
-        start_t = torch.tensor(starts, device=device)
-        fed_order = start_t[:, None] + torch.arange(width, device=device)[None, :]  # [B, L] where each is stored
-        trees = [(b, tree_depths(r.parents)) for b, r in enumerate(rows) if r.parents is not None]
-        for b, depths in trees:
-            if len(depths) != lengths[b]:
-                raise ValueError(f"row {rows[b].seq_id!r}: {len(depths)} parents for {lengths[b]} tokens")
-        positions = fed_order
-        if trees:  # a tree node's position is its depth past the cached tokens
-            positions = fed_order.clone()
-            for b, depths in trees:
-                positions[b, : len(depths)] = starts[b] + torch.tensor(depths, device=device)
+            if row.parents is not None and len(row.parents) != n:
+                raise ValueError(f"row {row.seq_id!r}: {len(row.parents)} parents for {n} tokens")
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.cache.reserve(row.seq_id, start + n)
-        row_of = [b for b, n in enumerate(lengths) for _ in range(n)]
-        col_of = [j for n in lengths for j in range(n)]
-        write_rows = torch.tensor(row_of, device=device)  # [N]
-        write_cols = torch.tensor(col_of, device=device)
-        write_slots = torch.tensor(
-            [slot for r, s, n in zip(rows, starts, lengths, strict=True) for slot in self.cache.slots(r.seq_id, s, s + n)],
-            device=device,
-        )  # [N] pool positions
-        ends = [s + n for s, n in zip(starts, lengths, strict=True)]
-        if self.attention_paths.row_by_row(batch, sum(ends) / batch):
-            reads = [(self.cache.row_read(r.seq_id, end), end) for r, end in zip(rows, ends, strict=True)]
-            batch_read = None
+        span = max(s + n for s, n in zip(starts, lengths, strict=True))
+        shape = self.graphs.shape_for(len(rows), max(lengths), span) if self.graphs is not None else None
+        if shape is not None:
+            padded = build_forward_batch(self.cache, rows, starts, torch.device("cpu"), pad_rows=shape[0] - len(rows),
+                                         span=shape[2])
+            batch, hidden, served = self.graphs.run(padded)
+            hidden, served = hidden[: len(rows)], served[: len(rows)].clone()  # the next replay overwrites them
         else:
-            reads, batch_read = [], self.cache.batch_read([r.seq_id for r in rows], span, ends)
-            shape = (self.num_kv_heads, batch * span, self.head_dim)  # one buffer per forward, not per layer
-            gathered = (torch.empty(shape, dtype=self.dtype, device=device),
-                        torch.empty(shape, dtype=self.dtype, device=device))
+            row_by_row = self.attention_paths.row_by_row(len(rows), sum(starts) / len(rows) + sum(lengths) / len(rows))
+            batch = build_forward_batch(self.cache, rows, starts, self.device, row_by_row=row_by_row)
+            hidden, served = self._body(batch)
+        for row in rows:
+            self.cache.append_tokens(row.seq_id, row.token_ids, publish=row.parents is None)
+        select = batch.select[: len(rows), : max(r.num_logits for r in rows)]  # [B, M]
+        selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
+        logits = self._lm_head(selected).float()  # [B, M, V]
+        return ForwardOutput(logits=logits, hidden_states=served)
 
-        key_index = torch.arange(span, device=device)  # where each key is stored: its position, in a chain
-        causal = key_index[None, None, :] <= fed_order[:, :, None]  # [B, L, T]
-        key_positions = key_index[None, :].expand(batch, span)
-        if trees:
-            key_positions = key_positions.clone()
-            for b, depths in trees:
-                n, start = len(depths), starts[b]
-                causal[b, :n, start : start + n] = torch.tensor(tree_ancestors(rows[b].parents), device=device)
-                key_positions[b, start : start + n] = positions[b, :n]
-        masks: dict[int | None, torch.Tensor] = {}
-        for window in set(self._windows):
-            near = key_positions[:, None, :] > positions[:, :, None] - window if window is not None else None
-            masks[window] = additive_mask(causal if near is None else causal & near, torch.float32)  # [B, 1, L, T]
-
+    def _body(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's tensor work, from the batch's tensors alone (what a graph captures): K/V written into
+        the pool and read back through it, the served hidden states kept where asked. Returns the final normed
+        hidden states [B, L, H] and the served ones [B, L, layers * H]."""
+        rows, width = batch.input_ids.shape
+        span = batch.span
+        masks = attention_masks(batch, self._windows)
+        if not batch.row_reads:
+            shape = (self.num_kv_heads, rows * span, self.head_dim)  # one buffer per forward, not per layer
+            gathered = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                        torch.empty(shape, dtype=self.dtype, device=self.device))
         inner = self.model.model
-        hidden = inner.embed_tokens(input_ids)  # [B, L, H]
-        cos, sin = inner.rotary_emb(hidden, positions)
+        hidden = inner.embed_tokens(batch.input_ids)  # [B, L, H]
+        cos, sin = inner.rotary_emb(hidden, batch.positions)
         captured: dict[int, torch.Tensor] = {}  # the residual stream entering layer i, where served
         for index, layer in enumerate(inner.layers):
             if index in self.hidden_layers:
@@ -304,24 +298,24 @@ class LlamaFamilyRunner:
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             qkv = self._qkv(index, attention, hidden)
-            q, k, v = (t.view(batch, width, -1, self.head_dim) for t in qkv)  # [B, L, Hq|Hkv, D]
+            q, k, v = (t.view(rows, width, -1, self.head_dim) for t in qkv)  # [B, L, Hq|Hkv, D]
             if hasattr(attention, "q_norm"):  # qwen3
                 q, k = attention.q_norm(q), attention.k_norm(k)
             q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
             layer_keys, layer_values = self.cache.keys[index], self.cache.values[index]  # [Hkv, slots, D]
-            layer_keys[:, write_slots] = k[write_rows, write_cols].transpose(0, 1)  # [Hkv, N, D]
-            layer_values[:, write_slots] = v[write_rows, write_cols].transpose(0, 1)
+            layer_keys[:, batch.write_slots] = k[batch.write_rows, batch.write_cols].transpose(0, 1)  # [Hkv, N, D]
+            layer_values[:, batch.write_slots] = v[batch.write_rows, batch.write_cols].transpose(0, 1)
             mask = masks[self._windows[index]]
-            if batch_read is not None:
-                keys = read_layer(layer_keys, batch_read, batch, span, gathered[0])
-                values = read_layer(layer_values, batch_read, batch, span, gathered[1])
+            if not batch.row_reads:
+                keys = read_layer(layer_keys, batch.batch_read, rows, span, gathered[0])
+                values = read_layer(layer_values, batch.batch_read, rows, span, gathered[1])
                 attended = grouped_attention(q, keys, values, mask, attention.scaling)
             else:  # each row over its own positions, unpadded
                 attended = torch.cat([
                     grouped_attention(q[b : b + 1], read_layer(layer_keys, read, 1, end),
                                       read_layer(layer_values, read, 1, end), mask[b : b + 1, :, :, :end],
                                       attention.scaling)
-                    for b, (read, end) in enumerate(reads)
+                    for b, (read, end) in enumerate(batch.row_reads)
                 ])
             hidden = residual + self._o_proj(index, attention, attended)  # attended: [B, L, Hq*D]
             residual = hidden
@@ -331,21 +325,8 @@ class LlamaFamilyRunner:
         served = hidden if self.hidden_layers == FINAL_ONLY else torch.cat(
             [captured[i] for i in self.hidden_layers], dim=-1)  # [B, L, layers * H]
         if self.cache.hidden is not None:
-            self.cache.hidden[write_slots] = served[write_rows, write_cols]
-
-        for row in rows:
-            self.cache.append_tokens(row.seq_id, row.token_ids, publish=row.parents is None)
-
-        num_selected = max(r.num_logits for r in rows)
-        select = torch.tensor(
-            [[n - r.num_logits + min(i, r.num_logits - 1) if r.num_logits else n - 1 for i in range(num_selected)]
-             for r, n in zip(rows, lengths, strict=True)],
-            device=device,
-            dtype=torch.int64,
-        ).reshape(batch, num_selected)  # [B, M]
-        selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
-        logits = self._lm_head(selected).float()  # [B, M, V]
-        return ForwardOutput(logits=logits, hidden_states=served)
+            self.cache.hidden[batch.write_slots] = served[batch.write_rows, batch.write_cols]
+        return hidden, served
 
 
 def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[LinearFn | None]) -> int:

@@ -46,7 +46,10 @@ class PagedKVCache:
         device: torch.device,
         enable_prefix_caching: bool = True,
     ) -> None:
-        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        # One block past the pool's: the sink, never handed out, where a padded batch (a captured graph's) writes
+        # the K/V of its padding, so that the null block stays zero.
+        shape = (num_layers, num_kv_heads, (num_blocks + 1) * block_size, head_dim)
+        self.sink_slot = num_blocks * block_size
         # Written through once (zeros): on CPU an untouched allocation is only address space, so the pool would
         # be a budget nobody else sees. Several processes on one host (a verifier, a model drafter, another
         # stack) each sized their pools from the same MemAvailable, and together could fill more memory than
@@ -231,12 +234,16 @@ class PagedKVCache:
         index = torch.tensor(blocks, dtype=torch.int64)[positions // size] * size + positions % size
         return self._every_head(index)
 
-    def batch_read(self, seq_ids: Sequence[Hashable], span: int, lengths: Sequence[int]) -> torch.Tensor:
+    def batch_read(
+        self, seq_ids: Sequence[Hashable], span: int, lengths: Sequence[int], pad_rows: int = 0, on_host: bool = False
+    ) -> torch.Tensor:
         """An index of a layer's rows (_every_head) for reading positions [0, span) of every sequence into one
-        padded [kv_heads, rows * span] buffer; positions at or past a row's length point at the null block."""
+        padded [kv_heads, rows * span] buffer; positions at or past a row's length point at the null block, as do
+        all of `pad_rows` extra rows. on_host: leave the index on the host (a graph copies it in with the rest)."""
         size = self.block_size
         num_blocks = -(-span // size)
-        table = torch.full((len(seq_ids), num_blocks), NULL_BLOCK, dtype=torch.int64)
+        lengths = list(lengths) + [0] * pad_rows
+        table = torch.full((len(lengths), num_blocks), NULL_BLOCK, dtype=torch.int64)
         for row, seq_id in enumerate(seq_ids):
             blocks = self._seqs[seq_id].blocks[:num_blocks]
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
@@ -244,11 +251,12 @@ class PagedKVCache:
         index = table[:, positions // size] * size + positions % size  # [rows, span]
         past = positions[None, :] >= torch.tensor(lengths)[:, None]
         index[past] = NULL_BLOCK * size
-        return self._every_head(index.reshape(-1))
+        return self._every_head(index.reshape(-1), on_host)
 
-    def _every_head(self, index: torch.Tensor) -> torch.Tensor:
+    def _every_head(self, index: torch.Tensor, on_host: bool = False) -> torch.Tensor:
         """Pool positions -> rows of a layer's cache seen as [kv_heads * slots, head_dim], head-major: one
         gather along the first dimension (a row copy each), which is about a third cheaper on CPU than the same
         gather along the slot dimension of [kv_heads, slots, head_dim]."""
         heads, slots = self.keys.shape[1], self.keys.shape[2]
-        return (torch.arange(heads)[:, None] * slots + index[None, :]).reshape(-1).to(self.keys.device)
+        rows = (torch.arange(heads)[:, None] * slots + index[None, :]).reshape(-1)
+        return rows if on_host else rows.to(self.keys.device)

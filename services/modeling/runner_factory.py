@@ -10,20 +10,22 @@ from services.modeling import llama_runner
 from services.modeling.generic_runner import GenericRunner
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.runner import ModelRunner
+from services.modeling.step_graphs import GraphSettings
 
 logger = logging.getLogger(__name__)
 
 
 def create_runner(
     model: torch.nn.Module, max_num_seqs: int, max_model_len: int, kv_cache: KVCacheConfig | None = None,
-    owns_model: bool = False,
+    owns_model: bool = False, graphs: GraphSettings | None = None,
 ) -> ModelRunner:
     """owns_model: only the runner will call the model (a service process): one copy of each weight is kept
     (LlamaFamilyRunner). False where the same model object also runs elsewhere (transformers' generate in the
-    bench, a test's shared fixture)."""
+    bench, a test's shared fixture).
+    graphs: captured step graphs on an accelerator (step_graphs.py); None: their defaults."""
     if llama_runner.supports(model):
         runner = llama_runner.LlamaFamilyRunner(model, max_num_seqs, max_model_len, kv_cache=kv_cache,
-                                                owns_model=owns_model)
+                                                owns_model=owns_model, graphs=graphs)
         logger.info(
             "model runner: batched llama-family runner, %s (kernel measurement took %.2f s; %.2f GiB of module "
             "weights freed: they run packed only)",
@@ -40,6 +42,7 @@ def create_runner(
             "on" if runner.cache.pool.enable_prefix_caching else "off", max_model_len, max_num_seqs,
             runner.attention_paths.describe(),
         )
+        logger.info("step graphs: %s", runner.graphs.describe() if runner.graphs else "none, every forward eager")
         return runner
     logger.warning(
         "model type %r has no batched runner; using the generic transformers path (one row at a time)",

@@ -53,6 +53,8 @@ class VerifierSettings(TlsServerSettings):
     max_waiting_requests: int = Field(256, ge=0)
     max_logprobs: int = Field(20, ge=-1)  # vLLM's: most alternatives per position a request may ask; -1: vocabulary
     compute_thread: Literal["auto", "main", "worker"] = "auto"  # thread for the forwards; auto: measured
+    enforce_eager: bool = False  # vLLM's: on an accelerator, never replay captured graphs (step_graphs.py)
+    cuda_graph_sizes: list[int] | None = None  # vLLM's: row counts a graph is captured for; None: 1, 2, 4, 8, 16...
     adaptive_speculation: bool = True  # verify only draft positions worth their cost (speculation_planner.py)
     draft_timeout_s: float = Field(0.5, gt=0)  # per step; a late drafter costs K = 0 for that step
     max_draft_timeout_s: float = Field(2.0, gt=0)  # the deadline grows with a drafter's measured calls up to this
@@ -93,6 +95,21 @@ class VerifierSettings(TlsServerSettings):
         if value is not None and parse_bytes(value) <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         return value
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _valid_cuda_graph_sizes(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 1):
+            raise ValueError("cuda_graph_sizes must be a non-empty list of row counts of 1 or more")
+        return value
+
+    @property
+    def graphs(self):
+        """The runner's GraphSettings (imported here, as kv_cache's)."""
+        from services.modeling.step_graphs import GraphSettings
+
+        sizes = tuple(sorted(set(self.cuda_graph_sizes))) if self.cuda_graph_sizes else None
+        return GraphSettings(self.enforce_eager, sizes)
 
     @property
     def kv_cache(self):
@@ -151,6 +168,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
     parser.add_argument("--adaptive-speculation", dest="adaptive_speculation", action=argparse.BooleanOptionalAction,
                         default=default, help="verify only the draft positions expected to pay for their cost, per "
                         "step (default on); --no-adaptive-speculation verifies every row's full K")
+    parser.add_argument("--enforce-eager", dest="enforce_eager", action=argparse.BooleanOptionalAction,
+                        default=default, help="on a GPU or NPU, run every forward eagerly instead of replaying "
+                        "graphs captured per batch shape (default off: decode and verify steps are captured)")
+    parser.add_argument("--cuda-graph-sizes", dest="cuda_graph_sizes", type=int, nargs="+", default=default,
+                        help="the running-request counts a step graph is captured for; a step's rows are padded up "
+                        "to the next (default 1 2 4 8 16 24 ... up to --max-num-seqs)")
     if compute_thread:
         parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"],
                             default=default, help="thread for the model's forwards; auto (default) measures both")

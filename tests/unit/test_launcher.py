@@ -251,6 +251,24 @@ def test_max_logprobs_reaches_the_verifier_when_given():
     assert flag(launcher.plan(parse())[1].argv, "--max-logprobs") is None
 
 
+def test_graph_flags_reach_the_verifier_settings_as_vllm_spells_them():
+    from services.verifier.main import add_verifier_flags
+    from services.verifier.settings import VerifierSettings
+
+    given = ["--enforce-eager", "--cuda-graph-sizes", "1", "4", "2"]
+    _, verifier, _ = launcher.plan(parse(*given))
+    index = verifier.argv.index("--cuda-graph-sizes")
+    assert "--enforce-eager" in verifier.argv and verifier.argv[index + 1 : index + 4] == ["1", "4", "2"]
+    verifier_parser = argparse.ArgumentParser()
+    add_verifier_flags(verifier_parser)
+    settings = VerifierSettings(**vars(verifier_parser.parse_args(given)))
+    assert settings.graphs.enforce_eager and settings.graphs.capture_sizes == (1, 2, 4)
+    assert VerifierSettings().graphs.capture_sizes is None and not VerifierSettings().graphs.enforce_eager
+    assert not any("graph" in arg or "eager" in arg for arg in launcher.plan(parse())[1].argv)
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        VerifierSettings(cuda_graph_sizes=[0, 2])
+
+
 def test_verifier_and_drafter_can_be_placed_on_cpu_sets():
     """taskset's list syntax, within the launcher's own CPUs; the gateway is not pinned."""
     mine = sorted(supervision.os.sched_getaffinity(0))

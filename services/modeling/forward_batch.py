@@ -1,0 +1,156 @@
+"""The index tensors of one runner forward, built on the host from the rows and the KV cache's block tables.
+
+Everything a forward needs to know about its rows (tokens, rotary positions, where each fed token's K/V goes, which
+pool positions each row reads, which positions need logits, a token tree's shape) is an integer tensor here, and
+the masks are computed from them on the device (attention_masks). So the forward itself is a fixed sequence of
+tensor operations for a given (rows, width, span): what a captured graph (step_graphs.py) replays, with this
+batch copied into its static inputs as one buffer. A padded batch, for a graph, has extra rows that feed token 0,
+write to the pool's sink slot and read nothing but the null block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from services.common.token_trees import tree_ancestors, tree_depths
+from services.modeling.attention import additive_mask
+from services.modeling.paged_kv_cache import PagedKVCache
+from services.modeling.runner import RowInput
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [B, L] the fed tokens, right-padded with 0
+    positions: torch.Tensor  # [B, L] rotary positions: start + j, or start + depth for a tree's node j
+    fed_order: torch.Tensor  # [B, L] where fed token j is stored in its row's sequence: start + j
+    starts: torch.Tensor  # [B] each row's cached length before this forward
+    # [B, L, L] 1 where fed token i sees fed token j (lower-triangular for a chain); empty: every row a chain
+    ancestors: torch.Tensor
+    write_slots: torch.Tensor  # [N] pool slots the written K/V go to (a padded batch: every [B, L] position)
+    write_rows: torch.Tensor  # [N] the row of each written position
+    write_cols: torch.Tensor  # [N] its column
+    select: torch.Tensor  # [B, L] column whose hidden state gives logits i (the last num_logits, clamped)
+    batch_read: torch.Tensor  # [Hkv * B * span] rows of a layer's cache for the padded gather; empty: row by row
+    span: int  # key positions each row reads (T)
+    row_reads: tuple[tuple[torch.Tensor | slice, int], ...] = ()  # row by row: (where, length) per row
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The integer tensors, in field order (what a graph's static inputs hold)."""
+        return [getattr(self, f.name) for f in fields(self) if f.type == "torch.Tensor"]
+
+    def packed(self) -> torch.Tensor:
+        """All tensors, flattened into one int64 buffer (pinned where the host can pin), in field order."""
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in self.tensors])
+        return flat.pin_memory() if torch.cuda.is_available() else flat
+
+    def views_of(self, buffer: torch.Tensor) -> ForwardBatch:
+        """A batch of this shape whose tensors are views into `buffer` (laid out as packed() lays them out)."""
+        views, offset = {}, 0
+        for f in fields(self):
+            if f.type == "torch.Tensor":
+                tensor = getattr(self, f.name)
+                views[f.name] = buffer[offset : offset + tensor.numel()].view(tensor.shape)
+                offset += tensor.numel()
+        return replace(self, **views)
+
+
+def build_forward_batch(
+    cache: PagedKVCache,
+    rows: Sequence[RowInput],
+    starts: Sequence[int],
+    device: torch.device,
+    *,
+    pad_rows: int = 0,
+    span: int | None = None,
+    row_by_row: bool = False,
+) -> ForwardBatch:
+    """The batch for `rows` (their KV blocks reserved). pad_rows and span shape it for a captured graph: that
+    many extra rows, and `span` key positions read (at least the longest row's); every [B, L] position is then
+    written, the padding into the cache's sink slot. row_by_row: read each row's positions as its own view or
+    index instead of one padded gather (attention_paths.py)."""
+    lengths = [len(r.token_ids) for r in rows]
+    ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+    batch, width = len(rows) + pad_rows, max(lengths)
+    span = max(ends) if span is None else span
+    if span < max(ends):
+        raise ValueError(f"span {span} is shorter than a row ({max(ends)} positions)")
+    padded_starts = list(starts) + [0] * pad_rows
+    graph_shaped = bool(pad_rows) or span != max(ends)  # every position written, the padding to the sink
+    input_ids = torch.zeros(batch, width, dtype=torch.int64)
+    ancestors = torch.empty(0, dtype=torch.int64)
+    if graph_shaped or any(r.parents is not None for r in rows):
+        ancestors = torch.ones(width, width, dtype=torch.int64).tril().expand(batch, width, width).clone()
+    for b, row in enumerate(rows):
+        input_ids[b, : lengths[b]] = torch.tensor(row.token_ids, dtype=torch.int64)
+    fed_order = torch.tensor(padded_starts)[:, None] + torch.arange(width)[None, :]
+    positions = fed_order.clone()
+    for b, row in enumerate(rows):
+        if row.parents is None:
+            continue
+        depths = tree_depths(row.parents)
+        if len(depths) != lengths[b]:
+            raise ValueError(f"row {row.seq_id!r}: {len(depths)} parents for {lengths[b]} tokens")
+        positions[b, : len(depths)] = starts[b] + torch.tensor(depths)
+        ancestors[b, : len(depths), : len(depths)] = torch.tensor(tree_ancestors(row.parents), dtype=torch.int64)
+    if graph_shaped:
+        slots = torch.full((batch, width), cache.sink_slot, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            slots[b, : lengths[b]] = torch.tensor(cache.slots(row.seq_id, starts[b], ends[b]))
+        write_rows = torch.arange(batch).repeat_interleave(width)
+        write_cols = torch.arange(width).repeat(batch)
+        write_slots = slots.reshape(-1)
+    else:
+        write_rows = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], dtype=torch.int64)
+        write_cols = torch.tensor([j for n in lengths for j in range(n)], dtype=torch.int64)
+        write_slots = torch.tensor(
+            [slot for r, s, e in zip(rows, starts, ends, strict=True) for slot in cache.slots(r.seq_id, s, e)],
+            dtype=torch.int64,
+        )
+    select = torch.zeros(batch, width, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        n, wanted = lengths[b], row.num_logits
+        select[b] = torch.tensor([n - wanted + min(i, wanted - 1) if wanted else n - 1 for i in range(width)])
+    row_reads: tuple[tuple[torch.Tensor | slice, int], ...] = ()
+    if row_by_row:
+        row_reads = tuple((cache.row_read(r.seq_id, end), end) for r, end in zip(rows, ends, strict=True))
+        batch_read = torch.empty(0, dtype=torch.int64)
+    else:
+        batch_read = cache.batch_read([r.seq_id for r in rows], span, ends, pad_rows=pad_rows, on_host=True)
+    host = ForwardBatch(input_ids, positions, fed_order, torch.tensor(padded_starts), ancestors, write_slots,
+                        write_rows, write_cols, select, batch_read, span, row_reads)
+    if torch.device(device).type == "cpu":
+        return host
+    return replace(host, **{f.name: getattr(host, f.name).to(device, non_blocking=True)
+                            for f in fields(host) if f.type == "torch.Tensor"})
+
+
+def attention_masks(batch: ForwardBatch, windows: Sequence[int | None]) -> dict[int | None, torch.Tensor]:
+    """Additive masks [B, 1, L, span] per sliding window (None: none), from the batch's tensors alone (no host
+    work, so a graph captures it): a fed token sees the cached positions before it and, among the fed tokens,
+    its ancestors (the tokens before it, in a chain)."""
+    key_index = torch.arange(batch.span, device=batch.input_ids.device)
+    allowed = key_index[None, None, :] <= batch.fed_order[:, :, None]  # [B, L, T]
+    key_positions = key_index[None, :]
+    if batch.ancestors.numel():
+        allowed, key_positions = _with_tree(batch, key_index, allowed)
+    masks = {}
+    for window in set(windows):
+        near = key_positions[:, None, :] > batch.positions[:, :, None] - window if window is not None else None
+        masks[window] = additive_mask(allowed if near is None else allowed & near, torch.float32)
+    return masks
+
+
+def _with_tree(batch: ForwardBatch, key_index: torch.Tensor, causal: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The mask and key positions where fed tokens see their ancestors only and sit at their depth."""
+    rows, width = batch.input_ids.shape
+    relative = key_index[None, :] - batch.starts[:, None]  # [B, T] a key's index among the fed tokens
+    fed = (relative >= 0) & (relative < width)
+    among_fed = relative.clamp(0, width - 1)
+    sees_fed = batch.ancestors.gather(2, among_fed[:, None, :].expand(rows, width, -1)).bool()  # [B, L, T]
+    allowed = torch.where(fed[:, None, :], sees_fed, causal)
+    key_positions = torch.where(fed, batch.positions.gather(1, among_fed), key_index[None, :])  # [B, T]
+    return allowed, key_positions

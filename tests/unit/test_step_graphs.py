@@ -1,0 +1,135 @@
+"""The captured-forward path (step_graphs.py) computes what the eager forward does.
+
+On CPU there is no graph to capture, so a backend behind the same protocol replays by running the forward again on
+the graph's static inputs: everything but the capture itself is what a GPU runs (rows padded to a capture size, the
+span rounded up to its bucket, the padding written to the sink, inputs copied into one static buffer and read
+through views, outputs taken from the static ones). The test marked for CUDA captures for real.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.modeling.kv_budget import KVCacheConfig
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.modeling.runner import RowInput
+from services.modeling.step_graphs import MIN_SPAN, GraphSettings, StepGraphs, default_capture_sizes
+from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
+
+
+class RerunOnReplay:
+    """A GraphBackend for CPU: 'capturing' runs the forward, a replay runs it again into the static outputs."""
+
+    def __init__(self) -> None:
+        self.captures = self.replays = 0
+
+    def capture(self, forward):
+        self.captures += 1
+        outputs = forward()
+
+        def replay() -> None:
+            self.replays += 1
+            for static, fresh in zip(outputs, forward(), strict=True):
+                static.copy_(fresh)
+
+        return replay, outputs
+
+
+def make_runner(model, device=torch.device("cpu"), graphs: GraphSettings | None = None) -> LlamaFamilyRunner:
+    return LlamaFamilyRunner(model, max_num_seqs=8, max_model_len=512, pack_weights=False, graphs=graphs,
+                             kv_cache=KVCacheConfig(memory_bytes=8 << 20, block_size=8))
+
+
+def with_rerun_graphs(model, sizes=(1, 2, 4), max_width=8) -> tuple[LlamaFamilyRunner, RerunOnReplay]:
+    runner = make_runner(model)
+    backend = RerunOnReplay()
+    runner.graphs = StepGraphs(runner._body, backend, sizes, runner.device, max_width=max_width)
+    return runner, backend
+
+
+def test_capture_sizes_and_shapes_follow_vllm():
+    assert default_capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert default_capture_sizes(3) == (1, 2, 3) and default_capture_sizes(12) == (1, 2, 4, 8, 12)
+    graphs = StepGraphs(lambda batch: None, RerunOnReplay(), (1, 2, 4, 8), torch.device("cpu"), max_width=16)
+    assert graphs.shape_for(3, 5, 10) == (4, 5, MIN_SPAN)
+    assert graphs.shape_for(1, 1, MIN_SPAN + 1) == (1, 1, 2 * MIN_SPAN)
+    assert graphs.shape_for(8, 16, 1000) == (8, 16, 1024)
+    assert graphs.shape_for(9, 1, 10) is None and graphs.shape_for(1, 17, 10) is None  # run eagerly
+    assert StepGraphs.for_runner(lambda batch: None, torch.device("cpu"), 8, GraphSettings()) is None
+    assert StepGraphs.for_runner(lambda batch: None, torch.device("meta"), 8, GraphSettings()) is None
+
+
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_graph_shaped_forwards_match_eager_ones(make_model):
+    """Three sequences decode side by side through steps of 1 token, chains of drafts and a tree, with rollbacks,
+    across the first span bucket's end; prefill is wider than the graphs take and runs eagerly."""
+    model = make_model()
+    eager = make_runner(model)
+    graphed, backend = with_rerun_graphs(model)
+    rng = random.Random(3)
+    prompts = {s: [rng.randrange(VOCAB) for _ in range(n)] for s, n in (("a", 240), ("b", 40), ("c", 250))}
+    for runner in (eager, graphed):
+        for seq, prompt in prompts.items():
+            runner.add_sequence(seq)
+            runner.forward([RowInput(seq, prompt, num_logits=1)])
+    for step in range(20):
+        live = ["a", "b", "c"][: 1 + step % 3]
+        rows = []
+        for seq in live:
+            width = rng.choice([1, 1, 3, 5])
+            tokens = [rng.randrange(VOCAB) for _ in range(width)]
+            parents = [-1, 0, 0, 1, 2][:width] if width == 5 and seq == "b" else None
+            rows.append(RowInput(seq, tokens, num_logits=width, parents=parents))
+        outputs = [runner.forward(rows) for runner in (eager, graphed)]
+        torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-5, rtol=1e-5)
+        for b, row in enumerate(rows):  # a row's states are valid for its own tokens, not the batch's padding
+            n = len(row.token_ids)
+            torch.testing.assert_close(outputs[1].hidden_states[b, :n], outputs[0].hidden_states[b, :n],
+                                       atol=1e-5, rtol=1e-5)
+        for row in rows:  # keep 1 + a few of the fed tokens, as a verify step does
+            for runner in (eager, graphed):
+                start = runner.length(row.seq_id) - len(row.token_ids)
+                if row.parents is not None:
+                    runner.keep_path(row.seq_id, start, [0, 1, 3])
+                else:
+                    runner.truncate(row.seq_id, start + 1 + step % len(row.token_ids))
+    assert max(graphed.length(s) for s in prompts) > MIN_SPAN  # crossed into the second span bucket
+    assert backend.replays > 0 and backend.captures == len(graphed.graphs) > 1
+    assert not graphed.cache.keys[:, :, : graphed.cache.block_size].any()  # the padding went to the sink, not here
+
+
+def test_a_changed_forward_is_captured_again():
+    """Serving other layers changes what the forward computes: the graphs of the old one are dropped."""
+    runner, backend = with_rerun_graphs(tiny_llama())
+    runner.add_sequence("a")
+    runner.forward([RowInput("a", list(range(12)), num_logits=1)])
+    runner.forward([RowInput("a", [5], num_logits=1)])
+    assert len(runner.graphs) == 1
+    runner.remove_sequence("a")
+    runner.serve_hidden_layers([0, -1])
+    assert len(runner.graphs) == 0
+    runner.add_sequence("a")
+    runner.forward([RowInput("a", list(range(12)), num_logits=1)])
+    out = runner.forward([RowInput("a", [5], num_logits=1)])
+    assert out.hidden_states.shape[-1] == 2 * runner.model.config.hidden_size and len(runner.graphs) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures real CUDA graphs")
+def test_cuda_graphs_match_the_eager_forward():
+    model = tiny_llama().to("cuda")
+    eager = make_runner(model, graphs=GraphSettings(enforce_eager=True))
+    graphed = make_runner(model)
+    assert eager.graphs is None and graphed.graphs is not None
+    rng = random.Random(5)
+    for runner in (eager, graphed):
+        runner.add_sequence("a")
+        runner.add_sequence("b")
+        runner.forward([RowInput("a", [rng.randrange(VOCAB) for _ in range(70)]), RowInput("b", [1, 2, 3])])
+    for _ in range(6):
+        rows = [RowInput("a", [rng.randrange(VOCAB) for _ in range(4)], num_logits=4), RowInput("b", [7], num_logits=1)]
+        outputs = [runner.forward(rows) for runner in (eager, graphed)]
+        torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-4, rtol=1e-4)
+    assert len(graphed.graphs) == 1
