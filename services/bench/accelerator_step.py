@@ -1,0 +1,147 @@
+"""The accelerator step, captured vs eager, side by side in one run (issue 29's figures).
+
+Run: `python -m services.bench.accelerator_step --device cuda --dtype bfloat16` (a few minutes on one GPU; it runs on
+CPU too, where both modes are the same eager path). One model is loaded once; for each mode (eager: --enforce-eager,
+captured: step graphs) an in-process engine measures
+- the decode step at batch 1: ms per step (step_profile's timers), and, on CUDA, kernel launches, stream syncs and
+  host-to-device copies per step from torch.profiler;
+- tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
+  code edit at 1 request (the answer is nearly the prompt: n-gram drafts land);
+- whether each speculative greedy output equals the non-speculative one token for token.
+Then transformers' own `generate` at batch 1 as the peer row. Medians and ratios, measured in this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from services.bench.hardware import describe_hardware
+from services.bench.prompts import chat_token_ids, code_edit_message
+from services.bench.step_profile import PROMPT, profile_runner
+from services.common.speculative_config import SpeculativeConfig
+from services.eagle.chat_prompts import chat_prompt_messages
+from services.inprocess import LocalEngineOptions, build_local_engine
+from services.modeling.loading import LoadedModel, load_model
+from services.modeling.registry import DEFAULT_MODEL
+from services.modeling.runner_factory import create_runner
+from services.modeling.step_graphs import GraphSettings
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+PROFILED_COUNTS = {"launches": ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"),
+                   "syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+                   "copies": ("cudaMemcpyAsync", "cudaMemcpy")}
+
+
+def step_counts(loaded: LoadedModel, graphs: GraphSettings, prompt: Sequence[int], tokens: int) -> dict[str, float]:
+    """Launches, syncs and copies per decode step of one request (torch.profiler over its steps, prefill and
+    first steps excluded by profiling a second request)."""
+    runner = create_runner(loaded.model, 1, 2048, graphs=graphs)
+
+    async def run() -> dict[str, float]:
+        await profile_runner(runner, prompt, tokens, 1)  # captures what it needs first
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            await profile_runner(runner, prompt, tokens, 1)
+        events = {e.key: e.count for e in profiler.key_averages()}
+        return {name: sum(events.get(key, 0) for key in keys) / tokens for name, keys in PROFILED_COUNTS.items()}
+
+    return asyncio.run(run())
+
+
+async def generate_all(engine, prompts: Sequence[Sequence[int]], max_tokens: int,
+                       speculation: SpeculationParams) -> tuple[float, list[tuple[int, ...]]]:
+    """All prompts at once; (tokens/s, each output's tokens)."""
+    async def one(i: int, prompt: Sequence[int]) -> tuple[int, ...]:
+        request = GenerationRequest(f"r{i}", tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                    speculation)
+        out: list[int] = []
+        async for output in engine.generate(request):
+            out += output.token_ids
+        return tuple(out)
+
+    started = time.perf_counter()
+    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
+
+
+def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load: dict[str, list],
+               max_tokens: int) -> dict[str, tuple[float, float, int, int]]:
+    """Per load: (tok/s none, tok/s ngram, outputs identical, outputs)."""
+    engine, _ = build_local_engine(options, loaded)
+
+    async def run():
+        results = {}
+        async with engine:
+            await generate_all(engine, prompts_by_load["1"], 8, SpeculationParams())  # warm-up and first graphs
+            for load, prompts in prompts_by_load.items():
+                plain, plain_out = await generate_all(engine, prompts, max_tokens, SpeculationParams())
+                spec, spec_out = await generate_all(engine, prompts, max_tokens, SpeculationParams("ngram", 4))
+                same = sum(a == b for a, b in zip(plain_out, spec_out, strict=True))
+                results[load] = (plain, spec, same, len(prompts))
+        return results
+
+    return asyncio.run(run())
+
+
+def transformers_row(loaded: LoadedModel, prompt: Sequence[int], max_tokens: int) -> float:
+    model = loaded.model
+    ids = torch.tensor([list(prompt)], device=next(model.parameters()).device)
+    model.generate(ids, max_new_tokens=8, do_sample=False)
+    started = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - started)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.bench.accelerator_step", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--loads", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--modes", nargs="+", choices=["eager", "captured"], default=["eager", "captured"])
+    args = parser.parse_args(argv)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    device = next(loaded.model.parameters()).device
+    for key, value in describe_hardware().items():
+        print(f"{key}: {value}")
+    print(f"model: {loaded.model_id} on {device}, {next(loaded.model.parameters()).dtype}; torch {torch.__version__}")
+    prompt = tuple(loaded.tokenizer(PROMPT)["input_ids"])
+    chats = [chat_token_ids(loaded.tokenizer, m) for m in chat_prompt_messages()]  # 48; more loads repeat them
+    prompts_by_load = {str(n): [chats[i % len(chats)] for i in range(n)] for n in args.loads}
+    prompts_by_load["edit"] = [chat_token_ids(loaded.tokenizer, code_edit_message())]
+    rows = {}
+    for mode in args.modes:
+        graphs = GraphSettings(enforce_eager=mode == "eager")
+        runner = create_runner(loaded.model, 1, 2048, graphs=graphs)
+        steps = asyncio.run(profile_runner(runner, prompt, args.max_tokens, 3))
+        step_ms = statistics.median(run["step"] for run in steps)
+        forward_ms = statistics.median(run["forward"] for run in steps)
+        del runner
+        counts = step_counts(loaded, graphs, prompt, 32) if device.type == "cuda" else {}
+        options = LocalEngineOptions(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.loads),
+                                     enforce_eager=mode == "eager", speculative_config=NGRAM)
+        rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens))
+        print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
+              + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""))
+        for load, (plain, spec, same, total) in rows[mode][3].items():
+            label = "code edit, 1 request" if load == "edit" else f"{load} concurrent chat"
+            print(f"  {label:>22}: none {plain:7.1f} tok/s, ngram {spec:7.1f} tok/s ({spec / plain:.2f}x); "
+                  f"greedy identical {same}/{total}")
+    if len(rows) == 2:
+        eager, captured = rows["eager"], rows["captured"]
+        print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "
+              + ", ".join(f"{load}: {captured[3][load][0] / eager[3][load][0]:.2f}x" for load in eager[3]))
+    print(f"\ntransformers generate, batch 1: {transformers_row(loaded, prompt, args.max_tokens):.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
