@@ -258,13 +258,9 @@ class LlamaFamilyRunner:
                 raise ValueError(f"row {row.seq_id!r}: {len(row.parents)} parents for {n} tokens")
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.cache.reserve(row.seq_id, start + n)
-        span = max(s + n for s, n in zip(starts, lengths, strict=True))
-        shape = self.graphs.shape_for(len(rows), max(lengths), span) if self.graphs is not None else None
-        if shape is not None:
-            padded = build_forward_batch(self.cache, rows, starts, torch.device("cpu"), pad_rows=shape[0] - len(rows),
-                                         span=shape[2])
-            batch, hidden, served = self.graphs.run(padded)
-            hidden, served = hidden[: len(rows)], served[: len(rows)].clone()  # the next replay overwrites them
+        replayed = self._replay(rows, starts, lengths) if self.graphs is not None else None
+        if replayed is not None:
+            batch, hidden, served = replayed
         else:
             row_by_row = self.attention_paths.row_by_row(len(rows), sum(starts) / len(rows) + sum(lengths) / len(rows))
             batch = build_forward_batch(self.cache, rows, starts, self.device, row_by_row=row_by_row)
@@ -275,6 +271,21 @@ class LlamaFamilyRunner:
         selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
         logits = self._lm_head(selected).float()  # [B, M, V]
         return ForwardOutput(logits=logits, hidden_states=served)
+
+    def _replay(self, rows: Sequence[RowInput], starts: list[int], lengths: list[int]):
+        """The forward as a captured graph's replay: (its static batch, hidden [B, L, H], served states); None
+        where no graph takes this shape."""
+        span = max(s + n for s, n in zip(starts, lengths, strict=True))
+        shape = self.graphs.shape_for(len(rows), max(lengths), span)
+        if shape is None:
+            return None
+        padded = build_forward_batch(self.cache, rows, starts, torch.device("cpu"), pad_rows=shape[0] - len(rows),
+                                     span=shape[2])
+        replayed = self.graphs.run(padded)
+        if replayed is None:
+            return None
+        batch, hidden, served = replayed
+        return batch, hidden[: len(rows)], served[: len(rows)].clone()  # the next replay overwrites them
 
     def _body(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward's tensor work, from the batch's tensors alone (what a graph captures): K/V written into

@@ -106,6 +106,7 @@ class StepGraphs:
         self.device = device
         self.max_width = max_width
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
+        self._uncapturable: set[tuple[int, int, int]] = set()
         self.capture_seconds = 0.0
 
     @classmethod
@@ -125,14 +126,23 @@ class StepGraphs:
         padded = next(size for size in self.capture_sizes if size >= rows)
         return padded, width, max(MIN_SPAN, 1 << (span - 1).bit_length())
 
-    def run(self, batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+    def run(self, batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor] | None:
         """Replay (capturing first, for a new shape) the forward of a host batch padded to a graph's shape;
-        returns the graph's static batch and its outputs, which the next replay of that shape overwrites."""
+        returns the graph's static batch and its outputs, which the next replay of that shape overwrites. None
+        when this shape could not be captured (logged once): the caller runs the forward eagerly."""
         key = (*batch.input_ids.shape, batch.span)
+        if key in self._uncapturable:
+            return None
         packed = batch.packed()
         captured = self._graphs.get(key)
         if captured is None:
-            return self._capture(key, batch, packed)
+            try:
+                return self._capture(key, batch, packed)
+            except Exception:  # noqa: BLE001 - a capture the platform refuses costs speed, never a request
+                logger.exception("capturing the forward of %d rows x %d tokens over %d positions failed; that "
+                                 "shape runs eagerly", *key)
+                self._uncapturable.add(key)
+                return None
         captured.buffer.copy_(packed, non_blocking=True)
         captured.replay()
         return captured.batch, *captured.outputs
@@ -154,6 +164,7 @@ class StepGraphs:
     def clear(self) -> None:
         """Forget every graph (what the forward computes changed: its served layers, a kept-states cache)."""
         self._graphs.clear()
+        self._uncapturable.clear()
 
     def __len__(self) -> int:
         return len(self._graphs)

@@ -133,3 +133,25 @@ def test_cuda_graphs_match_the_eager_forward():
         outputs = [runner.forward(rows) for runner in (eager, graphed)]
         torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-4, rtol=1e-4)
     assert len(graphed.graphs) == 1
+
+
+class RefusesToCapture(RerunOnReplay):
+    def capture(self, forward):
+        self.captures += 1
+        forward()  # the warm-up ran, as on a GPU, before the capture failed
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_shape_that_cannot_be_captured_runs_eagerly_and_is_not_tried_again():
+    model = tiny_llama()
+    eager = make_runner(model)
+    graphed = make_runner(model)
+    backend = RefusesToCapture()
+    graphed.graphs = StepGraphs(graphed._body, backend, (1, 2), graphed.device, max_width=4)
+    for runner in (eager, graphed):
+        runner.add_sequence("a")
+        runner.forward([RowInput("a", list(range(20)), num_logits=1)])
+    for token in (3, 9, 4):
+        outputs = [runner.forward([RowInput("a", [token], num_logits=1)]) for runner in (eager, graphed)]
+        torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-5, rtol=1e-5)
+    assert backend.captures == 1 and len(graphed.graphs) == 0
