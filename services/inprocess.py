@@ -43,6 +43,7 @@ class LocalEngineOptions:
     adaptive_speculation: bool = True
     enforce_eager: bool = False  # on an accelerator: no captured graphs (step_graphs.py)
     cuda_graph_sizes: tuple[int, ...] | None = None  # None: step_graphs.default_capture_sizes
+    batch_invariant: bool = False  # forwards of one fixed shape (batch_invariance.py)
     speculative_config: SpeculativeConfig = field(
         default_factory=lambda: SpeculativeConfig(method="none", num_speculative_tokens=0)
     )
@@ -83,7 +84,8 @@ def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None =
     memory = parse_bytes(options.kv_cache_memory_bytes) if options.kv_cache_memory_bytes is not None else None
     kv_cache = KVCacheConfig(memory, options.block_size, options.enable_prefix_caching)
     graphs = GraphSettings(options.enforce_eager, tuple(options.cuda_graph_sizes or ()) or None)
-    runner = create_runner(loaded.model, options.max_num_seqs, max_model_len, kv_cache, graphs=graphs)
+    runner = create_runner(loaded.model, options.max_num_seqs, max_model_len, kv_cache, graphs=graphs,
+                           batch_invariant=options.batch_invariant)
     engine = Engine(
         runner,
         EngineConfig(

@@ -2,7 +2,7 @@
 
 Run: `python -m services.bench.accelerator_step --device cuda --dtype bfloat16` (a few minutes on one GPU; it runs on
 CPU too, where both modes are the same eager path). One model is loaded once; for each mode (eager: --enforce-eager,
-captured: step graphs) an in-process engine measures
+captured: step graphs, invariant: captured and --batch-invariant) an in-process engine measures
 - the decode step at batch 1: ms per step (step_profile's timers), and, on CUDA, kernel launches, stream syncs and
   host-to-device copies per step from torch.profiler;
 - tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
@@ -33,16 +33,22 @@ from services.modeling.runner_factory import create_runner
 from services.modeling.step_graphs import GraphSettings
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 
+MODES = ("eager", "captured", "invariant")  # invariant: captured and batch-invariant (--batch-invariant)
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
 PROFILED_COUNTS = {"launches": ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"),
                    "syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
                    "copies": ("cudaMemcpyAsync", "cudaMemcpy")}
 
 
-def step_counts(loaded: LoadedModel, graphs: GraphSettings, prompt: Sequence[int], tokens: int) -> dict[str, float]:
+def mode_runner(loaded: LoadedModel, mode: str):
+    return create_runner(loaded.model, 1, 2048, graphs=GraphSettings(enforce_eager=mode == "eager"),
+                         batch_invariant=mode == "invariant")
+
+
+def step_counts(loaded: LoadedModel, mode: str, prompt: Sequence[int], tokens: int) -> dict[str, float]:
     """Launches, syncs and copies per decode step of one request (torch.profiler over its steps, prefill and
     first steps excluded by profiling a second request)."""
-    runner = create_runner(loaded.model, 1, 2048, graphs=graphs)
+    runner = mode_runner(loaded, mode)
 
     async def run() -> dict[str, float]:
         await profile_runner(runner, prompt, tokens, 1)  # captures what it needs first
@@ -106,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--loads", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--modes", nargs="+", choices=["eager", "captured"], default=["eager", "captured"])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args(argv)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     device = next(loaded.model.parameters()).device
@@ -119,15 +125,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts_by_load["edit"] = [chat_token_ids(loaded.tokenizer, code_edit_message())]
     rows = {}
     for mode in args.modes:
-        graphs = GraphSettings(enforce_eager=mode == "eager")
-        runner = create_runner(loaded.model, 1, 2048, graphs=graphs)
+        runner = mode_runner(loaded, mode)
         steps = asyncio.run(profile_runner(runner, prompt, args.max_tokens, 3))
         step_ms = statistics.median(run["step"] for run in steps)
         forward_ms = statistics.median(run["forward"] for run in steps)
         del runner
-        counts = step_counts(loaded, graphs, prompt, 32) if device.type == "cuda" else {}
+        counts = step_counts(loaded, mode, prompt, 32) if device.type == "cuda" else {}
         options = LocalEngineOptions(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.loads),
-                                     enforce_eager=mode == "eager", speculative_config=NGRAM)
+                                     enforce_eager=mode == "eager", batch_invariant=mode == "invariant",
+                                     speculative_config=NGRAM)
         rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
               + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""))
@@ -135,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             label = "code edit, 1 request" if load == "edit" else f"{load} concurrent chat"
             print(f"  {label:>22}: none {plain:7.1f} tok/s, ngram {spec:7.1f} tok/s ({spec / plain:.2f}x); "
                   f"greedy identical {same}/{total}")
-    if len(rows) == 2:
+    if "eager" in rows and "captured" in rows:
         eager, captured = rows["eager"], rows["captured"]
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "
               + ", ".join(f"{load}: {captured[3][load][0] / eager[3][load][0]:.2f}x" for load in eager[3]))

@@ -47,6 +47,13 @@ class ForwardBatch:
         flat = torch.cat([t.reshape(-1).to(torch.int64) for t in self.tensors])
         return flat.pin_memory() if torch.cuda.is_available() else flat
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The batch with its tensors on `device` (row reads stay where they are)."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
+                                for f in fields(self) if f.type == "torch.Tensor"})
+
     def views_of(self, buffer: torch.Tensor) -> ForwardBatch:
         """A batch of this shape whose tensors are views into `buffer` (laid out as packed() lays them out)."""
         views, offset = {}, 0
@@ -64,22 +71,21 @@ def build_forward_batch(
     starts: Sequence[int],
     device: torch.device,
     *,
-    pad_rows: int = 0,
-    span: int | None = None,
+    shape: tuple[int, int, int] | None = None,
     row_by_row: bool = False,
 ) -> ForwardBatch:
-    """The batch for `rows` (their KV blocks reserved). pad_rows and span shape it for a captured graph: that
-    many extra rows, and `span` key positions read (at least the longest row's); every [B, L] position is then
-    written, the padding into the cache's sink slot. row_by_row: read each row's positions as its own view or
-    index instead of one padded gather (attention_paths.py)."""
+    """The batch for `rows` (their KV blocks reserved). shape = (rows, width, span) pads it to exactly that, for
+    a captured graph or a batch-invariant forward: extra rows, extra columns, and `span` key positions read;
+    every [B, L] position is then written, the padding into the cache's sink slot. row_by_row: read each row's
+    positions as its own view or index instead of one padded gather (attention_paths.py)."""
     lengths = [len(r.token_ids) for r in rows]
     ends = [s + n for s, n in zip(starts, lengths, strict=True)]
-    batch, width = len(rows) + pad_rows, max(lengths)
-    span = max(ends) if span is None else span
-    if span < max(ends):
-        raise ValueError(f"span {span} is shorter than a row ({max(ends)} positions)")
+    batch, width, span = shape or (len(rows), max(lengths), max(ends))
+    if batch < len(rows) or width < max(lengths) or span < max(ends):
+        raise ValueError(f"shape {shape} is smaller than the rows' ({len(rows)}, {max(lengths)}, {max(ends)})")
+    pad_rows = batch - len(rows)
     padded_starts = list(starts) + [0] * pad_rows
-    graph_shaped = bool(pad_rows) or span != max(ends)  # every position written, the padding to the sink
+    graph_shaped = shape is not None  # every position written, the padding to the sink
     input_ids = torch.zeros(batch, width, dtype=torch.int64)
     ancestors = torch.empty(0, dtype=torch.int64)
     if graph_shaped or any(r.parents is not None for r in rows):
@@ -122,10 +128,7 @@ def build_forward_batch(
         batch_read = cache.batch_read([r.seq_id for r in rows], span, ends, pad_rows=pad_rows, on_host=True)
     host = ForwardBatch(input_ids, positions, fed_order, torch.tensor(padded_starts), ancestors, write_slots,
                         write_rows, write_cols, select, batch_read, span, row_reads)
-    if torch.device(device).type == "cpu":
-        return host
-    return replace(host, **{f.name: getattr(host, f.name).to(device, non_blocking=True)
-                            for f in fields(host) if f.type == "torch.Tensor"})
+    return host.to(device)
 
 
 def attention_masks(batch: ForwardBatch, windows: Sequence[int | None]) -> dict[int | None, torch.Tensor]:

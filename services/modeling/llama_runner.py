@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from services.modeling.attention import grouped_attention
 from services.modeling.attention_paths import AttentionPaths
+from services.modeling.batch_invariance import InvariantShape, waves
 from services.modeling.cpu_linear import LinearFn
 from services.modeling.forward_batch import ForwardBatch, attention_masks, build_forward_batch
 from services.modeling.hidden_layers import FINAL_LAYER, FINAL_ONLY, check_hidden_layers
@@ -84,6 +85,7 @@ class LlamaFamilyRunner:
         kv_cache: KVCacheConfig | None = None,
         owns_model: bool = False,
         graphs: GraphSettings | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """pack_weights: let each linear run oneDNN-packed weights (cpu_linear.py) at the token-row counts
         where a start-up measurement found them faster than F.linear (kernel_choice.py); a shape packed at
@@ -94,7 +96,9 @@ class LlamaFamilyRunner:
         each linear keeps one layout: one kernel per shape at every M, and the modules' own weights are freed
         where the packed copy was chosen (the one-copy rule: the weights are not twice in memory).
         graphs: on an accelerator, decode and verify forwards replay captured graphs (step_graphs.py) unless
-        enforce_eager; CPU forwards run eagerly."""
+        enforce_eager; CPU forwards run eagerly.
+        batch_invariant: every forward runs as waves of one fixed shape, so that a token's logits do not depend on
+        what else the forward carries (batch_invariance.py); token trees are then fed as their first path."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a llama-family model this runner supports")
         config = model.config
@@ -131,6 +135,10 @@ class LlamaFamilyRunner:
             kv_cache.enable_prefix_caching,
         )
         self.graphs = StepGraphs.for_runner(self._body, self.device, max_num_seqs, graphs or GraphSettings())
+        self.invariant = InvariantShape.for_runner(max_num_seqs, max_model_len, kv_cache.block_size) \
+            if batch_invariant else None
+        # forward takes RowInput.parents and keep_path keeps one path of a fed tree; not in waves, which split rows
+        self.supports_trees = not batch_invariant
 
     @property
     def kernel_measurement_s(self) -> float:
@@ -192,8 +200,6 @@ class LlamaFamilyRunner:
         if length > self.cache.length(seq_id):
             raise ValueError("truncate can only shorten a sequence")
         self.cache.truncate(seq_id, length)
-
-    supports_trees = True  # forward takes RowInput.parents; keep_path keeps one path of a fed tree
 
     def keep_path(self, seq_id: Hashable, start: int, path: Sequence[int]) -> None:
         self.cache.keep_path(seq_id, start, path)
@@ -258,6 +264,8 @@ class LlamaFamilyRunner:
                 raise ValueError(f"row {row.seq_id!r}: {len(row.parents)} parents for {n} tokens")
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.cache.reserve(row.seq_id, start + n)
+        if self.invariant is not None:
+            return self._forward_in_waves(rows)
         replayed = self._replay(rows, starts, lengths) if self.graphs is not None else None
         if replayed is not None:
             batch, hidden, served = replayed
@@ -272,6 +280,38 @@ class LlamaFamilyRunner:
         logits = self._lm_head(selected).float()  # [B, M, V]
         return ForwardOutput(logits=logits, hidden_states=served)
 
+    def _forward_in_waves(self, rows: Sequence[RowInput]) -> ForwardOutput:
+        """The batch-invariant forward: waves of the one fixed shape (batch_invariance.py), logits computed for the
+        whole fixed block, each row's pieces put back together."""
+        if any(row.parents is not None for row in rows):
+            raise ValueError("a batch-invariant runner feeds chains only (it splits rows into waves)")
+        shape = self.invariant
+        logits_parts: list[list[torch.Tensor]] = [[] for _ in rows]
+        served_parts: list[list[torch.Tensor]] = [[] for _ in rows]
+        for wave in waves([len(row.token_ids) for row in rows], shape):
+            pieces = [RowInput(rows[b].seq_id, rows[b].token_ids[first:stop]) for b, first, stop in wave]
+            starts = [self.cache.length(piece.seq_id) for piece in pieces]
+            host = self.graphs is not None
+            batch = build_forward_batch(self.cache, pieces, starts, torch.device("cpu") if host else self.device,
+                                        shape=shape.as_tuple)
+            replayed = self.graphs.run(batch) if host else None
+            hidden, served = replayed[1:] if replayed is not None else self._body(batch.to(self.device))
+            logits = self._lm_head(hidden.reshape(shape.rows * shape.width, -1)).float()  # one shape, every wave
+            logits = logits.view(shape.rows, shape.width, -1)
+            for i, ((b, first, stop), piece) in enumerate(zip(wave, pieces, strict=True)):
+                logits_parts[b].append(logits[i, : stop - first])
+                served_parts[b].append(served[i, : stop - first].clone())  # a replay overwrites the graph's own
+                self.cache.append_tokens(piece.seq_id, piece.token_ids)
+        width = max(len(row.token_ids) for row in rows)
+        wanted = max(row.num_logits for row in rows)
+        out_logits = torch.zeros(len(rows), wanted, self.vocab_size, device=self.device)
+        out_served = torch.zeros(len(rows), width, served.shape[-1], dtype=served.dtype, device=self.device)
+        for b, row in enumerate(rows):
+            row_logits, n = torch.cat(logits_parts[b]), len(row.token_ids)
+            out_logits[b, : row.num_logits] = row_logits[n - row.num_logits :]
+            out_served[b, :n] = torch.cat(served_parts[b])
+        return ForwardOutput(logits=out_logits, hidden_states=out_served)
+
     def _replay(self, rows: Sequence[RowInput], starts: list[int], lengths: list[int]):
         """The forward as a captured graph's replay: (its static batch, hidden [B, L, H], served states); None
         where no graph takes this shape."""
@@ -279,8 +319,7 @@ class LlamaFamilyRunner:
         shape = self.graphs.shape_for(len(rows), max(lengths), span)
         if shape is None:
             return None
-        padded = build_forward_batch(self.cache, rows, starts, torch.device("cpu"), pad_rows=shape[0] - len(rows),
-                                     span=shape[2])
+        padded = build_forward_batch(self.cache, rows, starts, torch.device("cpu"), shape=shape)
         replayed = self.graphs.run(padded)
         if replayed is None:
             return None

@@ -17,15 +17,16 @@ logger = logging.getLogger(__name__)
 
 def create_runner(
     model: torch.nn.Module, max_num_seqs: int, max_model_len: int, kv_cache: KVCacheConfig | None = None,
-    owns_model: bool = False, graphs: GraphSettings | None = None,
+    owns_model: bool = False, graphs: GraphSettings | None = None, batch_invariant: bool = False,
 ) -> ModelRunner:
     """owns_model: only the runner will call the model (a service process): one copy of each weight is kept
     (LlamaFamilyRunner). False where the same model object also runs elsewhere (transformers' generate in the
     bench, a test's shared fixture).
-    graphs: captured step graphs on an accelerator (step_graphs.py); None: their defaults."""
+    graphs: captured step graphs on an accelerator (step_graphs.py); None: their defaults.
+    batch_invariant: forwards of one fixed shape (batch_invariance.py); only the llama-family runner has them."""
     if llama_runner.supports(model):
         runner = llama_runner.LlamaFamilyRunner(model, max_num_seqs, max_model_len, kv_cache=kv_cache,
-                                                owns_model=owns_model, graphs=graphs)
+                                                owns_model=owns_model, graphs=graphs, batch_invariant=batch_invariant)
         logger.info(
             "model runner: batched llama-family runner, %s (kernel measurement took %.2f s; %.2f GiB of module "
             "weights freed: they run packed only)",
@@ -43,7 +44,14 @@ def create_runner(
             runner.attention_paths.describe(),
         )
         logger.info("step graphs: %s", runner.graphs.describe() if runner.graphs else "none, every forward eager")
+        if runner.invariant is not None:
+            shape = runner.invariant
+            logger.info("batch-invariant forwards: waves of %d rows x %d tokens over %d positions",
+                        shape.rows, shape.width, shape.span)
         return runner
+    if batch_invariant:
+        raise ValueError(f"--batch-invariant needs a llama-family model (llama, mistral, qwen2, qwen3); "
+                         f"{getattr(model.config, 'model_type', '?')!r} runs on the generic runner")
     logger.warning(
         "model type %r has no batched runner; using the generic transformers path (one row at a time)",
         getattr(model.config, "model_type", "?"),

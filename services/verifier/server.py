@@ -157,7 +157,7 @@ async def start_verifier(
     max_model_len = resolve_max_model_len(model, settings.max_model_len)
     metrics = create_metrics()
     runner = runner or create_runner(model, settings.max_num_seqs, max_model_len, settings.kv_cache,
-                                     graphs=settings.graphs)
+                                     graphs=settings.graphs, batch_invariant=settings.batch_invariant)
     drafters = await _attach_drafters(settings, runner.vocab_size, tokenizer_fingerprint, model_id, metrics,
                                       int(getattr(model.config, "hidden_size", 0) or 0),
                                       int(getattr(model.config, "num_hidden_layers", 0) or 0))
@@ -267,7 +267,7 @@ def run(settings: VerifierSettings) -> int:
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, settings.kv_cache, owns_model=True,
-                           graphs=settings.graphs)
+                           graphs=settings.graphs, batch_invariant=settings.batch_invariant)
     worker = worker_thread()
     store = measurement_store(settings)
     setup = setup_identity(loaded.model_id, loaded.model.config.to_json_string(), str(loaded.model.dtype),

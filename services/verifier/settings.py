@@ -55,6 +55,7 @@ class VerifierSettings(TlsServerSettings):
     compute_thread: Literal["auto", "main", "worker"] = "auto"  # thread for the forwards; auto: measured
     enforce_eager: bool = False  # vLLM's: on an accelerator, never replay captured graphs (step_graphs.py)
     cuda_graph_sizes: list[int] | None = None  # vLLM's: row counts a graph is captured for; None: 1, 2, 4, 8, 16...
+    batch_invariant: bool = False  # forwards of one fixed shape: bit-identical greedy output with speculation on/off
     adaptive_speculation: bool = True  # verify only draft positions worth their cost (speculation_planner.py)
     draft_timeout_s: float = Field(0.5, gt=0)  # per step; a late drafter costs K = 0 for that step
     max_draft_timeout_s: float = Field(2.0, gt=0)  # the deadline grows with a drafter's measured calls up to this
@@ -174,6 +175,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
     parser.add_argument("--cuda-graph-sizes", dest="cuda_graph_sizes", type=int, nargs="+", default=default,
                         help="the running-request counts a step graph is captured for; a step's rows are padded up "
                         "to the next (default 1 2 4 8 16 24 ... up to --max-num-seqs)")
+    parser.add_argument("--batch-invariant", dest="batch_invariant", action=argparse.BooleanOptionalAction,
+                        default=default, help="run every forward in waves of one fixed shape so that a token's "
+                        "logits do not depend on its batch: in bf16, speculative greedy output is then bit-identical "
+                        "to non-speculative output, at the padding's cost (as vLLM's VLLM_BATCH_INVARIANT; default off)")
     if compute_thread:
         parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"],
                             default=default, help="thread for the model's forwards; auto (default) measures both")

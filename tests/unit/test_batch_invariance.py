@@ -1,0 +1,82 @@
+"""The batch-invariant runner (batch_invariance.py): in bf16 a token's logits are the same bits whatever its forward
+carries, so speculative greedy output equals non-speculative output token for token; without the mode they are
+not (the negative control)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.drafter.methods.ngram import NgramProposer, NgramSettings
+from services.modeling.batch_invariance import InvariantShape, waves
+from services.modeling.kv_budget import KVCacheConfig
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.modeling.runner import RowInput
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.engine_harness import run_schedule
+from tests.proposers import RandomProposer
+from tests.unit.test_real_model import PROMPTS, chat_ids
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    from services.modeling.loading import load_model
+
+    return load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16")
+
+
+def runner_for(loaded, batch_invariant: bool) -> LlamaFamilyRunner:
+    return LlamaFamilyRunner(loaded.model, max_num_seqs=4, max_model_len=320, batch_invariant=batch_invariant,
+                             kv_cache=KVCacheConfig(memory_bytes=64 << 20, block_size=16))
+
+
+def test_waves_feed_each_row_in_order_within_the_fixed_shape():
+    shape = InvariantShape(rows=2, width=3, span=64)
+    assert waves([1, 7, 2], shape) == [[(0, 0, 1), (1, 0, 3)], [(1, 3, 6), (2, 0, 2)], [(1, 6, 7)]]
+    assert InvariantShape.for_runner(64, 8000, 16) == InvariantShape(8, 8, 8000)
+    assert InvariantShape.for_runner(2, 100, 16).as_tuple == (2, 8, 112)
+
+
+def test_in_bf16_a_tokens_logits_do_not_depend_on_what_else_its_forward_carries(smollm2_bf16):
+    """The same token at the same position: decoded alone, then as the first of 5 fed tokens beside two other
+    rows. Without the mode the kernels' shapes differ and so do the bits (0.56 in a logit, measured)."""
+    def logits(batch_invariant: bool, batched: bool) -> torch.Tensor:
+        runner = runner_for(smollm2_bf16, batch_invariant)
+        for seq, n in (("a", 142), ("b", 143), ("c", 144)):  # prompts that share their start (prefix-cache hits)
+            runner.add_sequence(seq)
+            runner.forward([RowInput(seq, list(range(3, n)), 1)])
+        if batched:
+            rows = [RowInput("a", [5, 6, 7, 8, 9], 5), RowInput("b", [1, 2, 3], 3), RowInput("c", [4], 1)]
+        else:
+            rows = [RowInput("a", [5], 1)]
+        return runner.forward(rows).logits[0, 0]
+
+    assert not torch.equal(logits(False, False), logits(False, True))  # the negative control
+    assert torch.equal(logits(True, False), logits(True, True))
+
+
+async def test_in_bf16_speculative_greedy_output_is_the_non_speculative_one_token_for_token(smollm2_bf16):
+    tokenizer = smollm2_bf16.tokenizer
+    prompts = [chat_ids(tokenizer, text) for text in PROMPTS[:3]]
+    runner = runner_for(smollm2_bf16, batch_invariant=True)
+    assert not runner.supports_trees  # the engine feeds trees' first paths to it
+
+    async def run(spec: SpeculationParams):
+        proposers = {"ngram": NgramProposer(NgramSettings(1, 3)),
+                     "random": RandomProposer(smollm2_bf16.model.config.vocab_size, seed=0)}
+        engine = Engine(runner, EngineConfig(max_num_batched_tokens=48, log_stats_interval_s=0,
+                                             adaptive_speculation=False), proposers, [tokenizer.eos_token_id])
+        requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=20, temperature=0.0), spec)
+                    for i, p in enumerate(prompts)]
+        return await run_schedule(engine, {0: requests[:2], 2: requests[2:]})
+
+    baseline = await run(SpeculationParams())
+    for spec in (SpeculationParams("ngram", 4), SpeculationParams("random", 3), SpeculationParams("ngram", 9)):
+        result = await run(spec)
+        for request_id, collected in baseline.items():
+            assert result[request_id].tokens == collected.tokens, (spec, request_id)
+    assert sum(len(c.tokens) for c in baseline.values()) == 60
