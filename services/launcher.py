@@ -114,11 +114,25 @@ def with_shipped_head(spec: SpeculativeConfig, target: str | None) -> Speculativ
     return spec.model_copy(update={"model": str(shipped_head(target))})
 
 
+def on_the_verifiers_device(spec: SpeculativeConfig, device: str | None, dtype: str | None) -> SpeculativeConfig:
+    """A draft model runs where `serve --device/--dtype` put the target unless the speculative config places it
+    (draft_device / draft_dtype): on a GPU host, both on the GPU."""
+    if spec.method != "draft_model":
+        return spec
+    update = {}
+    if device is not None and "draft_device" not in spec.model_fields_set:
+        update["draft_device"] = device
+    if dtype is not None and "draft_dtype" not in spec.model_fields_set:
+        update["draft_dtype"] = dtype
+    return spec.model_copy(update=update) if update else spec
+
+
 def plan(args: argparse.Namespace) -> list[Child]:
     """The three commands, in start order."""
     python = [sys.executable, "-m", "services.cli"]
     spec = with_shipped_head(SpeculativeConfig.parse(args.speculative_config or default_serve_speculation()),
                              args.model)
+    spec = on_the_verifiers_device(spec, getattr(args, "device", None), getattr(args, "dtype", None))
     tls = TlsFlags.from_args(args)
     children = []
     verifier = [

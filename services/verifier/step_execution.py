@@ -201,8 +201,9 @@ def execute(
                                      [s.token_ids[s.num_prompt_tokens :] for s in line_states])
     result = verify(logits, draft_tokens, num_draft, positions, batch, draft_probs, has_probs)
 
-    tokens = result.tokens.tolist()  # the step's one host transfer of results
-    accepted = result.num_accepted.tolist()
+    # the step's one host transfer of results (from an accelerator, every transfer waits for the device)
+    results = torch.cat([result.tokens, result.num_accepted[:, None]], dim=1).tolist()
+    tokens, accepted = [row[:-1] for row in results], [row[-1] for row in results]
     wants_logprobs = any(s.request.sampling.logprobs is not None for s in states)
     logprobs = result.logprobs.tolist() if wants_logprobs else None
     top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None

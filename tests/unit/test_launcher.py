@@ -269,6 +269,20 @@ def test_graph_flags_reach_the_verifier_settings_as_vllm_spells_them():
         VerifierSettings(cuda_graph_sizes=[0, 2])
 
 
+def test_a_draft_model_runs_on_the_verifiers_device_unless_its_config_places_it():
+    def drafter_config(*argv: str) -> dict:
+        drafter = next(child for child in launcher.plan(parse(*argv)) if child.name == "drafter")
+        return json.loads(flag(drafter.argv, "--speculative-config"))
+
+    pair = '{"method": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}'
+    sent = drafter_config("--device", "cuda", "--dtype", "bfloat16", "--speculative-config", pair)
+    assert (sent["draft_device"], sent["draft_dtype"]) == ("cuda", "bfloat16")
+    placed = pair.replace('"num_speculative_tokens"', '"draft_device": "cpu", "num_speculative_tokens"')
+    sent = drafter_config("--device", "cuda", "--speculative-config", placed)
+    assert sent["draft_device"] == "cpu" and "draft_dtype" not in sent
+    assert "draft_device" not in drafter_config("--speculative-config", pair)  # no --device: the drafter's auto
+
+
 def test_verifier_and_drafter_can_be_placed_on_cpu_sets():
     """taskset's list syntax, within the launcher's own CPUs; the gateway is not pinned."""
     mine = sorted(supervision.os.sched_getaffinity(0))
