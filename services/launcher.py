@@ -115,9 +115,9 @@ def with_shipped_head(spec: SpeculativeConfig, target: str | None) -> Speculativ
 
 
 def on_the_verifiers_device(spec: SpeculativeConfig, device: str | None, dtype: str | None) -> SpeculativeConfig:
-    """A draft model runs where `serve --device/--dtype` put the target unless the speculative config places it
-    (draft_device / draft_dtype): on a GPU host, both on the GPU."""
-    if spec.method != "draft_model":
+    """A draft model or an EAGLE head runs where `serve --device/--dtype` put the target unless the speculative
+    config places it (draft_device / draft_dtype): on a GPU host, both on the GPU."""
+    if spec.method not in ("draft_model", "eagle", "eagle3"):
         return spec
     update = {}
     if device is not None and "draft_device" not in spec.model_fields_set:

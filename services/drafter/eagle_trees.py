@@ -150,7 +150,7 @@ def padded_caches(head, rows: Sequence[tuple[KV | None, Sequence[KV]]]) -> tuple
             keys[r, :, :c], values[r, :, :c] = cache[0][0], cache[1][0]
         for j, (k, v) in enumerate(extra):
             keys[r, :, c + j : c + j + 1], values[r, :, c + j : c + j + 1] = k, v
-    mask = torch.arange(keys.shape[2])[None, :] < torch.tensor(lengths)[:, None]
+    mask = torch.arange(keys.shape[2], device=keys.device)[None, :] < torch.tensor(lengths, device=keys.device)[:, None]
     return (keys, values), mask
 
 
@@ -158,8 +158,8 @@ def _expand(head, embed: torch.nn.Module, pending: Sequence[_Expansion]) -> tupl
     """One batched head step over every expansion, each row reading its sequence's committed cache and the K/V
     above it. Returns the outputs [R, 1, H] and each row's own K/V."""
     cache, mask = padded_caches(head, [(row.tree.start.cache, row.above) for row in pending])
-    tokens = torch.tensor([row.token for row in pending])
     features = torch.cat([row.feature for row in pending])  # [R, 1, H]
-    positions = torch.tensor([row.position for row in pending])
+    tokens = torch.tensor([row.token for row in pending], device=features.device)
+    positions = torch.tensor([row.position for row in pending], device=features.device)
     out, (k, v), _ = head.step_rows(embed(tokens[:, None]), features, positions, cache, mask)
     return out, [(k[r, :, -1:], v[r, :, -1:]) for r in range(len(pending))]

@@ -75,7 +75,8 @@ def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup-max", dest="prompt_lookup_max", type=int, default=s)
     parser.add_argument("--model", default=s, help="draft_model: the draft model, sharing the target's vocabulary "
                         "(registered name, transformers folder, .gguf file or hub id)")
-    parser.add_argument("--device", default=s, help="draft_model: auto | cpu | cuda | cuda:N | npu | npu:N (default auto)")
+    parser.add_argument("--device", default=s,
+                        help="draft_model, eagle: auto | cpu | cuda | cuda:N | npu | npu:N (default auto)")
     parser.add_argument("--dtype", default=s, help="draft_model: auto | float32 | bfloat16 | float16 (default auto)")
     parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=s,
                         help="draft_model: sequences that keep a KV slot; beyond, the least recently used one is "

@@ -281,6 +281,9 @@ def test_a_draft_model_runs_on_the_verifiers_device_unless_its_config_places_it(
     sent = drafter_config("--device", "cuda", "--speculative-config", placed)
     assert sent["draft_device"] == "cpu" and "draft_dtype" not in sent
     assert "draft_device" not in drafter_config("--speculative-config", pair)  # no --device: the drafter's auto
+    eagle = drafter_config("--device", "cuda:1", "--speculative-config", '{"method": "eagle"}')
+    assert eagle["draft_device"] == "cuda:1" and "draft_dtype" not in eagle
+    assert "draft_device" not in drafter_config("--device", "cuda", "--speculative-config", '{"method": "ngram"}')
 
 
 def test_verifier_and_drafter_can_be_placed_on_cpu_sets():

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.common.device import resolve_device, resolve_dtype
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.common.method_options import DEFAULT_EAGLE_TOPK
@@ -96,6 +97,12 @@ class EagleProposer:
             vocab_size=self.vocab_size, tokenizer_fingerprint=self.tokenizer_fingerprint, needs_hidden_states=True,
             hidden_size=config.target_layer_width, hidden_layers=config.hidden_layers,
             pre_drafts=True, sends_trees=self.tree_nodes is not None)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the head, the embedding and the LM head run (build_proposer: the speculative config's
+        draft_device)."""
+        return self.embed.weight.device
 
     @property
     def state_width(self) -> int:
@@ -200,9 +207,9 @@ class EagleProposer:
             seq.fed, seq.cache, seq.published = 0, None, (0, 0)
         if seq.fed == 0:  # a new sequence: the head cache of its longest cached prefix (head_prefix_cache.py)
             seq.fed, seq.cache = self.prefix_cache.longest(tokens, n - 1)
-        states = states.to(self.embed.weight.dtype)
+        states = states.to(device=self.device, dtype=self.embed.weight.dtype)  # the link's are on the host
         if seq.fed < n - 1:  # commit positions fed..n-2: [x_{t+1}; f_t]
-            ids = torch.tensor([list(tokens[seq.fed + 1 : n])])
+            ids = torch.tensor([list(tokens[seq.fed + 1 : n])], device=self.device)
             features = self.head.target_features(states[None, seq.fed : n - 1])
             _, seq.cache = self.head.step(self.embed(ids), features, seq.fed, seq.cache)
             seq.fed = n - 1
@@ -218,9 +225,9 @@ class EagleProposer:
         draft). None when `stop()` said so between steps."""
         draft_weight = self._lm_rows()
         cache, mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
-        tokens = torch.tensor([r.token for r in rows])
+        tokens = torch.tensor([r.token for r in rows], device=self.device)
         features = torch.stack([r.feature for r in rows])  # [B, 1, H]
-        positions = torch.tensor([r.position for r in rows])
+        positions = torch.tensor([r.position for r in rows], device=self.device)
         chains = []
         for j in range(max(r.k for r in rows)):
             if j and stop is not None and stop():
@@ -230,7 +237,7 @@ class EagleProposer:
             picked = tokens.tolist()
             if forced is not None and any(j < len(f) for f in forced):
                 picked = [f[j] if j < len(f) else t for f, t in zip(forced, picked, strict=True)]
-                tokens = torch.tensor(picked)
+                tokens = torch.tensor(picked, device=self.device)
             chains.append(picked)
             features = out
         by_row = [list(chain) for chain in zip(*chains, strict=True)]
@@ -269,12 +276,17 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     if not target_spec:
         raise ValueError(f"the EAGLE head at {head_dir} names no target model to share the embedding with: set "
                          "target_model in the speculative config to the verifier's --model")
-    loaded = load_model(target_spec, device="cpu", dtype="float32")
+    # draft_device / draft_dtype: where the head runs (serve --device/--dtype set them, launcher.py); auto: the
+    # accelerator when there is one, in its half precision, else the CPU in float32
+    device = resolve_device(config.draft_device)
+    dtype = resolve_dtype(config.draft_dtype, device)
+    loaded = load_model(target_spec, device=str(device), dtype=str(dtype).removeprefix("torch."))
     fit_head_to_target(head, loaded.model.config, head_dir)
+    head.to(device=device, dtype=dtype)
     embed = head.token_embedding(loaded.model)
     lm_head = loaded.model.get_output_embeddings()
-    logger.info("%s head %s for %s (hidden %d, target layers %s)", type(head).__name__, head_dir, target_spec,
-                head.config.hidden_size, list(head.config.hidden_layers))
+    logger.info("%s head %s for %s (hidden %d, target layers %s) on %s in %s", type(head).__name__, head_dir,
+                target_spec, head.config.hidden_size, list(head.config.hidden_layers), device, dtype)
     return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
                          tokenizer_fingerprint(loaded.tokenizer), method=kind, pipelining=bool(config.draft_pipelining),
                          tree_nodes=options.num_draft_tokens, tree_topk=options.tree_topk,
