@@ -69,6 +69,13 @@ class EagleBenchSettings:
     # and adaptive, and as a tree of the shape above), on engines of their own (one verifier serves one layer set)
     eagle3_head: str | None = None
     eagle3_k: int = 4
+    device: str = "cpu"  # the target's and the EAGLE drafters' (a GPU run: cuda, with dtype bfloat16)
+    dtype: str = "float32"
+
+    @property
+    def drafter_placement(self) -> dict[str, str]:
+        """The speculative-config fields that put an EAGLE drafter where the target runs."""
+        return {"draft_device": self.device, "draft_dtype": self.dtype}
 
     @property
     def max_k(self) -> int:
@@ -206,18 +213,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tree-topk", type=int, default=defaults.tree_topk, help="eagle_topk of the tree row")
     parser.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head folder: adds its rows")
     parser.add_argument("--eagle3-k", type=int, default=defaults.eagle3_k, help="K of the EAGLE-3 chain rows")
+    parser.add_argument("--device", default=defaults.device, help="the target's and the EAGLE drafters' device")
+    parser.add_argument("--dtype", default=defaults.dtype)
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     settings = EagleBenchSettings(args.model, args.head, args.num_prompts, args.max_tokens,
                                   tuple(int(k) for k in args.ks.split(",")), defaults.ngram_k, args.concurrency,
                                   args.rounds, args.compute_thread, args.tree_depth, args.tree_nodes, args.tree_topk,
-                                  args.eagle3_head, args.eagle3_k)
+                                  args.eagle3_head, args.eagle3_k, args.device, args.dtype)
     from services.modeling.eagle_heads import shipped_head
 
     head = Path(settings.head) if settings.head else shipped_head(settings.model)
     torch.set_num_threads(available_cores())
     progress = stderr_progress()
-    target = load_model(settings.model, device="cpu", dtype="float32")
+    target = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     prompts = held_out_prompts(target.tokenizer, settings.num_prompts)
     eos = sorted(target.eos_token_ids)
     max_model_len = max(map(len, prompts)) + settings.max_tokens + settings.max_k + 2
@@ -241,14 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         header["compute thread"] = placement + (f" ({timing.describe()})" if timing else " (forced)")
         addresses = {
             "eagle": stack.enter_context(drafter_process(
-                ["--method", "eagle", "--model", str(head), "--num-speculative-tokens", str(settings.max_k)],
-                progress))[0],
+                ["--method", "eagle", "--model", str(head), "--num-speculative-tokens", str(settings.max_k),
+                 "--device", settings.device, "--dtype", settings.dtype], progress))[0],
             "ngram": stack.enter_context(drafter_process(
                 ["--method", "ngram", "--num-speculative-tokens", str(settings.max_k)], progress))[0],
             "eagle-tree": stack.enter_context(drafter_process(
                 ["--speculative-config", json.dumps({
                     "method": "eagle", "model": str(head), "num_speculative_tokens": settings.tree_depth,
-                    "num_draft_tokens": settings.tree_nodes, "eagle_topk": settings.tree_topk})], progress))[0],
+                    "num_draft_tokens": settings.tree_nodes, "eagle_topk": settings.tree_topk,
+                    **settings.drafter_placement})], progress))[0],
         }
         if settings.eagle3_head:
             header["eagle3 head"] = settings.eagle3_head
@@ -256,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "eagle_topk": settings.tree_topk}
             for method, extra in (("eagle3", {"num_speculative_tokens": settings.max_k}), ("eagle3-tree", tree)):
                 addresses[method] = stack.enter_context(drafter_process(["--speculative-config", json.dumps({
-                    "method": "eagle3", "model": settings.eagle3_head, "target_model": settings.model, **extra})],
+                    "method": "eagle3", "model": settings.eagle3_head, "target_model": settings.model, **extra,
+                    **settings.drafter_placement})],
                     progress))[0]
         fingerprint = tokenizer_fingerprint(target.tokenizer)
         for number in range(settings.rounds):

@@ -57,9 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--chain-k", type=int, default=4)
     parser.add_argument("--trees", default=DEFAULT_TREES, help="depth:tokens:topk shapes, comma-separated")
+    parser.add_argument("--device", default="cpu", help="the target's and the head's (cuda: with --dtype bfloat16)")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     torch.set_num_threads(available_cores())
-    target = load_model(args.model, device="cpu", dtype="float32")
+    target = load_model(args.model, device=args.device, dtype=args.dtype)
     prompts = held_out_prompts(target.tokenizer, args.num_prompts)
     shapes = parse_trees(args.trees)
     runner = create_runner(target.model, 1, max(map(len, prompts)) + args.max_tokens + 64)
@@ -68,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.max_tokens} tokens, adaptive off; {describe_hardware()}")
 
     def measure(config: dict, k: int, name: str) -> tuple[float, list]:
-        proposer = build_proposer(SpeculativeConfig.model_validate({"method": "eagle", **config}))
+        proposer = build_proposer(SpeculativeConfig.model_validate(
+            {"method": "eagle", "draft_device": args.device, "draft_dtype": args.dtype, **config}))
         engine = Engine(runner, EngineConfig(log_stats_interval_s=0, adaptive_speculation=False), {"eagle": proposer},
                         eos)
         return asyncio.run(tokens_per_step(engine, prompts, args.max_tokens, k, name))
