@@ -17,6 +17,7 @@ import torch
 
 from services.common.token_trees import tree_ancestors, tree_depths
 from services.modeling.attention import additive_mask
+from services.modeling.host_copies import to_device
 from services.modeling.paged_kv_cache import PagedKVCache
 from services.modeling.runner import RowInput
 
@@ -43,15 +44,14 @@ class ForwardBatch:
         return [getattr(self, f.name) for f in fields(self) if f.type == "torch.Tensor"]
 
     def packed(self) -> torch.Tensor:
-        """All tensors, flattened into one int64 buffer (pinned where the host can pin), in field order."""
-        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in self.tensors])
-        return flat.pin_memory() if torch.cuda.is_available() else flat
+        """All tensors, flattened into one int64 buffer, in field order."""
+        return torch.cat([t.reshape(-1).to(torch.int64) for t in self.tensors])
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The batch with its tensors on `device` (row reads stay where they are)."""
         if self.input_ids.device == torch.device(device):
             return self
-        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
+        return replace(self, **{f.name: to_device(getattr(self, f.name), device)
                                 for f in fields(self) if f.type == "torch.Tensor"})
 
     def views_of(self, buffer: torch.Tensor) -> ForwardBatch:

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from services.modeling.forward_batch import ForwardBatch
+from services.modeling.host_copies import pinned
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class StepGraphs:
                                  "shape runs eagerly", *key)
                 self._uncapturable.add(key)
                 return None
-        captured.buffer.copy_(packed, non_blocking=True)
+        captured.buffer.copy_(pinned(packed), non_blocking=True)  # queued before the replay, no host wait
         captured.replay()
         return captured.batch, *captured.outputs
 

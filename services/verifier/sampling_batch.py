@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.modeling.host_copies import to_device
 from services.verifier.sampling_params import SamplingParams
 
 
@@ -43,10 +44,6 @@ class SamplingBatch:
         prompt_masks: Sequence[torch.Tensor | None] | None = None,
     ) -> SamplingBatch:
         """output_counts / prompt_masks: per row a [V] tensor, or None for rows without penalties."""
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
         any_penalties = any(p.uses_penalties for p in params)
         counts = masks = None
         if any_penalties:
@@ -56,20 +53,24 @@ class SamplingBatch:
             counts = torch.stack([c if c is not None else zeros for c in rows])
             rows = prompt_masks or [None] * len(params)
             masks = torch.stack([m if m is not None else no_prompt for m in rows])
+        # Every per-row parameter in two host-to-device copies, neither waited for (host_copies.py)
+        floats = torch.tensor([[1.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
+                               [p.min_p for p in params], [p.presence_penalty for p in params],
+                               [p.frequency_penalty for p in params], [p.repetition_penalty for p in params]],
+                              dtype=torch.float32)
+        ints = torch.tensor([[min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params],
+                             list(seeds), [p.greedy for p in params]], dtype=torch.int64)
+        floats, ints = to_device(floats, device), to_device(ints, device)
         return SamplingBatch(
-            temperature=floats([1.0 if p.greedy else p.temperature for p in params]),
-            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
-            top_k=torch.tensor(
-                [min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params],
-                dtype=torch.int64,
-                device=device,
-            ),
-            top_p=floats([p.top_p for p in params]),
-            min_p=floats([p.min_p for p in params]),
-            presence_penalty=floats([p.presence_penalty for p in params]),
-            frequency_penalty=floats([p.frequency_penalty for p in params]),
-            repetition_penalty=floats([p.repetition_penalty for p in params]),
-            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+            temperature=floats[0],
+            greedy=ints[2].bool(),
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            presence_penalty=floats[3],
+            frequency_penalty=floats[4],
+            repetition_penalty=floats[5],
+            seeds=ints[1],
             output_counts=counts,
             prompt_mask=masks,
             any_sampled=any(not p.greedy for p in params),

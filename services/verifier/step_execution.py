@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.modeling.host_copies import to_device
 from services.modeling.runner import ModelRunner, RowInput
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
 from services.verifier.draft_trees import best_lines, fed_parents, verify_lines
@@ -174,11 +175,11 @@ def execute(
 
     line_states = [states[line.state] for line in lines]
     device = logits.device
-    draft_tokens = torch.tensor(
-        [line.tokens + [0] * (max_k - len(line.tokens)) for line in lines], dtype=torch.int64, device=device
-    ).reshape(len(lines), max_k)
-    num_draft = torch.tensor([len(line.tokens) for line in lines], dtype=torch.int64, device=device)
-    positions = torch.tensor([len(s.token_ids) for s in line_states], dtype=torch.int64, device=device)
+    per_line = torch.tensor(  # one host-to-device copy: [drafts padded to max_k, their number, the next position]
+        [line.tokens + [0] * (max_k - len(line.tokens)) + [len(line.tokens), len(s.token_ids)]
+         for line, s in zip(lines, line_states, strict=True)], dtype=torch.int64)
+    per_line = to_device(per_line, device)
+    draft_tokens, num_draft, positions = per_line[:, :max_k], per_line[:, max_k], per_line[:, max_k + 1]
     draft_probs = has_probs = None
     line_probs = [all_drafts[line.state].probs for line in lines]  # trees carry none (draft_trees.py)
     if any(q is not None for q in line_probs):
