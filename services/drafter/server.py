@@ -16,6 +16,7 @@ from dataclasses import replace
 import grpc
 
 from services.common.drafter_methods import build_proposer, method_names
+from services.common.heap_trim import trim_heap
 from services.common.drafter_wire import DrafterDescription, drafter_pb2, drafter_pb2_grpc
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
 from services.common.main_thread_compute import run_with_compute, worker_thread
@@ -118,6 +119,7 @@ async def run(settings: DrafterSettings, proposer: Proposer) -> int:
         metrics=metrics,
     )
     install_sigterm_handler(lambda: server.graceful_stop(settings.drain_s, settings.grace_s))
+    trim_heap("drafter start-up done")
     scheme = "grpcs" if settings.tls_enabled else "grpc"
     print(f"drafter ({speculation.method}) listening on {scheme}://{settings.host}:{port}", flush=True)
     endpoint = serve_metrics(metrics.registry, settings.host, settings.metrics_port)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.heap_trim import trim_heap
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
 from services.common.main_thread_compute import run_with_compute, worker_thread
 from services.common.metrics_http import MetricsEndpoint, serve_metrics
@@ -249,6 +250,7 @@ async def serve(
         step_cost_cache,
     )
     install_sigterm_handler(lambda: running.stop(settings.drain_s, settings.grace_s))
+    trim_heap("verifier start-up done")
     scheme = "grpcs" if settings.tls_enabled else "grpc"
     print(f"verifier ({loaded.model_id}) listening on {scheme}://{settings.host}:{running.port}", flush=True)
     if running.metrics_port:
