@@ -86,12 +86,12 @@ def build_forward_batch(
     pad_rows = batch - len(rows)
     padded_starts = list(starts) + [0] * pad_rows
     graph_shaped = shape is not None  # every position written, the padding to the sink
-    input_ids = torch.zeros(batch, width, dtype=torch.int64)
+    padding_rows = [[0] * width] * pad_rows
+    input_ids = torch.tensor([[*r.token_ids] + [0] * (width - n) for r, n in zip(rows, lengths, strict=True)]
+                             + padding_rows, dtype=torch.int64)  # [B, L]
     ancestors = torch.empty(0, dtype=torch.int64)
     if graph_shaped or any(r.parents is not None for r in rows):
         ancestors = torch.ones(width, width, dtype=torch.int64).tril().expand(batch, width, width).clone()
-    for b, row in enumerate(rows):
-        input_ids[b, : lengths[b]] = torch.tensor(row.token_ids, dtype=torch.int64)
     fed_order = torch.tensor(padded_starts)[:, None] + torch.arange(width)[None, :]
     positions = fed_order.clone()
     for b, row in enumerate(rows):
@@ -116,10 +116,8 @@ def build_forward_batch(
             [slot for r, s, e in zip(rows, starts, ends, strict=True) for slot in cache.slots(r.seq_id, s, e)],
             dtype=torch.int64,
         )
-    select = torch.zeros(batch, width, dtype=torch.int64)
-    for b, row in enumerate(rows):
-        n, wanted = lengths[b], row.num_logits
-        select[b] = torch.tensor([n - wanted + min(i, wanted - 1) if wanted else n - 1 for i in range(width)])
+    select = torch.tensor([[n - r.num_logits + min(i, r.num_logits - 1) if r.num_logits else n - 1 for i in range(width)]
+                           for r, n in zip(rows, lengths, strict=True)] + padding_rows, dtype=torch.int64)
     row_reads: tuple[tuple[torch.Tensor | slice, int], ...] = ()
     if row_by_row:
         row_reads = tuple((cache.row_read(r.seq_id, end), end) for r, end in zip(rows, ends, strict=True))
