@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=repo, check=False)
     print(f"step speed, {args.model}, {CONTEXT} cached positions a row, medians of {args.rounds} alternating "
-          f"processes per side (before: {args.before}, the slot cache)")
+          f"processes per side (before: {args.before}{', the slot cache' if args.before == BEFORE else ''})")
     print("| rows x tokens fed | before ms | after ms | speed after / before |")
     print("|---|---:|---:|---:|")
     for rows, fed in SHAPES:
