@@ -18,7 +18,7 @@ PIP_INSTALL := $(BIN)/python -m pip install -q
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-pipelining bench-trees bench-eagle eagle-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-pipelining bench-trees bench-eagle bench-accelerator eagle-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -69,6 +69,14 @@ bench: fetch-model
 	$(MAKE) bench-draft-model
 	$(MAKE) bench-pipelining
 	$(MAKE) bench-trees
+
+# The accelerator step: eager vs captured graphs vs batch-invariant, side by side (ms and kernel launches per step,
+# tok/s at 1/8/64 with and without ngram, greedy identity); exit 1 if a batch-invariant speculative output differs.
+# Made for a GPU (ACCEL_DEVICE=cuda, the default; a CPU run measures the same eager path twice, slowly).
+ACCEL_DEVICE ?= cuda
+bench-accelerator: fetch-model
+	$(BIN)/python -m services.bench.accelerator_step --model $(MODEL) --device $(ACCEL_DEVICE) --dtype bfloat16 \
+	  $(ACCEL_BENCH_ARGS)
 
 # Token trees: suffix decoding sending trees (num_draft_tokens) vs chains vs no speculation on the edit sequence and
 # the multi-turn conversation, at 1 and 8 requests, modes interleaved; exit 1 if an output differs (TREES_BENCH_ARGS).

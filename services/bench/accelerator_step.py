@@ -8,7 +8,8 @@ captured: step graphs, invariant: captured and --batch-invariant) an in-process 
 - tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
   code edit at 1 request (the answer is nearly the prompt: n-gram drafts land);
 - whether each speculative greedy output equals the non-speculative one token for token.
-Then transformers' own `generate` at batch 1 as the peer row. Medians and ratios, measured in this one run.
+Then transformers' own `generate` at batch 1 as the peer row. Medians and ratios, measured in this one run; exit 1
+if, batch-invariant, a speculative greedy output differs from the non-speculative one.
 """
 
 from __future__ import annotations
@@ -146,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "
               + ", ".join(f"{load}: {captured[3][load][0] / eager[3][load][0]:.2f}x" for load in eager[3]))
     print(f"\ntransformers generate, batch 1: {transformers_row(loaded, prompt, args.max_tokens):.1f} tok/s")
+    if "invariant" in rows and any(same < total for *_, same, total in rows["invariant"][3].values()):
+        print("batch-invariant mode: a speculative greedy output differs from the non-speculative one")
+        return 1
     return 0
 
 
