@@ -145,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "eager" in rows and "captured" in rows:
         eager, captured = rows["eager"], rows["captured"]
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "
-              + ", ".join(f"{load}: {captured[3][load][0] / eager[3][load][0]:.2f}x" for load in eager[3]))
+              + ", ".join(f"{load}: {captured[3][load][0] / eager[3][load][0]:.2f}x" for load in eager[3])
+              + (" (on CPU both run the same eager forward: these ratios are noise)" if device.type == "cpu" else ""))
     print(f"\ntransformers generate, batch 1: {transformers_row(loaded, prompt, args.max_tokens):.1f} tok/s")
     if "invariant" in rows and any(same < total for *_, same, total in rows["invariant"][3].values()):
         print("batch-invariant mode: a speculative greedy output differs from the non-speculative one")
