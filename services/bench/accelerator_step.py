@@ -107,7 +107,8 @@ def transformers_row(loaded: LoadedModel, prompt: Sequence[int], max_tokens: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.bench.accelerator_step", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m services.bench.accelerator_step",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
@@ -132,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         forward_ms = statistics.median(run["forward"] for run in steps)
         del runner
         counts = step_counts(loaded, mode, prompt, 32) if device.type == "cuda" else {}
-        options = LocalEngineOptions(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.loads),
-                                     enforce_eager=mode == "eager", batch_invariant=mode == "invariant",
+        options = LocalEngineOptions(model=args.model, device=args.device, dtype=args.dtype,
+                                     max_num_seqs=max(args.loads), enforce_eager=mode == "eager", batch_invariant=mode == "invariant",
                                      speculative_config=NGRAM)
         rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"

@@ -39,30 +39,30 @@ class ForwardBatch:
     row_reads: tuple[tuple[torch.Tensor | slice, int], ...] = ()  # row by row: (where, length) per row
 
     @property
-    def tensors(self) -> list[torch.Tensor]:
-        """The integer tensors, in field order (what a graph's static inputs hold)."""
-        return [getattr(self, f.name) for f in fields(self) if f.type == "torch.Tensor"]
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The integer tensors by field name, in field order (what a graph's static inputs hold)."""
+        return {name: getattr(self, name) for name in TENSOR_FIELDS}
 
     def packed(self) -> torch.Tensor:
         """All tensors, flattened into one int64 buffer, in field order."""
-        return torch.cat([t.reshape(-1).to(torch.int64) for t in self.tensors])
+        return torch.cat([t.reshape(-1).to(torch.int64) for t in self.tensors.values()])
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The batch with its tensors on `device` (row reads stay where they are)."""
         if self.input_ids.device == torch.device(device):
             return self
-        return replace(self, **{f.name: to_device(getattr(self, f.name), device)
-                                for f in fields(self) if f.type == "torch.Tensor"})
+        return replace(self, **{name: to_device(t, device) for name, t in self.tensors.items()})
 
     def views_of(self, buffer: torch.Tensor) -> ForwardBatch:
         """A batch of this shape whose tensors are views into `buffer` (laid out as packed() lays them out)."""
         views, offset = {}, 0
-        for f in fields(self):
-            if f.type == "torch.Tensor":
-                tensor = getattr(self, f.name)
-                views[f.name] = buffer[offset : offset + tensor.numel()].view(tensor.shape)
-                offset += tensor.numel()
+        for name, tensor in self.tensors.items():
+            views[name] = buffer[offset : offset + tensor.numel()].view(tensor.shape)
+            offset += tensor.numel()
         return replace(self, **views)
+
+
+TENSOR_FIELDS = tuple(f.name for f in fields(ForwardBatch) if f.name not in ("span", "row_reads"))
 
 
 def build_forward_batch(
@@ -116,8 +116,9 @@ def build_forward_batch(
             [slot for r, s, e in zip(rows, starts, ends, strict=True) for slot in cache.slots(r.seq_id, s, e)],
             dtype=torch.int64,
         )
-    select = torch.tensor([[n - r.num_logits + min(i, r.num_logits - 1) if r.num_logits else n - 1 for i in range(width)]
-                           for r, n in zip(rows, lengths, strict=True)] + padding_rows, dtype=torch.int64)
+    select = torch.tensor([[n - r.num_logits + min(i, r.num_logits - 1) if r.num_logits else n - 1
+                            for i in range(width)] for r, n in zip(rows, lengths, strict=True)] + padding_rows,
+                          dtype=torch.int64)
     row_reads: tuple[tuple[torch.Tensor | slice, int], ...] = ()
     if row_by_row:
         row_reads = tuple((cache.row_read(r.seq_id, end), end) for r, end in zip(rows, ends, strict=True))

@@ -35,7 +35,6 @@ MIN_SPAN = 256  # the smallest span a graph reads; spans above round up to a pow
 MAX_WIDTH = 64  # the widest row a graph takes (a verify of 63 drafts, a tree of 63 nodes); wider runs eagerly
 
 
-
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """vLLM's default shape: 1, 2, 4, then every multiple of 8, up to the scheduling limit."""
     sizes = [n for n in (1, 2, 4) if n <= max_num_seqs] + list(range(8, max_num_seqs + 8, 8))
@@ -84,7 +83,10 @@ class TorchGraphs:
             forward()
         module.current_stream().wait_stream(side)
         graph = self._graph_class()
-        with module.graph(graph, pool=self._pool):
+        # thread_local: the engine's loop thread may allocate device memory (a new request's tensors) while the
+        # compute thread captures; in torch's default (global) mode that would fail the capture
+        options = {"capture_error_mode": "thread_local"} if module is torch.cuda else {}
+        with module.graph(graph, pool=self._pool, **options):
             outputs = forward()
         graph.replay()
         return graph.replay, outputs

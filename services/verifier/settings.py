@@ -177,8 +177,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
                         "to the next (default 1 2 4 8 16 24 ... up to --max-num-seqs)")
     parser.add_argument("--batch-invariant", dest="batch_invariant", action=argparse.BooleanOptionalAction,
                         default=default, help="run every forward in waves of one fixed shape so that a token's "
-                        "logits do not depend on its batch: in bf16, speculative greedy output is then bit-identical "
-                        "to non-speculative output, at the padding's cost (as vLLM's VLLM_BATCH_INVARIANT; default off)")
+                        "logits do not depend on its batch: in bf16, speculative greedy output is then "
+                        "bit-identical to non-speculative output, at the padding's cost (as vLLM's "
+                        "VLLM_BATCH_INVARIANT; default off)")
     if compute_thread:
         parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"],
                             default=default, help="thread for the model's forwards; auto (default) measures both")
