@@ -155,3 +155,36 @@ def test_a_shape_that_cannot_be_captured_runs_eagerly_and_is_not_tried_again():
         outputs = [runner.forward([RowInput("a", [token], num_logits=1)]) for runner in (eager, graphed)]
         torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-5, rtol=1e-5)
     assert backend.captures == 1 and len(graphed.graphs) == 0
+
+
+async def test_through_the_engine_graph_shaped_steps_keep_greedy_output_with_chains_and_trees():
+    """The engine over a runner whose decode and verify forwards take the graph path: mixed prefill and decode
+    steps, trees with duplicate siblings, rollbacks and slots reused; greedy output equals the eager runner's
+    without speculation."""
+    from services.verifier.engine import Engine
+    from services.verifier.engine_config import EngineConfig
+    from services.verifier.sampling_params import SpeculationParams
+    from tests.engine_harness import run_schedule
+    from tests.prompts import repetitive_prompt
+    from tests.proposers import OracleProposer, TreeProposer
+    from tests.unit.test_engine_greedy import build_schedule, make_engine
+
+    model = tiny_llama(seed=3)
+    rng = random.Random(11)
+    n = 6
+    prompts = [repetitive_prompt(rng, rng.randint(3, 40)) for _ in range(n)]
+    max_tokens = [rng.randint(5, 30) for _ in range(n)]
+    baseline = await run_schedule(make_engine(model, {}), build_schedule([SpeculationParams()] * n, prompts,
+                                                                         max_tokens))
+    references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
+    runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160)
+    backend = RerunOnReplay()
+    runner.graphs = StepGraphs(runner._body, backend, (1, 2, 4), runner.device, max_width=8)
+    proposers = {"tree": TreeProposer(VOCAB, seed=1, references=references), "oracle": OracleProposer(references)}
+    specs = [SpeculationParams(("tree", "oracle", None)[i % 3], 4 if i % 3 < 2 else 0) for i in range(n)]
+    engine = Engine(runner, EngineConfig(max_num_batched_tokens=24, log_stats_interval_s=0,
+                                         adaptive_speculation=False), proposers, eos_token_ids=())
+    graphed = await run_schedule(engine, build_schedule(specs, prompts, max_tokens))
+    for i in range(n):
+        assert graphed[f"r{i}"].tokens == baseline[f"r{i}"].tokens, f"r{i} ({specs[i]})"
+    assert backend.replays > 10 and len(runner.graphs) > 1
