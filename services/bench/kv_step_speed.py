@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from services.bench.hardware import describe_hardware
+from services.common.heap_trim import trim_heap
 from services.modeling.attention_paths import AttentionPaths
 from services.modeling.loading import load_model
 from services.modeling.runner import RowInput
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = weight_bytes(loaded.model)
     runner = create_runner(loaded.model, max(ROWS), max(CONTEXTS) + 8, owns_model=True)  # as a verifier: one copy
     pool = runner.cache.keys.nbytes + runner.cache.values.nbytes
+    trim_heap("runner built")  # as a verifier does once it serves (heap_trim.py)
     resident, baseline = resident_bytes(), import_baseline_bytes()
     gib = 2**30
     print(f"verifier memory ({args.model}): resident {resident / gib:.2f} GiB = pool {pool / gib:.2f} GiB + "
