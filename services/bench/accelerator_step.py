@@ -7,7 +7,8 @@ captured: step graphs, invariant: captured and --batch-invariant) an in-process 
   host-to-device copies per step from torch.profiler;
 - tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
   code edit at 1 request (the answer is nearly the prompt: n-gram drafts land);
-- whether each speculative greedy output equals the non-speculative one token for token.
+- whether each speculative greedy output equals the non-speculative one token for token;
+and first, on an accelerator, whether captured and eager forwards give the same greedy outputs in float32.
 Then transformers' own `generate` at batch 1 as the peer row. Medians and ratios, measured in this one run; exit 1
 if, batch-invariant, a speculative greedy output differs from the non-speculative one.
 """
@@ -97,6 +98,25 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
     return asyncio.run(run())
 
 
+def captured_matches_eager(model_spec: str, device: torch.device, prompts: Sequence[Sequence[int]],
+                           max_tokens: int) -> tuple[int, int]:
+    """In float32, where padding a batch barely moves a logit: (greedy outputs of captured forwards identical to
+    eager ones, prompts). A wrong graph (stale inputs, a misplaced write) shows here as garbage."""
+    loaded = load_model(model_spec, device=str(device), dtype="float32")
+    outputs = []
+    for eager in (True, False):
+        options = LocalEngineOptions(model=model_spec, device=str(device), dtype="float32", max_num_seqs=len(prompts),
+                                     enforce_eager=eager)
+        engine, _ = build_local_engine(options, loaded)
+
+        async def run(engine=engine):
+            async with engine:
+                return (await generate_all(engine, prompts, max_tokens, SpeculationParams()))[1]
+
+        outputs.append(asyncio.run(run()))
+    return sum(a == b for a, b in zip(*outputs, strict=True)), len(prompts)
+
+
 def transformers_row(loaded: LoadedModel, prompt: Sequence[int], max_tokens: int) -> float:
     model = loaded.model
     ids = torch.tensor([list(prompt)], device=next(model.parameters()).device)
@@ -125,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     chats = [chat_token_ids(loaded.tokenizer, m) for m in chat_prompt_messages()]  # 48; more loads repeat them
     prompts_by_load = {str(n): [chats[i % len(chats)] for i in range(n)] for n in args.loads}
     prompts_by_load["edit"] = [chat_token_ids(loaded.tokenizer, code_edit_message())]
+    if device.type != "cpu":
+        same, total = captured_matches_eager(args.model, device, chats[:8], args.max_tokens)
+        print(f"captured vs eager forwards, float32, 8 chats: greedy outputs identical {same}/{total}")
     rows = {}
     for mode in args.modes:
         runner = mode_runner(loaded, mode)
