@@ -12,29 +12,77 @@ synthetic tensors was tried and dropped: the gather's cost swung 3-10x with whet
 so it chose differently from run to run. Gathering whole blocks instead of positions was tried too and was no
 faster (the span rounds up to whole blocks). An accelerator gathers at memory speed and keeps the padded batch (a
 paged attention kernel replaces both there: issue 29).
+
+So on CPU the threshold is only where each batch shape starts: a shape (rows, span and tokens a row, each rounded
+to a power of two) of at least LEARN_FROM positions a row is served by both paths a few times each, on the real
+steps, and then by the one whose steps took less time per token; every REVISIT-th step of a shape tries the other
+path once more, so a choice follows the machine's drift. The two paths compute the same attention, so the choice
+changes only speed. On a 2-core Intel Xeon (AVX-512, AMX) the gather beat the views at 1,000 positions too (8 rows:
+124 vs 136 ms, 16 rows: 167 vs 209), where the AMD EPYC's threshold would have read row by row.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 import torch
 
-ROW_BY_ROW_FROM = 256  # mean positions read per row from which a CPU forward reads row by row
+ROW_BY_ROW_FROM = 256  # mean positions read per row from which a CPU forward starts reading row by row
+LEARN_FROM = 256  # mean positions a row from which a batch shape's path is learned (below, the gather won on both CPUs)
+MIN_SAMPLES = 3  # steps each path serves a shape before the faster one is chosen
+KEPT_SAMPLES = 7  # the latest timings of a shape and path whose median stands for it
+REVISIT = 32  # every this many steps of a shape, the other path serves one
+
+Shape = tuple[int, int, int]  # (rows, mean span, tokens a row), each as its power-of-two bucket
 
 
 class AttentionPaths:
-    def __init__(self, row_by_row_from: float) -> None:
-        """row_by_row_from: the mean span (positions read per row) from which rows are read one by one."""
+    def __init__(self, row_by_row_from: float, learn: bool = False) -> None:
+        """row_by_row_from: the mean span (positions read per row) from which rows are read one by one. learn: each
+        batch shape's path is then chosen by the timings observe() reports (module docstring)."""
         self.row_by_row_from = row_by_row_from
+        self.learn = learn
+        self._samples: dict[tuple[Shape, bool], deque[float]] = {}
+        self._uses: dict[Shape, int] = {}
 
     @classmethod
     def for_device(cls, device: torch.device) -> AttentionPaths:
-        return cls(ROW_BY_ROW_FROM if device.type == "cpu" else float("inf"))
+        if device.type == "cpu":
+            return cls(ROW_BY_ROW_FROM, learn=True)
+        return cls(float("inf"))
 
-    def row_by_row(self, rows: int, mean_span: float) -> bool:
-        """A single row is always a view; a batch reads row by row from row_by_row_from on."""
-        return rows == 1 or mean_span >= self.row_by_row_from
+    @staticmethod
+    def shape(rows: int, mean_span: float, width: int) -> Shape:
+        return rows.bit_length(), int(mean_span).bit_length(), width.bit_length()
+
+    def _learns(self, rows: int, mean_span: float) -> bool:
+        return self.learn and rows > 1 and mean_span >= LEARN_FROM
+
+    def row_by_row(self, rows: int, mean_span: float, width: int = 1) -> bool:
+        """A single row is always a view; a batch reads row by row from row_by_row_from on, or as learned."""
+        static = rows == 1 or mean_span >= self.row_by_row_from
+        if not self._learns(rows, mean_span):
+            return static
+        shape = self.shape(rows, mean_span, width)
+        uses = self._uses[shape] = self._uses.get(shape, 0) + 1
+        counts = {path: len(self._samples.get((shape, path), ())) for path in (True, False)}
+        if min(counts.values()) < MIN_SAMPLES:  # explore: the path with fewer timings (the threshold's on a tie)
+            return static if counts[True] == counts[False] else counts[True] < counts[False]
+        medians = {path: statistics.median(self._samples[(shape, path)]) for path in (True, False)}
+        best = medians[True] < medians[False]
+        return (not best) if uses % REVISIT == 0 else best
+
+    def observe(self, rows: int, mean_span: float, width: int, row_by_row: bool, seconds: float) -> None:
+        """A forward of this shape took `seconds` on the path it was given."""
+        if self._learns(rows, mean_span):
+            key = (self.shape(rows, mean_span, width), row_by_row)
+            self._samples.setdefault(key, deque(maxlen=KEPT_SAMPLES)).append(seconds)
 
     def describe(self) -> str:
         if self.row_by_row_from == float("inf"):
             return "one padded gather per batch (a single row: a view)"
-        return f"one padded gather per batch below {self.row_by_row_from:g} positions a row, row-by-row views from there"
+        text = (f"one padded gather per batch below {self.row_by_row_from:g} positions a row, row-by-row views "
+                "from there")
+        return text + (f"; from {LEARN_FROM} positions a row, each batch shape's faster path learned on its steps"
+                       if self.learn else "")

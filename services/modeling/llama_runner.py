@@ -8,6 +8,7 @@ two matmuls with per-row masks (attention.py), logits only for the positions ask
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -270,9 +271,13 @@ class LlamaFamilyRunner:
         if replayed is not None:
             batch, hidden, served = replayed
         else:
-            row_by_row = self.attention_paths.row_by_row(len(rows), sum(starts) / len(rows) + sum(lengths) / len(rows))
+            mean_span, width = (sum(starts) + sum(lengths)) / len(rows), max(lengths)
+            row_by_row = self.attention_paths.row_by_row(len(rows), mean_span, width)
+            started = time.perf_counter()
             batch = build_forward_batch(self.cache, rows, starts, self.device, row_by_row=row_by_row)
             hidden, served = self._body(batch)
+            if self.attention_paths.learn:  # a CPU forward has run when _body returns
+                self.attention_paths.observe(len(rows), mean_span, width, row_by_row, time.perf_counter() - started)
         for row in rows:
             self.cache.append_tokens(row.seq_id, row.token_ids, publish=row.parents is None)
         select = batch.select[: len(rows), : max(r.num_logits for r in rows)]  # [B, M]
