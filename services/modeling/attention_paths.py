@@ -15,9 +15,10 @@ paged attention kernel replaces both there: issue 29).
 
 So on CPU the threshold is only where each batch shape starts: a shape (rows, span and tokens a row, each rounded
 to a power of two) of at least LEARN_FROM positions a row is served by both paths a few times each, on the real
-steps, and then by the one whose steps took less time per token; every REVISIT-th step of a shape tries the other
-path once more, so a choice follows the machine's drift. The two paths compute the same attention, so the choice
-changes only speed. On a 2-core Intel Xeon (AVX-512, AMX) the gather beat the views at 1,000 positions too (8 rows:
+steps, and then by the one whose steps took less time (the threshold's unless the other is MARGIN faster: a
+near tie changes nothing); every REVISIT-th step of a shape tries the other path once more, so a choice follows
+the machine's drift. The two paths compute the same attention (up to the order of float additions over the
+padding), so the choice changes speed, not what is computed. On a 2-core Intel Xeon (AVX-512, AMX) the gather beat the views at 1,000 positions too (8 rows:
 124 vs 136 ms, 16 rows: 167 vs 209), where the AMD EPYC's threshold would have read row by row.
 """
 
@@ -33,6 +34,7 @@ LEARN_FROM = 256  # mean positions a row from which a batch shape's path is lear
 MIN_SAMPLES = 3  # steps each path serves a shape before the faster one is chosen
 KEPT_SAMPLES = 7  # the latest timings of a shape and path whose median stands for it
 REVISIT = 32  # every this many steps of a shape, the other path serves one
+MARGIN = 0.05  # the threshold's path stays unless the other is this much faster (no flip-flop on a near tie)
 
 Shape = tuple[int, int, int]  # (rows, mean span, tokens a row), each as its power-of-two bucket
 
@@ -70,7 +72,7 @@ class AttentionPaths:
         if min(counts.values()) < MIN_SAMPLES:  # explore: the path with fewer timings (the threshold's on a tie)
             return static if counts[True] == counts[False] else counts[True] < counts[False]
         medians = {path: statistics.median(self._samples[(shape, path)]) for path in (True, False)}
-        best = medians[True] < medians[False]
+        best = static if medians[not static] > (1 - MARGIN) * medians[static] else not static
         return (not best) if uses % REVISIT == 0 else best
 
     def observe(self, rows: int, mean_span: float, width: int, row_by_row: bool, seconds: float) -> None:

@@ -53,3 +53,9 @@ def test_a_cpu_runner_times_its_batched_steps_on_both_paths():
     shape = AttentionPaths.shape(2, 301, 1)
     timed = {path: len(runner.attention_paths._samples.get((shape, path), ())) for path in (True, False)}
     assert timed == {True: MIN_SAMPLES, False: MIN_SAMPLES}, timed
+
+
+def test_a_near_tie_keeps_the_thresholds_path():
+    paths = AttentionPaths(ROW_BY_ROW_FROM, learn=True)
+    chosen = serve_steps(paths, 3 * REVISIT, {True: 0.130, False: 0.126})  # 3% apart
+    assert chosen[2 * MIN_SAMPLES :].count(False) == 3  # 1,000 positions: the threshold reads row by row; revisits
