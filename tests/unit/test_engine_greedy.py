@@ -30,6 +30,12 @@ def make_engine(model, proposers, max_num_seqs=4, max_num_batched_tokens=24, ada
     return Engine(runner, config, proposers, eos_token_ids=())
 
 
+async def greedy_baseline(model, prompts, max_tokens):
+    """The schedule run without speculation: the greedy output every speculative run of it must equal."""
+    return await run_schedule(make_engine(model, {}), build_schedule([SpeculationParams()] * len(prompts), prompts,
+                                                                     max_tokens))
+
+
 def build_schedule(specs, prompts, max_tokens):
     """Requests arrive two per step at staggered times; short and long ones interleave so slots are reused."""
     arrivals: dict[int, list[GenerationRequest]] = {}

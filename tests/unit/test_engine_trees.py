@@ -21,7 +21,7 @@ from tests.stats import ALPHA, chi_square_p_value, total_variation
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
 from tests.unit.test_engine_distribution import V, exact_joint, sample_pairs
 from tests.step_costs import FixedCost
-from tests.unit.test_engine_greedy import build_schedule, make_engine
+from tests.unit.test_engine_greedy import build_schedule, greedy_baseline, make_engine
 
 
 def test_paths_and_lines():
@@ -63,8 +63,7 @@ async def test_greedy_output_with_trees_equals_no_speculation():
         n = 8
         prompts = [repetitive_prompt(rng, rng.randint(3, 40)) for _ in range(n)]
         max_tokens = [rng.randint(5, 40) for _ in range(n)]
-        baseline = await run_schedule(make_engine(model, {}), build_schedule([SpeculationParams()] * n, prompts,
-                                                                             max_tokens))
+        baseline = await greedy_baseline(model, prompts, max_tokens)
         references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
         proposers = {"tree": TreeProposer(VOCAB, seed=1, references=references),
                      "random_tree": TreeProposer(VOCAB, seed=2), "oracle": OracleProposer(references)}
@@ -88,8 +87,7 @@ async def test_adaptive_speculation_cuts_trees_and_keeps_the_output():
     n = 4
     prompts = [repetitive_prompt(rng, rng.randint(10, 30)) for _ in range(n)]
     max_tokens = [30] * n
-    baseline = await run_schedule(make_engine(model, {}), build_schedule([SpeculationParams()] * n, prompts,
-                                                                         max_tokens))
+    baseline = await greedy_baseline(model, prompts, max_tokens)
     references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
     for ranked in (True, False):
         proposer = TreeProposer(VOCAB, seed=1, references=references, ranked=ranked)
@@ -144,8 +142,7 @@ async def test_ngram_trees_keep_greedy_output_and_sampled_distribution():
     n = 6
     prompts = [repetitive_prompt(rng, rng.randint(10, 40)) for _ in range(n)]
     max_tokens = [rng.randint(10, 40) for _ in range(n)]
-    baseline = await run_schedule(make_engine(model, {}), build_schedule([SpeculationParams()] * n, prompts,
-                                                                         max_tokens))
+    baseline = await greedy_baseline(model, prompts, max_tokens)
     engine = make_engine(model, {"ngram": NgramProposer(NgramSettings(1, 3), tree_depth=4)})
     speculative = await run_schedule(engine, build_schedule([SpeculationParams("ngram", 10)] * n, prompts, max_tokens))
     for i in range(n):
