@@ -296,11 +296,7 @@ class LlamaFamilyRunner:
         for wave in waves([len(row.token_ids) for row in rows], shape):
             pieces = [RowInput(rows[b].seq_id, rows[b].token_ids[first:stop]) for b, first, stop in wave]
             starts = [self.cache.length(piece.seq_id) for piece in pieces]
-            host = self.graphs is not None
-            batch = build_forward_batch(self.cache, pieces, starts, torch.device("cpu") if host else self.device,
-                                        shape=shape.as_tuple)
-            replayed = self.graphs.run(batch) if host else None
-            hidden, served = replayed[1:] if replayed is not None else self._body(batch.to(self.device))
+            _, hidden, served = self._run_shaped(pieces, starts, shape.as_tuple)
             logits = self._lm_head(hidden.reshape(shape.rows * shape.width, -1)).float()  # one shape, every wave
             logits = logits.view(shape.rows, shape.width, -1)
             for i, ((b, first, stop), piece) in enumerate(zip(wave, pieces, strict=True)):
@@ -318,18 +314,27 @@ class LlamaFamilyRunner:
         return ForwardOutput(logits=out_logits, hidden_states=out_served)
 
     def _replay(self, rows: Sequence[RowInput], starts: list[int], lengths: list[int]):
-        """The forward as a captured graph's replay: (its static batch, hidden [B, L, H], served states); None
-        where no graph takes this shape."""
+        """The forward padded to a captured graph's shape: (its batch, hidden [B, L, H], served states) of the
+        rows; None where no graph takes this shape."""
         span = max(s + n for s, n in zip(starts, lengths, strict=True))
         shape = self.graphs.shape_for(len(rows), max(lengths), span)
         if shape is None:
             return None
-        padded = build_forward_batch(self.cache, rows, starts, torch.device("cpu"), shape=shape)
-        replayed = self.graphs.run(padded)
-        if replayed is None:
-            return None
-        batch, hidden, served = replayed
+        batch, hidden, served = self._run_shaped(rows, starts, shape)
         return batch, hidden[: len(rows)], served[: len(rows)].clone()  # the next replay overwrites them
+
+    def _run_shaped(self, rows: Sequence[RowInput], starts: list[int], shape: tuple[int, int, int]):
+        """The forward of `rows` padded to `shape`: a graph's replay where there are graphs (its inputs built on the
+        host, copied in as one buffer), else, or where that shape cannot be captured, the same padded batch eagerly.
+        Returns (the batch, hidden [shape rows, L, H], served states); a replay's outputs are the graph's own."""
+        on_host = self.graphs is not None
+        batch = build_forward_batch(self.cache, rows, starts, torch.device("cpu") if on_host else self.device,
+                                    shape=shape)
+        replayed = self.graphs.run(batch) if on_host else None
+        if replayed is not None:
+            return replayed
+        batch = batch.to(self.device)
+        return (batch, *self._body(batch))
 
     def _body(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward's tensor work, from the batch's tensors alone (what a graph captures): K/V written into
