@@ -150,7 +150,8 @@ def padded_caches(head, rows: Sequence[tuple[KV | None, Sequence[KV]]]) -> tuple
             keys[r, :, :c], values[r, :, :c] = cache[0][0], cache[1][0]
         for j, (k, v) in enumerate(extra):
             keys[r, :, c + j : c + j + 1], values[r, :, c + j : c + j + 1] = k, v
-    mask = torch.arange(keys.shape[2], device=keys.device)[None, :] < torch.tensor(lengths, device=keys.device)[:, None]
+    device = keys.device
+    mask = torch.arange(keys.shape[2], device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     return (keys, values), mask
 
 

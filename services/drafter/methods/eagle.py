@@ -280,7 +280,7 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     # accelerator when there is one, in its half precision, else the CPU in float32
     device = resolve_device(config.draft_device)
     dtype = resolve_dtype(config.draft_dtype, device)
-    loaded = load_model(target_spec, device=str(device), dtype=str(dtype).removeprefix("torch."))
+    loaded = load_model(target_spec, device=device, dtype=dtype)
     fit_head_to_target(head, loaded.model.config, head_dir)
     head.to(device=device, dtype=dtype)
     embed = head.token_embedding(loaded.model)
