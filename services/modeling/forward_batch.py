@@ -48,10 +48,10 @@ class ForwardBatch:
         return torch.cat([t.reshape(-1).to(torch.int64) for t in self.tensors.values()])
 
     def to(self, device: torch.device) -> ForwardBatch:
-        """The batch with its tensors on `device` (row reads stay where they are)."""
+        """The batch with its tensors on `device`, copied as one packed buffer (row reads stay where they are)."""
         if self.input_ids.device == torch.device(device):
             return self
-        return replace(self, **{name: to_device(t, device) for name, t in self.tensors.items()})
+        return self.views_of(to_device(self.packed(), device))
 
     def views_of(self, buffer: torch.Tensor) -> ForwardBatch:
         """A batch of this shape whose tensors are views into `buffer` (laid out as packed() lays them out)."""
