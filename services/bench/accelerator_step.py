@@ -6,7 +6,8 @@ captured: step graphs, invariant: captured and --batch-invariant) an in-process 
 - the decode step at batch 1: ms per step (step_profile's timers), and, on CUDA, kernel launches, stream syncs and
   host-to-device copies per step from torch.profiler;
 - tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
-  code edit at 1 request (the answer is nearly the prompt: n-gram drafts land);
+  code edit at 1 request (the answer is nearly the prompt: n-gram drafts land); captured, also with the shipped
+  EAGLE head (K = 4) on the same device;
 - whether each speculative greedy output equals the non-speculative one token for token;
 and first, on an accelerator, whether captured and eager forwards give the same greedy outputs in float32.
 Then transformers' own `generate` at batch 1 as the peer row. Medians and ratios, measured in this one run; exit 1
@@ -20,6 +21,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -58,7 +60,10 @@ def step_counts(loaded: LoadedModel, mode: str, prompt: Sequence[int], tokens: i
                                                 torch.profiler.ProfilerActivity.CUDA]) as profiler:
             await profile_runner(runner, prompt, tokens, 1)
         events = {e.key: e.count for e in profiler.key_averages()}
-        return {name: sum(events.get(key, 0) for key in keys) / tokens for name, keys in PROFILED_COUNTS.items()}
+        counts = {name: sum(events.get(key, 0) for key in keys) / tokens for name, keys in PROFILED_COUNTS.items()}
+        kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts["ms of GPU kernels"] = sum(e.time_range.elapsed_us() for e in kernels) / 1000 / tokens
+        return counts
 
     return asyncio.run(run())
 
@@ -81,7 +86,8 @@ async def generate_all(engine, prompts: Sequence[Sequence[int]], max_tokens: int
 
 def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load: dict[str, list],
                max_tokens: int) -> dict[str, tuple[float, float, int, int]]:
-    """Per load: (tok/s none, tok/s ngram, outputs identical, outputs)."""
+    """Per load: (tok/s none, tok/s with options' speculative method, outputs identical, outputs)."""
+    speculation = SpeculationParams(options.speculative_config.method, options.speculative_config.num_speculative_tokens)
     engine, _ = build_local_engine(options, loaded)
 
     async def run():
@@ -90,9 +96,12 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
             await generate_all(engine, prompts_by_load["1"], 8, SpeculationParams())  # warm-up and first graphs
             for load, prompts in prompts_by_load.items():
                 plain, plain_out = await generate_all(engine, prompts, max_tokens, SpeculationParams())
-                spec, spec_out = await generate_all(engine, prompts, max_tokens, SpeculationParams("ngram", 4))
+                spec, spec_out = await generate_all(engine, prompts, max_tokens, speculation)
                 same = sum(a == b for a, b in zip(plain_out, spec_out, strict=True))
                 results[load] = (plain, spec, same, len(prompts))
+        graphs = getattr(engine.runner, "graphs", None)
+        if graphs is not None:
+            print(f"  ({len(graphs)} step graphs, captured in {graphs.capture_seconds:.1f} s)", flush=True)
         return results
 
     return asyncio.run(run())
@@ -126,6 +135,13 @@ def transformers_row(loaded: LoadedModel, prompt: Sequence[int], max_tokens: int
     return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - started)
 
 
+def print_throughput(method: str, results: dict[str, tuple[float, float, int, int]]) -> None:
+    for load, (plain, spec, same, total) in results.items():
+        label = "code edit, 1 request" if load == "edit" else f"{load} concurrent chat"
+        print(f"  {label:>22}: none {plain:7.1f} tok/s, {method} {spec:7.1f} tok/s ({spec / plain:.2f}x); "
+              f"greedy identical {same}/{total}", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.bench.accelerator_step",
                                      description=__doc__.split("\n")[0])
@@ -135,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--loads", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--no-eagle", dest="eagle", action="store_false",
+                        help="skip the captured mode's EAGLE row (the shipped head, K = 4)")
     args = parser.parse_args(argv)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     device = next(loaded.model.parameters()).device
@@ -155,17 +173,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         step_ms = statistics.median(run["step"] for run in steps)
         forward_ms = statistics.median(run["forward"] for run in steps)
         del runner
-        counts = step_counts(loaded, mode, prompt, 32) if device.type == "cuda" else {}
+        counts = {}
+        if device.type == "cuda":
+            try:
+                counts = step_counts(loaded, mode, prompt, 32)
+            except Exception as error:  # noqa: BLE001 - the profiler's view is a figure, not the benchmark
+                print(f"[{mode}] torch.profiler counts failed: {error!r}")
         options = LocalEngineOptions(model=args.model, device=args.device, dtype=args.dtype,
                                      max_num_seqs=max(args.loads), enforce_eager=mode == "eager", batch_invariant=mode == "invariant",
                                      speculative_config=NGRAM)
         rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
-              + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""))
-        for load, (plain, spec, same, total) in rows[mode][3].items():
-            label = "code edit, 1 request" if load == "edit" else f"{load} concurrent chat"
-            print(f"  {label:>22}: none {plain:7.1f} tok/s, ngram {spec:7.1f} tok/s ({spec / plain:.2f}x); "
-                  f"greedy identical {same}/{total}")
+              + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""), flush=True)
+        print_throughput("ngram", rows[mode][3])
+        if mode == "captured" and args.eagle:
+            eagle = replace(options, speculative_config=SpeculativeConfig(
+                method="eagle", num_speculative_tokens=4, draft_device=str(device), draft_dtype=args.dtype))
+            print_throughput("eagle", throughput(loaded, eagle, prompts_by_load, args.max_tokens))
     if "eager" in rows and "captured" in rows:
         eager, captured = rows["eager"], rows["captured"]
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "

@@ -76,12 +76,13 @@ def build_forward_batch(
 ) -> ForwardBatch:
     """The batch for `rows` (their KV blocks reserved). shape = (rows, width, span) pads it to exactly that, for
     a captured graph or a batch-invariant forward: extra rows, extra columns, and `span` key positions read;
-    every [B, L] position is then written, the padding into the cache's sink slot. row_by_row: read each row's
+    every [B, L] position is then written, the padding into the cache's sink slot (with a shape, `rows` may be
+    empty: a batch of padding alone, which a graph is captured from). row_by_row: read each row's
     positions as its own view or index instead of one padded gather (attention_paths.py)."""
     lengths = [len(r.token_ids) for r in rows]
     ends = [s + n for s, n in zip(starts, lengths, strict=True)]
     batch, width, span = shape or (len(rows), max(lengths), max(ends))
-    if batch < len(rows) or width < max(lengths) or span < max(ends):
+    if batch < len(rows) or width < max(lengths, default=0) or span < max(ends, default=0):
         raise ValueError(f"shape {shape} is smaller than the rows' ({len(rows)}, {max(lengths)}, {max(ends)})")
     pad_rows = batch - len(rows)
     padded_starts = list(starts) + [0] * pad_rows

@@ -73,6 +73,9 @@ class GenericRunner:
     def kv_usage(self) -> KVUsage:
         return KVUsage(0, 0, 0, 1, self._prefix_stats)
 
+    def capture_graphs(self, max_width: int) -> int:
+        return 0  # transformers' own forward, eagerly
+
     @torch.inference_mode()
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         logits, hidden = [], []

@@ -20,6 +20,7 @@ from services.modeling.attention_paths import AttentionPaths
 from services.modeling.batch_invariance import InvariantShape, waves
 from services.modeling.cpu_linear import LinearFn
 from services.modeling.forward_batch import ForwardBatch, attention_masks, build_forward_batch
+from services.modeling.fused_linears import fuse_in_place
 from services.modeling.hidden_layers import FINAL_LAYER, FINAL_ONLY, check_hidden_layers
 from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
@@ -64,6 +65,16 @@ class LayerKernels:
             ("gate/up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
             ("down_proj", [mlp.down_proj.weight], [mlp.down_proj.bias]),
         ]
+
+    @staticmethod
+    def fused(layer: torch.nn.Module) -> LayerKernels:
+        """Plain linears for an accelerator: q/k/v and gate/up one matmul each over their weights, concatenated
+        in place (fused_linears.py); o_proj and down_proj the modules' own."""
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        sizes = tuple(p.weight.shape[0] for p in projections)
+        return LayerKernels(fuse_in_place(projections), sizes, attention.o_proj,
+                            fuse_in_place((mlp.gate_proj, mlp.up_proj)), mlp.down_proj)
 
     @staticmethod
     def build(layer: torch.nn.Module, linears: Sequence[LinearFn | None]) -> LayerKernels | None:
@@ -125,6 +136,8 @@ class LlamaFamilyRunner:
             self._lm_head = linears[-1] or head
             if owns_model:
                 self.freed_weight_bytes = free_packed_modules(layers, linears[:-1]) + free_packed_head(model, linears[-1])
+        if self.device.type != "cpu" and all(kernels is None for kernels in self._kernels):
+            self._kernels = [LayerKernels.fused(layer) for layer in layers]  # launch-bound: fewer, wider matmuls
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
         self.hidden_layers = FINAL_ONLY  # the states forward returns (hidden_layers.py); serve_hidden_layers sets them
         self.attention_paths = AttentionPaths.for_device(self.device)
@@ -135,7 +148,8 @@ class LlamaFamilyRunner:
             len(layers), self.num_kv_heads, self.head_dim, num_blocks, kv_cache.block_size, self.dtype, self.device,
             kv_cache.enable_prefix_caching,
         )
-        self.graphs = StepGraphs.for_runner(self._body, self.device, max_num_seqs, graphs or GraphSettings())
+        self.graphs = StepGraphs.for_runner(self._body, self.device, max_num_seqs, max_model_len,
+                                            graphs or GraphSettings())
         self.invariant = InvariantShape.for_runner(max_num_seqs, max_model_len, kv_cache.block_size) \
             if batch_invariant else None
         # forward takes RowInput.parents and keep_path keeps one path of a fed tree; not in waves, which split rows
@@ -151,7 +165,7 @@ class LlamaFamilyRunner:
         """Which linear kernels the forward uses, one line for logs and benchmark reports."""
         layers = sum(k is not None for k in self._kernels)
         if self._chooser is None or not self._chooser.choices:
-            return "plain torch modules (F.linear)"
+            return "F.linear, q/k/v and gate/up fused" if layers else "plain torch modules (F.linear)"
         text = f"per-shape choice of F.linear (plain) or oneDNN-packed by measurement: {self._chooser.describe()}"
         if layers < len(self._kernels):
             text += f"; plain torch modules in {len(self._kernels) - layers} of {len(self._kernels)} layers"
@@ -229,6 +243,18 @@ class LlamaFamilyRunner:
         if self.cache.hidden is None:
             self._forget_graphs()
         self.cache.keep_hidden_states(len(self.hidden_layers) * self.model.config.hidden_size, self.dtype)
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_width: int) -> int:
+        """Capture the step graphs of short sequences up to `max_width` tokens a row now, before any request
+        (step_graphs.shapes_to_capture), each from a batch of padding alone: its writes go to the sink slot, its
+        reads to the null block. Returns how many were captured; 0 where forwards run eagerly."""
+        if self.graphs is None or self.invariant is not None:
+            return 0
+        shapes = self.graphs.shapes_to_capture(max_width)
+        for shape in shapes:
+            self.graphs.run(build_forward_batch(self.cache, [], [], torch.device("cpu"), shape=shape))
+        return len(shapes)
 
     def _forget_graphs(self) -> None:
         """The forward now computes something else (other served layers, kept states): capture it again."""

@@ -97,3 +97,7 @@ class ModelRunner(Protocol):
 
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         """Feed each row's tokens at its current length and advance it; rows must name distinct sequences."""
+
+    def capture_graphs(self, max_width: int) -> int:
+        """On an accelerator, capture the forwards of short sequences of up to `max_width` tokens a row before the
+        first request (step_graphs.py); returns how many graphs were captured (0: forwards run eagerly)."""

@@ -3,12 +3,20 @@
 A small model's step on a GPU is launch-bound: SmolLM2-135M's eager forward launches about 1,500 kernels and keeps
 the H100 busy 3.1 ms of 38.8 (issue 29). A graph captured once per batch shape and replayed launches them as one.
 The shape is (rows, width, span): rows are padded up to the next capture size (vLLM's `cudagraph_capture_sizes`),
-the width is the step's tokens a row (1 to decode, K + 1 to verify; exact, so a verify is never padded wider), and
-the span (key positions a row reads) is rounded up to a power of two from MIN_SPAN, so a sequence crosses a handful
-of spans in its whole life. The forward reads its inputs from one static buffer (forward_batch.py packs them), so a
-replay costs one host-to-device copy and one launch. A shape is captured the first time a step has it (the capture
-runs the forward it captures, so nothing is computed twice); prefill chunks wider than max_width, rows beyond the
-largest size and CPU forwards run eagerly as before.
+the width (the step's tokens a row: 1 to decode, K + 1 to verify) up to the next of WIDTH_BUCKETS, and the span
+(key positions a row reads) up to a power of two from a floor, so a sequence crosses a handful of spans in its
+whole life. The floor is MIN_SPAN for a full batch and higher for a small one (span_floor: rows x span up to
+GATHER_POSITIONS): reading a few thousand null positions costs a single row next to nothing, and one graph then
+serves its sequence from the first token to a long context. The forward reads its inputs from one static buffer (forward_batch.py packs them), so a replay costs one
+host-to-device copy and one launch. The engine captures the shapes of short sequences before its first step
+(shapes_to_capture: every capture size, every width bucket up to its widest verify, the size's span floor); any other
+shape is captured the first time a step has it (the capture runs the forward it captures, so nothing is computed
+twice). Prefill chunks wider than max_width, rows beyond the largest size and CPU forwards run eagerly as before.
+
+Why capture ahead and bucket widths: on an H100, capturing shapes as steps first met them made speculation slower
+than none (ngram at 8 concurrent chats: 0.43x), because adaptive speculation varies K, and so the width, from step
+to step, and every new (rows, width, span) stalled the batch for a capture (0.1 s each). Padding a verify to 1 + a power of two
+drafts costs next to nothing in a launch-bound step (the default K = 4 verifies 5 positions exactly).
 
 The graph API is CUDA's (torch.cuda.CUDAGraph); Ascend's torch_npu mirrors it as torch.npu.NPUGraph (vLLM Ascend's
 ACL graphs), which TorchGraphs takes the same way: not tried here, no NPU was at hand. Tests on CPU put a backend
@@ -32,13 +40,24 @@ from services.modeling.host_copies import pinned
 logger = logging.getLogger(__name__)
 
 MIN_SPAN = 256  # the smallest span a graph reads; spans above round up to a power of two
+GATHER_POSITIONS = 4096  # a graph of r rows reads at least this / r positions a row (span_floor)
 MAX_WIDTH = 64  # the widest row a graph takes (a verify of 63 drafts, a tree of 63 nodes); wider runs eagerly
+WIDTH_BUCKETS = (1, 2, 3, 5, 9, 17, 33, MAX_WIDTH)  # a row's width is padded up to one of these: 1 + 2^k drafts
+
+
+def width_bucket(width: int) -> int | None:
+    """The width of the graph that takes rows of `width` tokens; None: wider than any graph."""
+    return next((bucket for bucket in WIDTH_BUCKETS if bucket >= width), None)
 
 
 def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """vLLM's default shape: 1, 2, 4, then every multiple of 8, up to the scheduling limit."""
     sizes = [n for n in (1, 2, 4) if n <= max_num_seqs] + list(range(8, max_num_seqs + 8, 8))
     return tuple(sorted({min(n, max_num_seqs) for n in sizes}))
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -102,32 +121,52 @@ class _Captured:
 
 class StepGraphs:
     def __init__(self, body: Body, backend: GraphBackend, capture_sizes: Sequence[int], device: torch.device,
-                 max_width: int = MAX_WIDTH) -> None:
+                 max_width: int = MAX_WIDTH, max_span: int | None = None,
+                 gather_positions: int = GATHER_POSITIONS) -> None:
+        """max_span: the longest sequence (max_model_len), which no span floor exceeds."""
         self._body = body
         self._backend = backend
         self.capture_sizes = tuple(sorted(capture_sizes))
         self.device = device
         self.max_width = max_width
+        self.max_span = _power_of_two_at_least(max_span) if max_span else None
+        self.gather_positions = gather_positions
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._uncapturable: set[tuple[int, int, int]] = set()
         self.capture_seconds = 0.0
 
     @classmethod
-    def for_runner(cls, body: Body, device: torch.device, max_num_seqs: int,
+    def for_runner(cls, body: Body, device: torch.device, max_num_seqs: int, max_model_len: int,
                    settings: GraphSettings) -> StepGraphs | None:
         """None where forwards run eagerly: on CPU, without a graph API, or with enforce_eager."""
         backend = TorchGraphs.for_device(device)
         if settings.enforce_eager or backend is None:
             return None
         sizes = settings.capture_sizes or default_capture_sizes(max_num_seqs)
-        return cls(body, backend, sizes, device)
+        return cls(body, backend, sizes, device, max_span=max_model_len)
+
+    def span_floor(self, rows: int) -> int:
+        """The shortest span a graph of `rows` (padded) rows reads: rows x span about GATHER_POSITIONS, a power
+        of two, at least MIN_SPAN and at most the longest sequence's."""
+        floor = max(MIN_SPAN, 1 << max(0, (self.gather_positions // rows).bit_length() - 1))
+        return min(floor, self.max_span) if self.max_span else floor
 
     def shape_for(self, rows: int, width: int, span: int) -> tuple[int, int, int] | None:
         """(padded rows, width, span bucket) of the graph that runs this forward; None: it runs eagerly."""
-        if width > self.max_width or rows > self.capture_sizes[-1]:
+        bucket = width_bucket(width)
+        if bucket is None or bucket > self.max_width or rows > self.capture_sizes[-1]:
             return None
         padded = next(size for size in self.capture_sizes if size >= rows)
-        return padded, width, max(MIN_SPAN, 1 << (span - 1).bit_length())
+        return padded, bucket, max(self.span_floor(padded), _power_of_two_at_least(span))
+
+    def shapes_to_capture(self, max_width: int) -> list[tuple[int, int, int]]:
+        """What the engine captures before its first step: every capture size by every width bucket a row of up
+        to `max_width` tokens needs, over the size's span floor (shorter sequences; longer ones capture as they
+        come), the graphs not yet captured."""
+        widths = {bucket for width in range(1, min(max_width, self.max_width) + 1)
+                  if (bucket := width_bucket(width)) is not None}
+        shapes = [(rows, width, self.span_floor(rows)) for rows in self.capture_sizes for width in sorted(widths)]
+        return [shape for shape in shapes if shape not in self._graphs and shape not in self._uncapturable]
 
     def run(self, batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor] | None:
         """Replay (capturing first, for a new shape) the forward of a host batch padded to a graph's shape;

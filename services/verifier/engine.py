@@ -53,7 +53,7 @@ from services.verifier.structured_output import GrammarCompiler, OutputConstrain
 logger = logging.getLogger(__name__)
 
 PROFILE_MAX_ROWS = 16  # the start-up cost profile's widest batch (larger ones are extrapolated, then observed)
-PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8
+PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8 (also the widest graph captured before the first step)
 
 
 class EngineOverloadedError(RuntimeError):
@@ -116,6 +116,7 @@ class Engine:
         self._closing = False
         self._seed_source = random.SystemRandom()
         self._cost_profiled = False
+        self._graphs_captured = False
         # One thread for all tensor work: torch's OpenMP pool belongs to the calling thread, so every step reuses
         # one pool instead of waking the pools of several default-executor threads.
         self._owns_executor = compute is None
@@ -124,8 +125,20 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is None:
-            await self._profile_step_cost()
+            await self._prepare()
             self._task = asyncio.create_task(self._run(), name="specserve-engine")
+
+    async def _prepare(self) -> None:
+        """Before the first step: capture the step graphs of short sequences (on an accelerator), so that no
+        request waits on a capture the first time its batch has a shape, then profile what a verify costs."""
+        if not self._graphs_captured:
+            self._graphs_captured = True
+            started = time.perf_counter()
+            captured = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.runner.capture_graphs, PROFILE_MAX_WIDTH)
+            if captured:
+                logger.info("captured %d step graphs in %.1f s", captured, time.perf_counter() - started)
+        await self._profile_step_cost()
 
     async def _profile_step_cost(self) -> None:
         """Time a few verify shapes once, before the first step (at start, or at the first step of an engine
@@ -326,7 +339,7 @@ class Engine:
 
     async def step(self) -> None:
         """One engine step over every running request."""
-        await self._profile_step_cost()
+        await self._prepare()
         started = time.perf_counter()
         self._reap()
         self._admit()

@@ -46,20 +46,36 @@ def make_runner(model, device=torch.device("cpu"), graphs: GraphSettings | None 
 def with_rerun_graphs(model, sizes=(1, 2, 4), max_width=8) -> tuple[LlamaFamilyRunner, RerunOnReplay]:
     runner = make_runner(model)
     backend = RerunOnReplay()
-    runner.graphs = StepGraphs(runner._body, backend, sizes, runner.device, max_width=max_width)
+    # no span floor beyond MIN_SPAN, so that sequences cross span buckets within the tiny model's context
+    runner.graphs = StepGraphs(runner._body, backend, sizes, runner.device, max_width=max_width, gather_positions=0)
     return runner, backend
 
 
 def test_capture_sizes_and_shapes_follow_vllm():
     assert default_capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert default_capture_sizes(3) == (1, 2, 3) and default_capture_sizes(12) == (1, 2, 4, 8, 12)
-    graphs = StepGraphs(lambda batch: None, RerunOnReplay(), (1, 2, 4, 8), torch.device("cpu"), max_width=16)
+    graphs = StepGraphs(lambda batch: None, RerunOnReplay(), (1, 2, 4, 8), torch.device("cpu"), max_width=16,
+                        gather_positions=0)
     assert graphs.shape_for(3, 5, 10) == (4, 5, MIN_SPAN)
+    assert graphs.shape_for(3, 4, 10) == (4, 5, MIN_SPAN)  # widths pad up to 1 + a power of two drafts
     assert graphs.shape_for(1, 1, MIN_SPAN + 1) == (1, 1, 2 * MIN_SPAN)
-    assert graphs.shape_for(8, 16, 1000) == (8, 16, 1024)
-    assert graphs.shape_for(9, 1, 10) is None and graphs.shape_for(1, 17, 10) is None  # run eagerly
-    assert StepGraphs.for_runner(lambda batch: None, torch.device("cpu"), 8, GraphSettings()) is None
-    assert StepGraphs.for_runner(lambda batch: None, torch.device("meta"), 8, GraphSettings()) is None
+    assert graphs.shape_for(8, 9, 1000) == (8, 9, 1024)
+    assert graphs.shape_for(9, 1, 10) is None and graphs.shape_for(1, 10, 10) is None  # run eagerly
+    assert graphs.shapes_to_capture(9) == [(rows, width, MIN_SPAN) for rows in (1, 2, 4, 8) for width in (1, 2, 3, 5, 9)]
+    assert graphs.shapes_to_capture(4) == [(rows, width, MIN_SPAN) for rows in (1, 2, 4, 8) for width in (1, 2, 3, 5)]
+    assert StepGraphs.for_runner(lambda batch: None, torch.device("cpu"), 8, 512, GraphSettings()) is None
+    assert StepGraphs.for_runner(lambda batch: None, torch.device("meta"), 8, 512, GraphSettings()) is None
+
+
+def test_small_batches_read_longer_spans_so_one_graph_serves_a_whole_sequence():
+    graphs = StepGraphs(lambda batch: None, RerunOnReplay(), (1, 2, 4, 8, 16, 24, 32), torch.device("cpu"),
+                        max_span=3000, gather_positions=4096)
+    assert [graphs.span_floor(rows) for rows in (1, 2, 4, 8, 16, 24, 32)] == [4096, 2048, 1024, 512, 256, 256, 256]
+    assert graphs.shape_for(1, 1, 10) == (1, 1, 4096) and graphs.shape_for(1, 5, 2999) == (1, 5, 4096)
+    assert graphs.shape_for(7, 1, 600) == (8, 1, 1024) and graphs.shape_for(20, 1, 10) == (24, 1, 256)
+    capped = StepGraphs(lambda batch: None, RerunOnReplay(), (1, 2), torch.device("cpu"), max_span=1000)
+    assert capped.shape_for(1, 1, 10) == (1, 1, 1024)  # never past the longest sequence's bucket
+    assert capped.shapes_to_capture(2) == [(1, 1, 1024), (1, 2, 1024), (2, 1, 1024), (2, 2, 1024)]
 
 
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
@@ -69,6 +85,8 @@ def test_graph_shaped_forwards_match_eager_ones(make_model):
     model = make_model()
     eager = make_runner(model)
     graphed, backend = with_rerun_graphs(model)
+    # short sequences' graphs captured ahead, from padding alone, as the engine does before its first step
+    assert graphed.capture_graphs(5) == 3 * 4 and graphed.capture_graphs(5) == 0
     rng = random.Random(3)
     prompts = {s: [rng.randrange(VOCAB) for _ in range(n)] for s, n in (("a", 240), ("b", 40), ("c", 250))}
     for runner in (eager, graphed):
