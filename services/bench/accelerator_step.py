@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import statistics
 import time
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner_factory import create_runner
 from services.modeling.step_graphs import GraphSettings
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from services.verifier.spec_stats import SpecDecodeStats
 
 MODES = ("eager", "captured", "invariant")  # invariant: captured and batch-invariant (--batch-invariant)
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
@@ -85,20 +87,42 @@ async def generate_all(engine, prompts: Sequence[Sequence[int]], max_tokens: int
 
 
 def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load: dict[str, list],
-               max_tokens: int) -> dict[str, tuple[float, float, int, int]]:
-    """Per load: (tok/s none, tok/s with options' speculative method, outputs identical, outputs)."""
-    speculation = SpeculationParams(options.speculative_config.method, options.speculative_config.num_speculative_tokens)
+               max_tokens: int) -> dict[str, tuple[float, float, int, int, str]]:
+    """Per load: (tok/s none, tok/s with options' speculative method, outputs identical, outputs, what the steps
+    did: forwards and ms per forward of each run; with speculation, the drafts verified and accepted)."""
+    method = options.speculative_config.method
+    speculation = SpeculationParams(method, options.speculative_config.num_speculative_tokens)
     engine, _ = build_local_engine(options, loaded)
+    runner, forwards = engine.runner, [0]
+    forward = runner.forward
+
+    def counted(rows):
+        forwards[0] += 1
+        return forward(rows)
+
+    runner.forward = counted
+
+    async def timed_run(prompts, speculation_params):
+        before, started = forwards[0], time.perf_counter()
+        rate, outputs = await generate_all(engine, prompts, max_tokens, speculation_params)
+        steps = forwards[0] - before
+        return rate, outputs, f"{steps} forwards of {1000 * (time.perf_counter() - started) / max(steps, 1):.1f} ms"
 
     async def run():
         results = {}
         async with engine:
             await generate_all(engine, prompts_by_load["1"], 8, SpeculationParams())  # warm-up and first graphs
             for load, prompts in prompts_by_load.items():
-                plain, plain_out = await generate_all(engine, prompts, max_tokens, SpeculationParams())
-                spec, spec_out = await generate_all(engine, prompts, max_tokens, speculation)
+                plain, plain_out, plain_steps = await timed_run(prompts, SpeculationParams())
+                drafted = copy.deepcopy(engine.stats_by_method.get(method))
+                spec, spec_out, spec_steps = await timed_run(prompts, speculation)
+                stats, before = engine.stats_by_method.get(method), drafted or SpecDecodeStats()
+                rows = stats.num_drafts - before.num_drafts if stats else 0
+                drafts = (f"; {rows} drafts verified, {(stats.num_draft_tokens - before.num_draft_tokens) / rows:.1f} "
+                          f"tokens long, {(stats.num_accepted_tokens - before.num_accepted_tokens) / rows:.2f} "
+                          "accepted" if rows else "; no drafts verified")
                 same = sum(a == b for a, b in zip(plain_out, spec_out, strict=True))
-                results[load] = (plain, spec, same, len(prompts))
+                results[load] = (plain, spec, same, len(prompts), f"none {plain_steps}, {method} {spec_steps}{drafts}")
         graphs = getattr(engine.runner, "graphs", None)
         if graphs is not None:
             print(f"  ({len(graphs)} step graphs, captured in {graphs.capture_seconds:.1f} s)", flush=True)
@@ -135,11 +159,11 @@ def transformers_row(loaded: LoadedModel, prompt: Sequence[int], max_tokens: int
     return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - started)
 
 
-def print_throughput(method: str, results: dict[str, tuple[float, float, int, int]]) -> None:
-    for load, (plain, spec, same, total) in results.items():
+def print_throughput(method: str, results: dict[str, tuple[float, float, int, int, str]]) -> None:
+    for load, (plain, spec, same, total, steps) in results.items():
         label = "code edit, 1 request" if load == "edit" else f"{load} concurrent chat"
         print(f"  {label:>22}: none {plain:7.1f} tok/s, {method} {spec:7.1f} tok/s ({spec / plain:.2f}x); "
-              f"greedy identical {same}/{total}", flush=True)
+              f"greedy identical {same}/{total}\n  {'':>22}  ({steps})", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -196,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               + ", ".join(f"{load}: {captured[3][load][0] / eager[3][load][0]:.2f}x" for load in eager[3])
               + (" (on CPU both run the same eager forward: these ratios are noise)" if device.type == "cpu" else ""))
     print(f"\ntransformers generate, batch 1: {transformers_row(loaded, prompt, args.max_tokens):.1f} tok/s")
-    if "invariant" in rows and any(same < total for *_, same, total in rows["invariant"][3].values()):
+    if "invariant" in rows and any(same < total for _, _, same, total, _ in rows["invariant"][3].values()):
         print("batch-invariant mode: a speculative greedy output differs from the non-speculative one")
         return 1
     return 0
