@@ -118,11 +118,14 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
                 spec, spec_out, spec_steps = await timed_run(prompts, speculation)
                 stats, before = engine.stats_by_method.get(method), drafted or SpecDecodeStats()
                 rows = stats.num_drafts - before.num_drafts if stats else 0
-                drafts = (f"; {rows} drafts verified, {(stats.num_draft_tokens - before.num_draft_tokens) / rows:.1f} "
-                          f"tokens long, {(stats.num_accepted_tokens - before.num_accepted_tokens) / rows:.2f} "
-                          "accepted" if rows else "; no drafts verified")
+                drafts = "; no drafts verified"
+                if rows:
+                    long = (stats.num_draft_tokens - before.num_draft_tokens) / rows
+                    accepted = (stats.num_accepted_tokens - before.num_accepted_tokens) / rows
+                    drafts = f"; {rows} drafts verified, {long:.1f} tokens long, {accepted:.2f} accepted"
                 same = sum(a == b for a, b in zip(plain_out, spec_out, strict=True))
-                results[load] = (plain, spec, same, len(prompts), f"none {plain_steps}, {method} {spec_steps}{drafts}")
+                steps = f"none {plain_steps}, {method} {spec_steps}{drafts}"
+                results[load] = (plain, spec, same, len(prompts), steps)
         graphs = getattr(engine.runner, "graphs", None)
         if graphs is not None:
             print(f"  ({len(graphs)} step graphs, captured in {graphs.capture_seconds:.1f} s)", flush=True)
@@ -204,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as error:  # noqa: BLE001 - the profiler's view is a figure, not the benchmark
                 print(f"[{mode}] torch.profiler counts failed: {error!r}")
         options = LocalEngineOptions(model=args.model, device=args.device, dtype=args.dtype,
-                                     max_num_seqs=max(args.loads), enforce_eager=mode == "eager", batch_invariant=mode == "invariant",
-                                     speculative_config=NGRAM)
+                                     max_num_seqs=max(args.loads), enforce_eager=mode == "eager",
+                                     batch_invariant=mode == "invariant", speculative_config=NGRAM)
         rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
               + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""), flush=True)

@@ -5,18 +5,19 @@ the H100 busy 3.1 ms of 38.8 (issue 29). A graph captured once per batch shape a
 The shape is (rows, width, span): rows are padded up to the next capture size (vLLM's `cudagraph_capture_sizes`),
 the width (the step's tokens a row: 1 to decode, K + 1 to verify) up to the next of WIDTH_BUCKETS, and the span
 (key positions a row reads) up to a power of two from a floor, so a sequence crosses a handful of spans in its
-whole life. The floor is MIN_SPAN for a full batch and higher for a small one (span_floor: rows x span up to
+whole life. The floor is MIN_SPAN for a full batch and higher for a small one (span_floor: rows x span about
 GATHER_POSITIONS): reading a few thousand null positions costs a single row next to nothing, and one graph then
-serves its sequence from the first token to a long context. The forward reads its inputs from one static buffer (forward_batch.py packs them), so a replay costs one
-host-to-device copy and one launch. The engine captures the shapes of short sequences before its first step
-(shapes_to_capture: every capture size, every width bucket up to its widest verify, the size's span floor); any other
-shape is captured the first time a step has it (the capture runs the forward it captures, so nothing is computed
-twice). Prefill chunks wider than max_width, rows beyond the largest size and CPU forwards run eagerly as before.
+serves its sequence from the first token to a long context. The forward reads its inputs from one static buffer
+(forward_batch.py packs them), so a replay costs one host-to-device copy and one launch. The engine captures the
+shapes of short sequences before its first step (shapes_to_capture: every capture size, every width bucket up to
+its widest verify, the size's span floor); any other shape is captured the first time a step has it (the capture
+runs the forward it captures, so nothing is computed twice). Prefill chunks wider than max_width, rows beyond the
+largest size and CPU forwards run eagerly as before.
 
 Why capture ahead and bucket widths: on an H100, capturing shapes as steps first met them made speculation slower
 than none (ngram at 8 concurrent chats: 0.43x), because adaptive speculation varies K, and so the width, from step
-to step, and every new (rows, width, span) stalled the batch for a capture (0.1 s each). Padding a verify to 1 + a power of two
-drafts costs next to nothing in a launch-bound step (the default K = 4 verifies 5 positions exactly).
+to step, and every new (rows, width, span) stalled the batch for a capture (0.1 s each). Padding a verify to 1 + a
+power of two drafts costs next to nothing in a launch-bound step (the default K = 4 verifies 5 positions exactly).
 
 The graph API is CUDA's (torch.cuda.CUDAGraph); Ascend's torch_npu mirrors it as torch.npu.NPUGraph (vLLM Ascend's
 ACL graphs), which TorchGraphs takes the same way: not tried here, no NPU was at hand. Tests on CPU put a backend

@@ -61,8 +61,9 @@ def test_capture_sizes_and_shapes_follow_vllm():
     assert graphs.shape_for(1, 1, MIN_SPAN + 1) == (1, 1, 2 * MIN_SPAN)
     assert graphs.shape_for(8, 9, 1000) == (8, 9, 1024)
     assert graphs.shape_for(9, 1, 10) is None and graphs.shape_for(1, 10, 10) is None  # run eagerly
-    assert graphs.shapes_to_capture(9) == [(rows, width, MIN_SPAN) for rows in (1, 2, 4, 8) for width in (1, 2, 3, 5, 9)]
-    assert graphs.shapes_to_capture(4) == [(rows, width, MIN_SPAN) for rows in (1, 2, 4, 8) for width in (1, 2, 3, 5)]
+    every_size = (1, 2, 4, 8)
+    assert graphs.shapes_to_capture(9) == [(rows, width, MIN_SPAN) for rows in every_size for width in (1, 2, 3, 5, 9)]
+    assert graphs.shapes_to_capture(4) == [(rows, width, MIN_SPAN) for rows in every_size for width in (1, 2, 3, 5)]
     assert StepGraphs.for_runner(lambda batch: None, torch.device("cpu"), 8, 512, GraphSettings()) is None
     assert StepGraphs.for_runner(lambda batch: None, torch.device("meta"), 8, 512, GraphSettings()) is None
 
