@@ -79,13 +79,15 @@ def test_small_batches_read_longer_spans_so_one_graph_serves_a_whole_sequence():
     assert capped.shapes_to_capture(2) == [(1, 1, 1024), (1, 2, 1024), (2, 1, 1024), (2, 2, 1024)]
 
 
+@pytest.mark.parametrize("max_width", [8, 512], ids=["prefill-eager", "prefill-graphed"])
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
-def test_graph_shaped_forwards_match_eager_ones(make_model):
+def test_graph_shaped_forwards_match_eager_ones(make_model, max_width):
     """Three sequences decode side by side through steps of 1 token, chains of drafts and a tree, with rollbacks,
-    across the first span bucket's end; prefill is wider than the graphs take and runs eagerly."""
+    across the first span bucket's end; prefill is wider than graphs of max_width 8 take and runs eagerly there,
+    padded to 64 and 256 tokens in graphs of 512."""
     model = make_model()
     eager = make_runner(model)
-    graphed, backend = with_rerun_graphs(model)
+    graphed, backend = with_rerun_graphs(model, max_width=max_width)
     # short sequences' graphs captured ahead, from padding alone, as the engine does before its first step
     assert graphed.capture_graphs(5) == 3 * 4 and graphed.capture_graphs(5) == 0
     rng = random.Random(3)
@@ -117,6 +119,8 @@ def test_graph_shaped_forwards_match_eager_ones(make_model):
                     runner.truncate(row.seq_id, start + 1 + step % len(row.token_ids))
     assert max(graphed.length(s) for s in prompts) > MIN_SPAN  # crossed into the second span bucket
     assert backend.replays > 0 and backend.captures == len(graphed.graphs) > 1
+    prefill_graphs = {shape for shape in graphed.graphs._graphs if shape[1] >= 64}
+    assert len(prefill_graphs) == (2 if max_width == 512 else 0)  # (1, 256, 256) for 240 and 250, (1, 64, 256)
     assert not graphed.cache.keys[:, :, : graphed.cache.block_size].any()  # the padding went to the sink, not here
 
 
