@@ -160,9 +160,22 @@ class EagleHead(nn.Module):
         c = self.config
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        return (rotate(q, positions, c.rope_theta), *self._kv(x, positions))
+
+    def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta), v
+        return rotate(k, positions, c.rope_theta), v
+
+    def keys_values(self, embeddings: torch.Tensor, features: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V that positions add to a cache ([B, kv heads, T, D] each, at `positions` [T] or [B, T]): what
+        `step` appends, without its attention and MLP. The head is one layer, so a position's K/V depend on its
+        own inputs alone; a drafter catching its caches up on committed positions needs nothing else, and can
+        take every sequence's new positions in one batch."""
+        return self._kv(self._inputs(embeddings, features)[0], positions)
 
     def _expand(self, kv: torch.Tensor) -> torch.Tensor:
         return kv.repeat_interleave(self.config.num_attention_heads // self.config.num_key_value_heads, dim=1)

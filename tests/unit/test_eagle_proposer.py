@@ -64,8 +64,12 @@ def test_batched_chains_over_a_reduced_vocabulary_equal_each_sequence_alone():
         expected = {s: reference_chain(head, embed, head.draft_weight(lm_head.weight), ids, states[s], wanted[s])
                     for s, ids in sequences.items()}
     inputs = [DraftInput(s, ids, wanted[s], states[s]) for s, ids in sequences.items()]
+    batches = []
+    keys_values = head.keys_values
+    head.keys_values = lambda embeddings, *rest: batches.append(embeddings.shape[1]) or keys_values(embeddings, *rest)
     drafts = proposer._draft_all(inputs)
     assert {s: list(d.token_ids) for s, d in zip(sequences, drafts, strict=True)} == expected
+    assert batches == [(9 - 2) + (2 - 2) + (17 - 2)]  # every sequence's committed positions in one batch
     assert all(t in set(head.draft_vocab.tolist()) for chain in expected.values() for t in chain)
     # a step later, with more tokens committed (the cache catches up), still the same as alone
     sequences["a"] += expected["a"][:2] + [7]
@@ -90,13 +94,13 @@ def test_a_repeated_prefix_takes_the_head_cache_and_drafts_the_same():
         expected = {s: reference_chain(head, embed, lm_head.weight, ids, states[s], 4) for s, ids in sequences.items()}
     proposer = EagleProposer(head, embed, lm_head, V)
     fed = []
-    step = head.step
-    head.step = lambda embeddings, *rest: fed.append(embeddings.shape[1]) or step(embeddings, *rest)
+    keys_values = head.keys_values
+    head.keys_values = lambda embeddings, *rest: fed.append(embeddings.shape[1]) or keys_values(embeddings, *rest)
     for name in sequences:
         fed.clear()
         draft = proposer._draft_all([DraftInput(name, sequences[name], 4, states[name])])[0]
         assert list(draft.token_ids) == expected[name], name
-        catch_up = fed[0]  # the first head step feeds the committed positions the cache does not hold
+        catch_up = fed[0]  # the committed positions the cache does not hold, fed before the chain
         if name == "second":  # 32 of its 43 positions (two full blocks of 16) came from the cache
             assert catch_up == len(sequences[name]) - 2 - 32 and proposer.prefix_cache.hits == 32
         else:

@@ -142,15 +142,15 @@ class EagleProposer:
             self._sequences.pop(seq_id, None)
             self.predrafts.forget(seq_id)
         drafts = [Draft([]) for _ in inputs]
-        ready = []
+        catching_up = []
         for i, item in enumerate(inputs):
             held = self.predrafts.take(item.seq_id, item.token_ids, item.num_speculative_tokens)
             if held:  # drafted while the verifier verified; its new target features wait for the next pre-draft
                 drafts[i] = Draft(list(held))
-                continue
-            row = self._catch_up(item)
-            if row is not None:
-                ready.append((i, row))
+            else:
+                catching_up.append(i)
+        starts = self._catch_up([inputs[i] for i in catching_up])
+        ready = [(i, row) for i, row in zip(catching_up, starts, strict=True) if row is not None]
         if ready and self.tree_nodes is not None:
             starts = [TreeStart(row.cache, row.position, row.token, row.feature) for _, row in ready]
             trees = draft_trees(self.head, self.embed, self._lm_rows(), starts, self.tree_topk, self.tree_depth,
@@ -175,11 +175,9 @@ class EagleProposer:
         the chain again with d forced, its next argmax as the bonus g, then K more (module docstring). `stop` is
         asked between chain steps: a new call is waiting, so the rest is left to it."""
         started = time.perf_counter()
-        rows = []
-        for item, draft in ahead:
-            start = self._catch_up(item)  # a no-op unless this call was answered by a pre-draft
-            if start is not None:
-                rows.append((item, draft, replace(start, k=len(draft) + 1 + item.num_speculative_tokens)))
+        starts = self._catch_up([item for item, _ in ahead])  # a no-op unless this call was answered by a pre-draft
+        rows = [(item, draft, replace(start, k=len(draft) + 1 + item.num_speculative_tokens))
+                for (item, draft), start in zip(ahead, starts, strict=True) if start is not None]
         chains = self._chains([start for *_, start in rows], [draft for _, draft, _ in rows], stop) if rows else None
         if chains is None:
             for _ in rows:
@@ -193,29 +191,49 @@ class EagleProposer:
                 tokens = tuple(chain[n + 1 : n + 1 + item.num_speculative_tokens])
                 self.predrafts.keep(item.seq_id, PreDraft(base, tokens, seconds))
 
-    def _catch_up(self, item: DraftInput) -> ChainStart | None:
-        """Feed the sequence's newly committed positions into its cache; where the chain starts, or None when
-        this sequence cannot draft now (no states yet, or K = 0)."""
-        tokens, states = item.token_ids, item.hidden_states
-        n = len(tokens) - 1  # the last committed token x_n; states exist for x_0..x_{n-1}
-        if states is None or n < 1 or states.shape[0] < n or item.num_speculative_tokens < 1:
-            return None
-        if states.dim() != 2 or states.shape[1] != self.state_width:  # not the layers it reads: no draft
-            return None
-        seq = self._sequences.setdefault(item.seq_id, HeadSequence())
-        if seq.fed > n - 1:  # the verifier re-sent a shorter sequence: start over
-            seq.fed, seq.cache, seq.published = 0, None, (0, 0)
-        if seq.fed == 0:  # a new sequence: the head cache of its longest cached prefix (head_prefix_cache.py)
-            seq.fed, seq.cache = self.prefix_cache.longest(tokens, n - 1)
-        states = states.to(device=self.device, dtype=self.embed.weight.dtype)  # the link's are on the host
-        if seq.fed < n - 1:  # commit positions fed..n-2: [x_{t+1}; f_t]
-            ids = torch.tensor([list(tokens[seq.fed + 1 : n])], device=self.device)
-            features = self.head.target_features(states[None, seq.fed : n - 1])
-            _, seq.cache = self.head.step(self.embed(ids), features, seq.fed, seq.cache)
+    def _catch_up(self, items: Sequence[DraftInput]) -> list[ChainStart | None]:
+        """Feed each sequence's newly committed positions into its cache; per item, where its chain starts, or None
+        when it cannot draft now (no states yet, or K = 0). The new positions' K/V of every sequence are computed
+        in one batch (EagleHead.keys_values): a step a sequence cost a GPU a hundred kernel launches, 64 sequences
+        a verify step's worth."""
+        ready = []  # (index, item, its sequence, n, its states on the head's device)
+        for i, item in enumerate(items):
+            tokens, states = item.token_ids, item.hidden_states
+            n = len(tokens) - 1  # the last committed token x_n; states exist for x_0..x_{n-1}
+            if states is None or n < 1 or states.shape[0] < n or item.num_speculative_tokens < 1:
+                continue
+            if states.dim() != 2 or states.shape[1] != self.state_width:  # not the layers it reads: no draft
+                continue
+            seq = self._sequences.setdefault(item.seq_id, HeadSequence())
+            if seq.fed > n - 1:  # the verifier re-sent a shorter sequence: start over
+                seq.fed, seq.cache, seq.published = 0, None, (0, 0)
+            if seq.fed == 0:  # a new sequence: the head cache of its longest cached prefix (head_prefix_cache.py)
+                seq.fed, seq.cache = self.prefix_cache.longest(tokens, n - 1)
+            ready.append((i, item, seq, n, states.to(device=self.device, dtype=self.embed.weight.dtype)))
+        pending = [(seq, item.token_ids, n, states) for _, item, seq, n, states in ready if seq.fed < n - 1]
+        if pending:  # commit positions fed..n-2 of each: [x_{t+1}; f_t]
+            self._feed_committed(pending)
+        starts: list[ChainStart | None] = [None] * len(items)
+        for i, item, seq, n, states in ready:
+            starts[i] = ChainStart(seq.cache, n - 1, int(item.token_ids[n]),
+                                   self.head.target_features(states[n - 1 : n]), item.num_speculative_tokens)
+        return starts
+
+    def _feed_committed(self, pending: list[tuple[HeadSequence, Sequence[int], int, torch.Tensor]]) -> None:
+        """Positions fed..n-2 of every pending sequence into its cache, their K/V computed as one batch."""
+        ids = torch.tensor([t for seq, tokens, n, _ in pending for t in tokens[seq.fed + 1 : n]], device=self.device)
+        features = torch.cat([states[seq.fed : n - 1] for seq, _, n, states in pending])
+        positions = torch.cat([torch.arange(seq.fed, n - 1) for seq, _, n, _ in pending]).to(self.device)
+        keys, values = self.head.keys_values(self.embed(ids[None]), self.head.target_features(features[None]),
+                                             positions)
+        sizes = [n - 1 - seq.fed for seq, _, n, _ in pending]
+        for (seq, tokens, n, _), k, v in zip(pending, keys.split(sizes, dim=2), values.split(sizes, dim=2),
+                                             strict=True):
+            # a copy of its slice, not a view that would keep the whole batch alive in this cache
+            seq.cache = (k.clone(), v.clone()) if seq.cache is None else (torch.cat([seq.cache[0], k], dim=2),
+                                                                          torch.cat([seq.cache[1], v], dim=2))
             seq.fed = n - 1
             seq.published = self.prefix_cache.publish(tokens, seq.cache, seq.fed, seq.published)
-        return ChainStart(seq.cache, n - 1, int(tokens[n]), self.head.target_features(states[n - 1 : n]),
-                          item.num_speculative_tokens)
 
     def _chains(self, rows: list[ChainStart], forced: list[tuple[int, ...]] | None = None,
                 stop: Callable[[], bool] | None = None) -> list[list[int]] | None:
