@@ -194,8 +194,9 @@ class EagleProposer:
     def _catch_up(self, items: Sequence[DraftInput]) -> list[ChainStart | None]:
         """Feed each sequence's newly committed positions into its cache; per item, where its chain starts, or None
         when it cannot draft now (no states yet, or K = 0). The new positions' K/V of every sequence are computed
-        in one batch (EagleHead.keys_values): a step a sequence cost a GPU a hundred kernel launches, 64 sequences
-        a verify step's worth."""
+        in one batch (EagleHead.keys_values), not by a whole head step per sequence: for 8 sequences of 4 new
+        positions the shipped head took 19.6 ms that way on a 2-core CPU and 1.9 ms batched, and on a GPU each
+        of those steps was a hundred-odd kernel launches."""
         ready = []  # (index, item, its sequence, n, its states on the head's device)
         for i, item in enumerate(items):
             tokens, states = item.token_ids, item.hidden_states
