@@ -76,6 +76,8 @@ class DraftCollector:
         for index, (state, k) in enumerate(zip(decode, lengths, strict=True)):
             if k > 0:
                 groups.setdefault(state.request.speculation.method, []).append((index, k))
+        if not groups:
+            return drafts
 
         async def ask(method: str, members: list[tuple[int, int]]) -> None:
             breaker = self.breaker(method)

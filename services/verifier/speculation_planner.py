@@ -102,7 +102,7 @@ class SpeculationPlanner:
 
     def draft_requests(self, decode: Sequence[RequestState], caps: Sequence[int]) -> list[int]:
         """How many tokens to ask each row's proposer for: `caps[i]` is row i's bound (its K, the room left)."""
-        if not self.adaptive or not decode:
+        if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
         survivals = [self._survival(s, cap, expected_draft=True) for s, cap in zip(decode, caps, strict=True)]
         span = _span(decode)

@@ -76,7 +76,7 @@ class StepCostModel:
     def __init__(self) -> None:
         self._samples: dict[tuple[int, int, int], deque[float]] = {}
         self._shapes: dict[tuple[int, int, int], StepShape] = {}
-        self._coefficients: np.ndarray | None = None
+        self._coefficients: tuple[float, ...] | None = None
         self._pending = 0
         self.num_observations = 0
 
@@ -116,13 +116,14 @@ class StepCostModel:
             return
         x = np.array([self._shapes[k].features() for k in keys])
         y = np.array([statistics.median(self._samples[k]) for k in keys])
-        self._coefficients = non_negative_least_squares(x, y)
+        self._coefficients = tuple(float(c) for c in non_negative_least_squares(x, y))
 
     def predict(self, shape: StepShape) -> float:
         """Seconds for a forward of this shape (0 before any observation: the planner then keeps the full K)."""
         if self._coefficients is None:
             return 0.0
-        return float(np.dot(self._coefficients, shape.features()))
+        # plain floats: the planner predicts a few shapes every step, and numpy's per-call cost was most of it
+        return sum(c * f for c, f in zip(self._coefficients, shape.features(), strict=True))
 
     def describe(self) -> str:
         if self._coefficients is None:
