@@ -1,0 +1,14 @@
+"""The engine-host-cost bench's scripted model is followed exactly, and n-gram drafts of it are accepted."""
+
+from __future__ import annotations
+
+from services.bench.engine_host_cost import run_case
+
+
+async def test_the_scripted_model_is_followed_and_ngram_drafts_it_in_fewer_forwards():
+    plain = await run_case(rows=2, speculate=False, tokens=64, vocab=64)
+    drafted = await run_case(rows=2, speculate=True, tokens=64, vocab=64)
+    assert plain["follows_script"] and drafted["follows_script"]
+    assert plain["tokens"] == drafted["tokens"] == 128
+    assert drafted["forwards"] < plain["forwards"] / 2  # the script repeats: drafts from the context land
+    assert plain["host_ms_per_forward"] > 0 and drafted["host_ms_per_forward"] > 0
