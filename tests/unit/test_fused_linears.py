@@ -27,6 +27,9 @@ def test_one_matmul_gives_each_modules_output_and_the_modules_share_its_weight(b
     assert len(storages) == 1 and sum(m.weight.shape[0] for m in modules) == 16  # one copy, rows in order
     if bias:
         assert len({m.bias.untyped_storage().data_ptr() for m in modules}) == 1
+    again = fuse_in_place(modules)  # a second runner on the same model: no second copy
+    assert {m.weight.untyped_storage().data_ptr() for m in modules} == storages
+    torch.testing.assert_close(again(x), expected)
 
 
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
