@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
 
 from services.modeling.attention import grouped_attention
 from services.modeling.attention_paths import AttentionPaths
@@ -184,6 +184,27 @@ class LlamaFamilyRunner:
         if kernels is None:
             return attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
         return kernels.qkv(hidden).split(kernels.qkv_sizes, dim=-1)
+
+    def _rotated_qkv(self, index: int, attention: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries and keys [B, L, Hq|Hkv, D] with rotary applied, and values. Where q/k/v come out of one fused
+        matmul and no per-head norm sits before the rotation (qwen3's), queries and keys rotate as one tensor of
+        Hq + Hkv heads: the same arithmetic per element as transformers' apply_rotary_pos_emb, in half the
+        operations (SmolLM2: 150 fewer a forward, each a kernel launch on an accelerator)."""
+        rows, width = hidden.shape[:2]
+        kernels = self._kernels[index]
+        if kernels is None or hasattr(attention, "q_norm"):
+            q, k, v = (t.view(rows, width, -1, self.head_dim) for t in self._qkv(index, attention, hidden))
+            if hasattr(attention, "q_norm"):  # qwen3
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+            return q, k, v
+        fused = kernels.qkv(hidden).view(rows, width, -1, self.head_dim)  # [B, L, Hq + 2 Hkv, D]: q, k, v heads
+        rotated = self.num_heads + self.num_kv_heads
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        qk = fused[:, :, :rotated]
+        qk = qk * cos + rotate_half(qk) * sin
+        return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], fused[:, :, rotated:]
 
     def _o_proj(self, index: int, attention: torch.nn.Module, attended: torch.Tensor) -> torch.Tensor:
         kernels = self._kernels[index]
@@ -383,11 +404,7 @@ class LlamaFamilyRunner:
             attention = layer.self_attn
             residual = hidden
             hidden = layer.input_layernorm(hidden)
-            qkv = self._qkv(index, attention, hidden)
-            q, k, v = (t.view(rows, width, -1, self.head_dim) for t in qkv)  # [B, L, Hq|Hkv, D]
-            if hasattr(attention, "q_norm"):  # qwen3
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+            q, k, v = self._rotated_qkv(index, attention, hidden, cos, sin)  # [B, L, Hq|Hkv, D]
             layer_keys, layer_values = self.cache.keys[index], self.cache.values[index]  # [Hkv, slots, D]
             layer_keys[:, batch.write_slots] = k[batch.write_rows, batch.write_cols].transpose(0, 1)  # [Hkv, N, D]
             layer_values[:, batch.write_slots] = v[batch.write_rows, batch.write_cols].transpose(0, 1)
