@@ -147,15 +147,16 @@ def test_cuda_graphs_match_the_eager_forward():
     graphed = make_runner(model)
     assert eager.graphs is None and graphed.graphs is not None
     rng = random.Random(5)
+    prompt = [rng.randrange(VOCAB) for _ in range(70)]  # one prompt for both runners
     for runner in (eager, graphed):
         runner.add_sequence("a")
         runner.add_sequence("b")
-        runner.forward([RowInput("a", [rng.randrange(VOCAB) for _ in range(70)]), RowInput("b", [1, 2, 3])])
+        runner.forward([RowInput("a", prompt), RowInput("b", [1, 2, 3])])
     for _ in range(6):
         rows = [RowInput("a", [rng.randrange(VOCAB) for _ in range(4)], num_logits=4), RowInput("b", [7], num_logits=1)]
         outputs = [runner.forward(rows) for runner in (eager, graphed)]
         torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-4, rtol=1e-4)
-    assert len(graphed.graphs) == 1
+    assert len(graphed.graphs) == 2  # the prefill chunk's (2 rows x 128 tokens) and the steps' (2 x 5)
 
 
 class RefusesToCapture(RerunOnReplay):
