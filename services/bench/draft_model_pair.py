@@ -59,12 +59,13 @@ from services.bench.report import (
 from services.bench.specserve_runs import RequestIds, generate_one, run_concurrent
 from services.bench.transformers_baseline import count_forwards
 from services.common.main_thread_compute import run_with_compute, worker_thread
+from services.common.process_memory import resident_bytes
 from services.modeling.compute_placement import choose_compute_thread
 from services.modeling.loading import load_model
 from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
-from services.soak.serve_process import ServeProcess, rss_bytes
+from services.soak.serve_process import ServeProcess
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
@@ -241,7 +242,7 @@ def run_in_process(target, draft, prompts, settings: PairSettings, max_model_len
             measurements += run_with_compute(placement, worker, lambda compute: measure_specserve(
                 runner, compute, prompts, settings, eos, address, fingerprint, progress))
             rounds.append(measurements)
-        drafter_rss = rss_bytes(drafter_pid) or 0
+        drafter_rss = resident_bytes(drafter_pid) or 0
     return merge_rounds(rounds), drafter_rss
 
 
@@ -274,7 +275,7 @@ def measure_http(settings: PairSettings, prompts, max_model_len: int, progress: 
                     progress(f"  {system}, prompt {i + 1}/{len(prompts)}: {run.num_tokens} tokens in {run.seconds:.1f} s")
                     runs.append(run)
                 out.append(Measurement(key, "humaneval", system, 1, (tuple(runs),), speculative=k > 0))
-        memory = {name: rss_bytes(pid) or 0 for name, pid in stack.children().items()}
+        memory = {name: resident_bytes(pid) or 0 for name, pid in stack.children().items()}
     finally:
         stack.stop()
     return out, memory

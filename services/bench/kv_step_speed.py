@@ -26,6 +26,7 @@ import torch
 
 from services.bench.hardware import describe_hardware
 from services.common.heap_trim import trim_heap
+from services.common.process_memory import resident_bytes, vmrss
 from services.modeling.attention_paths import AttentionPaths
 from services.modeling.loading import load_model
 from services.modeling.runner import RowInput
@@ -88,19 +89,13 @@ def _median_step(runner, ids: list[str], context: int) -> float:
     return statistics.median(seconds)
 
 
-def resident_bytes(status: str | None = None) -> int:
-    """VmRSS of this process (or of a /proc/<pid>/status text)."""
-    text = status if status is not None else open("/proc/self/status").read()
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc status")
-
-
 def import_baseline_bytes() -> int:
     """Resident set of a fresh interpreter after importing what a verifier imports (no model, no pool)."""
     out = subprocess.run([sys.executable, "-c", IMPORT_BASELINE], check=True, capture_output=True, text=True).stdout
-    return resident_bytes(out)
+    baseline = vmrss(out)
+    if baseline is None:
+        raise RuntimeError("no VmRSS in the interpreter's /proc status")
+    return baseline
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -13,18 +13,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from services.common.process_memory import resident_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory (Linux), else None."""
-    try:
-        with open(f"/proc/{os.getpid()}/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def trim_heap(when: str) -> int:

@@ -22,5 +22,5 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     (none on CPU)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
+        return pinned(tensor).to(device, non_blocking=True)
     return tensor.to(device)

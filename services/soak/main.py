@@ -18,8 +18,9 @@ from pathlib import Path
 
 import httpx
 
+from services.common.process_memory import resident_bytes
 from services.soak.report import Memory, SoakReport, Targets, format_report, missed_targets
-from services.soak.serve_process import ServeProcess, rss_bytes
+from services.soak.serve_process import ServeProcess
 from services.soak.traffic import TrafficResult, TrafficSettings, drive
 
 Children = Callable[[], dict[str, int]]  # service name -> pid, read when called
@@ -35,7 +36,7 @@ class SoakSettings:
 
 def memory_snapshot(children: Children) -> dict[str, tuple[int, int | None]]:
     """service -> (pid, VmRSS bytes)."""
-    return {name: (pid, rss_bytes(pid)) for name, pid in children().items()}
+    return {name: (pid, resident_bytes(pid)) for name, pid in children().items()}
 
 
 async def _verifier_load(base_url: str) -> tuple[int | None, int | None]:

@@ -168,14 +168,3 @@ def service_name(pid: int) -> str | None:
         if index < len(argv) and argv[index] in (b"drafter", b"verifier", b"gateway"):
             return argv[index].decode()
     return None
-
-
-def rss_bytes(pid: int) -> int | None:
-    """Resident memory (VmRSS) of `pid`, or None if it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

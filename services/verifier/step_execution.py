@@ -257,7 +257,7 @@ def execute(
 def hidden_states_to_host(hidden: torch.Tensor, kept: Sequence[tuple[int, list[int]]]) -> list[torch.Tensor]:
     """Each (row, positions)'s hidden states [positions, H'] on the host, gathered on the device and moved in one
     transfer: a transfer per row would wait on an accelerator once per row (64 rows: 64 syncs a step)."""
-    rows = torch.tensor([b for b, positions in kept for _ in positions], dtype=torch.int64)
-    columns = torch.tensor([f for _, positions in kept for f in positions], dtype=torch.int64)
-    gathered = hidden[rows.to(hidden.device), columns.to(hidden.device)].detach().cpu()
+    index = to_device(torch.tensor([[b for b, positions in kept for _ in positions],
+                                    [f for _, positions in kept for f in positions]], dtype=torch.int64), hidden.device)
+    gathered = hidden[index[0], index[1]].detach().cpu()
     return list(gathered.split([len(positions) for _, positions in kept]))

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from services.common.heap_trim import resident_bytes, trim_heap
+from services.common.heap_trim import trim_heap
+from services.common.process_memory import resident_bytes
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
