@@ -92,6 +92,56 @@ class ModelSamplingProposer:
         pass
 
 
+class ModelSamplingTreeProposer:
+    """Samples token trees from a (tiny) draft model, as a drafter that sends q-trees must (Draft.parents): each
+    node gets `branch` children drawn without replacement (Gumbel top-k) from the model at a temperature, listed in
+    draw order, breadth first up to K nodes, and q per node is its parent's distribution. `drawn_from` names
+    another temperature the tokens are really drawn from while q still says `temperature`: a lying drafter."""
+
+    capabilities = ProposerCapabilities(sends_trees=True)
+
+    def __init__(self, model: torch.nn.Module, temperature: float, branch: int, send_q: bool, seed: int,
+                 method: str = "qtree", drawn_from: float | None = None) -> None:
+        self.model = model
+        self.temperature = temperature
+        self.drawn_from = drawn_from
+        self.branch = branch
+        self.send_q = send_q
+        self.generator = torch.Generator().manual_seed(seed)
+        self.method = method
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        return self._trees([list(item.token_ids) for item in inputs], [item.num_speculative_tokens for item in inputs])
+
+    @torch.inference_mode()
+    def _trees(self, contexts: list[list[int]], limits: list[int]) -> list[Draft]:
+        """All sequences' trees level by level, one draft-model forward per sequence length a level."""
+        tokens: list[list[int]] = [[] for _ in contexts]
+        parents: list[list[int]] = [[] for _ in contexts]
+        rows: list[list[torch.Tensor]] = [[] for _ in contexts]
+        frontier = [(b, -1, []) for b, k in enumerate(limits) if k > 0]  # (sequence, node, its path)
+        while frontier:
+            by_length: dict[int, list[tuple[int, int, list[int]]]] = {}
+            for entry in frontier:
+                by_length.setdefault(len(contexts[entry[0]]) + len(entry[2]), []).append(entry)
+            frontier = []
+            for group in by_length.values():
+                logits = self.model(input_ids=torch.tensor([contexts[b] + path for b, _, path in group])).logits
+                for (b, node, path), row in zip(group, logits[:, -1].float(), strict=True):
+                    drawn = torch.log_softmax(row / (self.drawn_from or self.temperature), dim=-1)
+                    noise = -torch.log(-torch.log(torch.rand(row.shape, generator=self.generator)))
+                    for token in (drawn + noise).topk(self.branch).indices.tolist()[: limits[b] - len(tokens[b])]:
+                        tokens[b].append(token)
+                        parents[b].append(node)
+                        rows[b].append(torch.softmax(row / self.temperature, dim=-1))
+                        frontier.append((b, len(tokens[b]) - 1, path + [token]))
+        return [Draft(t, torch.stack(r) if self.send_q and r else None, p)
+                for t, p, r in zip(tokens, parents, rows, strict=True)]
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
 class FailingProposer:
     """Raises, or sleeps past any deadline: the engine must fall back to K = 0 and stay correct."""
 

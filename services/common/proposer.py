@@ -41,12 +41,18 @@ class Draft:
     probs: torch.Tensor | None = None  # [len(token_ids), V] q, only from drafters that really sample
     # A token tree instead of a chain: parents[i] is the index in token_ids of token i's parent, -1 for a token
     # that follows the committed ones; parents come before their children, so the first k tokens are a tree too
-    # (K counts tokens, i.e. the verify width, as for a chain). None: a chain. Trees are verified as
-    # deterministic drafts (their probs are not used).
+    # (K counts tokens, i.e. the verify width, as for a chain). None: a chain. Without probs a tree is verified as
+    # deterministic drafts, lossless for any tree. With probs (a q-tree, from a drafter that samples): probs[i] is
+    # the distribution node i was drawn from, its parent's, the same for all siblings; each node's children were
+    # drawn from it without replacement and are listed in the order drawn, and whether a child is sent must not
+    # depend on its own token (send a prefix of each node's draws). Sampled requests then accept by multi-draft
+    # rejection sampling (services/verifier/tree_rejection.py), which accepts more often when q is close to the
+    # target.
     parents: Sequence[int] | None = None
-    # With parents, optionally: each token's probability under the drafter that the continuation runs through it
-    # (the product of its path's draft probabilities). The verifier's planner ranks a tree's nodes by it when it
-    # cuts the tree to what is worth verifying; acceptance never reads it, so any value is lossless.
+    # With parents and no probs, optionally: each token's probability under the drafter that the continuation runs
+    # through it (the product of its path's draft probabilities). The verifier's planner ranks a tree's nodes by it
+    # when it cuts the tree to what is worth verifying; acceptance never reads it, so any value is lossless. (A
+    # q-tree's are ignored: cutting its nodes by their own likelihood would bias the draws its acceptance sees.)
     path_probs: Sequence[float] | None = None
 
 

@@ -29,7 +29,7 @@ from services.verifier.spec_stats import SpecDecodeStats
 class ProposedDraft:
     tokens: list[int]
     probs: torch.Tensor | None  # [len(tokens), V]
-    parents: list[int] | None = None  # a token tree (Draft.parents; never with probs); None: a chain
+    parents: list[int] | None = None  # a token tree (Draft.parents; with probs, a q-tree); None: a chain
     path_probs: list[float] | None = None  # with a tree, optional: each node's (Draft.path_probs), in [0, 1]
 
     def cut(self, k: int) -> ProposedDraft:
@@ -45,7 +45,8 @@ class ProposedDraft:
         one grammar matcher follows, or a proposer that does not declare `sends_trees`."""
         if self.parents is None:
             return self
-        return ProposedDraft([self.tokens[i] for i in leaf_paths(self.parents)[0]], None)
+        path = leaf_paths(self.parents)[0]  # each node its parent's first draw: a chain drawn from the same q
+        return ProposedDraft([self.tokens[i] for i in path], None if self.probs is None else self.probs[path])
 
 
 NO_DRAFT = ProposedDraft([], None)
@@ -203,16 +204,25 @@ class DraftCollector:
         if parents is not None:
             if len(parents) < len(tokens) or any(not -1 <= p < i for i, p in enumerate(parents)):
                 return NO_DRAFT
+        probs = _valid_probs(draft.probs, len(tokens), vocab)
+        if parents is not None:
             if not trees:
-                return ProposedDraft(tokens, None, parents).first_path()
+                return ProposedDraft(tokens, probs, parents).first_path()
             if parents == list(range(-1, len(tokens) - 1)):
                 parents = None  # a chain after all
-        probs = draft.probs
-        if parents is not None or (probs is not None and (probs.dim() != 2 or probs.shape[0] < len(tokens)
-                                                          or probs.shape[1] != vocab)):
-            probs = None  # a tree is verified as deterministic drafts: lossless whatever q was
-        return ProposedDraft(tokens, None if probs is None else probs[: len(tokens)], parents,
-                             _path_probs(draft.path_probs, len(tokens)) if parents is not None else None)
+        # A q-tree's nodes are cut by depth and order only (tree_budget.py), never by their own likelihood, which
+        # would bias which draws its multi-draft acceptance sees (tree_rejection.py): its path probabilities go.
+        path_probs = _path_probs(draft.path_probs, len(tokens)) if parents is not None and probs is None else None
+        return ProposedDraft(tokens, probs, parents, path_probs)
+
+
+def _valid_probs(probs: torch.Tensor | None, num_tokens: int, vocab: int) -> torch.Tensor | None:
+    """q for the first num_tokens drafts if it has a finite, non-negative row of the target's vocabulary for each,
+    else None (the drafts are then verified as deterministic ones, lossless whatever q was)."""
+    if probs is None or probs.dim() != 2 or probs.shape[0] < num_tokens or probs.shape[1] != vocab:
+        return None
+    probs = probs[:num_tokens]
+    return probs if bool(torch.isfinite(probs).all()) and bool((probs >= 0).all()) else None
 
 
 def _path_probs(values: Sequence[float] | None, num_tokens: int) -> list[float] | None:

@@ -7,9 +7,9 @@ on any path, the tokens speculation-off would sample (noise keyed by position, t
 of them are confirmed at once), so the path that confirms the most is the tree's outcome and the output is the
 same whichever tree was sent. Everything that verification does per chain (penalties along the drafts, token
 rules, logprobs) applies unchanged; a request with output constraints feeds only its tree's first path
-(ProposedDraft.first_path), since one grammar matcher cannot walk several paths at once. Draft probabilities are
-not used for trees (multi-draft rejection sampling would use them to accept more often; the deterministic rule is
-exact without them).
+(ProposedDraft.first_path), since one grammar matcher cannot walk several paths at once. A sampled request's
+q-tree (a drafter that sampled its tree sent q) is decided by tree_rejection.py's walk instead, which reads the
+distributions verified here.
 """
 
 from __future__ import annotations
@@ -58,3 +58,20 @@ def best_lines(lines: Sequence[VerifyLine], accepted: Sequence[int], num_states:
     if any(b is None for b in best):
         raise ValueError("every request needs a verify line")
     return best  # type: ignore[return-value]
+
+
+def fed_rows(lines: Sequence[VerifyLine], state: int, num_fed: int) -> tuple[list[int], list[int]]:
+    """For each fed position 0..num_fed-1 of a request, a (line, offset) that runs through it: where the verified
+    distributions hold that position's (every line through it holds the same, its path being the same)."""
+    where: dict[int, tuple[int, int]] = {}
+    for index, line in enumerate(lines):
+        if line.state == state:
+            for offset, fed in enumerate(line.fed):
+                where.setdefault(fed, (index, offset))
+    return [where[f][0] for f in range(num_fed)], [where[f][1] for f in range(num_fed)]
+
+
+def line_through(lines: Sequence[VerifyLine], state: int, path: Sequence[int]) -> int:
+    """The first of a request's lines that begins with the path of nodes `path` (root side first)."""
+    fed = [0] + [node + 1 for node in path]
+    return next(i for i, line in enumerate(lines) if line.state == state and line.fed[: len(fed)] == fed)

@@ -34,6 +34,7 @@ class VerifyOutput:
     logprobs: torch.Tensor  # [B, K+1] float32, log p of each emitted token under the processed distribution
     top_logprobs: torch.Tensor | None  # [B, K+1, n] float32
     top_token_ids: torch.Tensor | None  # [B, K+1, n] int64
+    log_probs: torch.Tensor  # [B, K+1, V] float32, the processed distributions (a q-tree's walk reads them)
 
 
 def verify(
@@ -103,4 +104,4 @@ def verify(
     if batch.num_logprobs > 0:
         top_logprobs, top_ids = log_p.topk(batch.num_logprobs, dim=-1)
         top_logprobs = top_logprobs.clamp_min(LOGPROB_FLOOR)
-    return VerifyOutput(tokens, num_accepted, logprobs, top_logprobs, top_ids)
+    return VerifyOutput(tokens, num_accepted, logprobs, top_logprobs, top_ids, log_p)

@@ -15,7 +15,7 @@ import torch
 from services.modeling.host_copies import to_device
 from services.modeling.runner import ModelRunner, RowInput
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
-from services.verifier.draft_trees import best_lines, fed_parents, verify_lines
+from services.verifier.draft_trees import best_lines, fed_parents, fed_rows, line_through, verify_lines
 from services.verifier.outputs import TokenLogprob
 from services.verifier.prompt_scoring import score_positions
 from services.verifier.rejection import verify
@@ -24,6 +24,7 @@ from services.verifier.sampling_batch import SamplingBatch
 from services.verifier.step_cost import StepShape
 from services.verifier.step_planning import PrefillChunk, group_by_length
 from services.verifier.structured_output import constrain_logits
+from services.verifier.tree_rejection import QTreeRow, outcomes
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,9 @@ def execute(
     per_line = to_device(per_line, device)
     draft_tokens, num_draft, positions = per_line[:, :max_k], per_line[:, max_k], per_line[:, max_k + 1]
     draft_probs = has_probs = None
-    line_probs = [all_drafts[line.state].probs for line in lines]  # trees carry none (draft_trees.py)
+    # a q-tree's q is read by its own walk (tree_rejection.py), not by the chain rule along each of its paths
+    line_probs = [None if all_drafts[line.state].parents is not None else all_drafts[line.state].probs
+                  for line in lines]
     if any(q is not None for q in line_probs):
         draft_probs = torch.zeros(len(lines), max_k, vocab, dtype=torch.float32, device=device)
         for b, (line, q) in enumerate(zip(lines, line_probs, strict=True)):
@@ -214,6 +217,14 @@ def execute(
         timing.append((StepShape(len(decode), width, max(len(s.token_ids) for s in decode) + width),
                        time.perf_counter() - started))
     best = best_lines(lines, accepted, len(states))
+    q_trees = [b for b, (state, draft) in enumerate(zip(decode, drafts, strict=True))
+               if draft.parents is not None and draft.probs is not None and not state.request.sampling.greedy]
+    if q_trees:
+        walked = _walk_q_trees(q_trees, lines, drafts, result.log_probs, batch.seeds, decode)
+        for b, (r, emitted, lps) in zip(q_trees, walked, strict=True):
+            best[b], tokens[r], accepted[r] = r, emitted, len(emitted) - 1
+            if logprobs is not None:
+                logprobs[r] = lps
 
     rows_out = []
     kept_states: list[tuple[int, list[int]]] = []  # (decode row, its kept fed positions) whose states go out
@@ -252,6 +263,25 @@ def execute(
         for (b, _), kept in zip(kept_states, hidden_states_to_host(verified.hidden_states, kept_states), strict=True):
             rows_out[b] = replace(rows_out[b], hidden=kept)
     return rows_out
+
+
+def _walk_q_trees(q_trees: Sequence[int], lines: Sequence, drafts: Sequence[ProposedDraft], log_probs: torch.Tensor,
+                  seeds: torch.Tensor, decode: Sequence[RequestState]) -> list[tuple[int, list[int], list[float]]]:
+    """For each sampled request whose drafter sent a q-tree: the line its accepted path runs along, the tokens it
+    emits and their log-probabilities (tree_rejection.py), in place of the deterministic rule's outcome."""
+    rows = []
+    for b in q_trees:
+        draft = drafts[b]
+        line_index, offsets = fed_rows(lines, b, len(draft.tokens) + 1)
+        where = torch.tensor([line_index, offsets], device=log_probs.device)
+        node_log_p = log_probs[where[0], where[1]]  # [n + 1, V]
+        seed = seeds[line_index[0] : line_index[0] + 1]
+        rows.append(QTreeRow(node_log_p, draft.tokens, draft.parents, draft.probs, seed, len(decode[b].token_ids)))
+    walked = []
+    for b, outcome in zip(q_trees, outcomes(rows), strict=True):
+        r = line_through(lines, b, outcome.path)
+        walked.append((r, [drafts[b].tokens[i] for i in outcome.path] + [outcome.token], outcome.logprobs))
+    return walked
 
 
 def hidden_states_to_host(hidden: torch.Tensor, kept: Sequence[tuple[int, list[int]]]) -> list[torch.Tensor]:

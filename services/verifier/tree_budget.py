@@ -50,7 +50,8 @@ def keep_nodes(draft: ProposedDraft, kept: Sequence[int]) -> ProposedDraft:
     stays a tree (the verifier feeds it either way)."""
     if not kept:
         return NO_DRAFT
-    return ProposedDraft([draft.tokens[i] for i in kept], None, renumbered_parents(draft.parents or [], kept),
+    return ProposedDraft([draft.tokens[i] for i in kept], None if draft.probs is None else draft.probs[list(kept)],
+                         renumbered_parents(draft.parents or [], kept),
                          None if draft.path_probs is None else [draft.path_probs[i] for i in kept])
 
 

@@ -48,21 +48,22 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-async def sample_pairs(model, params, spec, proposers, planner=None, kv_cache=None) -> np.ndarray:
+async def sample_pairs(model, params, spec, proposers, planner=None, kv_cache=None, samples=SAMPLES,
+                       max_tokens=4) -> np.ndarray:
     """With `planner`, the engine verifies the draft positions it chooses (tests.schedules.RandomSchedulePlanner:
     any cut, 0 included); without, every row verifies its whole draft (adaptive speculation off: whether drafting
     pays for a tiny model depends on the machine's timings, and these tests must verify drafts)."""
     engine = Engine(
         LlamaFamilyRunner(model, max_num_seqs=500, max_model_len=16, kv_cache=kv_cache),
-        EngineConfig(max_num_batched_tokens=4096, max_waiting_requests=SAMPLES, log_stats_interval_s=0,
+        EngineConfig(max_num_batched_tokens=4096, max_waiting_requests=samples, log_stats_interval_s=0,
                      adaptive_speculation=planner is not None),
         proposers,
     )
     if planner is not None:
         engine.planner = planner
     requests = [
-        GenerationRequest(f"s{i}", PROMPT, SamplingParams(**{**params.__dict__, "seed": 1000 + i, "max_tokens": 4}), spec)
-        for i in range(SAMPLES)
+        GenerationRequest(f"s{i}", PROMPT, SamplingParams(**{**params.__dict__, "seed": 1000 + i, "max_tokens": max_tokens}), spec)
+        for i in range(samples)
     ]
     results = await run_schedule(engine, {0: requests})
     joint = np.zeros((V, V))

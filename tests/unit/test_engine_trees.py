@@ -13,10 +13,13 @@ from services.common.token_trees import leaf_paths
 from services.verifier.draft_trees import verify_lines
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
+from services.verifier.speculation_planner import SpeculationPlanner
+from services.verifier.step_cost import StepCostModel
+from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
 from tests.prompts import repetitive_prompt
-from tests.proposers import OracleProposer, TreeProposer
+from tests.proposers import ModelSamplingTreeProposer, OracleProposer, TreeProposer
 from tests.stats import ALPHA, chi_square_p_value, total_variation
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
 from tests.unit.test_engine_distribution import V, exact_joint, sample_pairs
@@ -55,6 +58,21 @@ def test_path_probabilities_are_kept_only_when_each_node_has_a_probability():
         cut = collector._sanitize(Draft([1, 2, 3], parents=[-1, -1, 0], path_probs=bad), 3, True)
         assert cut.parents == [-1, -1, 0] and cut.path_probs is None, bad
     assert collector._sanitize(Draft([1, 2], parents=[-1, 0], path_probs=[0.5, 0.2]), 2, True).path_probs is None
+
+
+def test_a_q_tree_keeps_its_q_and_loses_its_path_probabilities():
+    """A q-tree is cut by depth and order only (its path probabilities would rank siblings by their own tokens);
+    a q that is not a finite, non-negative row per node makes it a plain tree; its first path keeps its rows."""
+    import torch
+
+    collector = DraftCollector({}, VOCAB, 1.0)
+    q = torch.softmax(torch.randn(3, VOCAB), dim=-1)
+    tree = collector._sanitize(Draft([1, 2, 3], q, parents=[-1, -1, 0], path_probs=[0.5, 0.25, 0.1]), 3, True)
+    assert tree.parents == [-1, -1, 0] and tree.path_probs is None and torch.equal(tree.probs, q)
+    assert torch.equal(tree.first_path().probs, q[[0, 2]])
+    for bad in (q[:2], q.clone().fill_(float("nan")), -q, q[:, :-1]):
+        plain = collector._sanitize(Draft([1, 2, 3], bad, parents=[-1, -1, 0], path_probs=[0.5, 0.25, 0.1]), 3, True)
+        assert plain.probs is None and plain.path_probs == [0.5, 0.25, 0.1]
 
 
 async def test_greedy_output_with_trees_equals_no_speculation():
@@ -130,6 +148,66 @@ async def test_sampled_output_with_trees_follows_the_target():
     assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
     # negative control: the same samples against another temperature's joint
     assert chi_square_p_value(joint, exact_joint(target, SamplingParams(temperature=0.6))) < ALPHA
+
+
+class RandomTreeCuts(SpeculationPlanner):
+    """Cuts each tree to a random number of nodes, 0 included, with the adaptive planner's own rule (tree_budget.py)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(StepCostModel(), adaptive=False)
+        self.rng = random.Random(seed)
+        self.kept: set[int] = set()
+
+    def choose_drafts(self, decode, drafts):
+        out = []
+        for draft in drafts:
+            k = self.rng.randint(0, len(draft.tokens))
+            self.kept.add(k)
+            out.append(keep_nodes(draft, best_nodes(node_gains(draft, [0.9, 0.6, 0.3]), k)) if draft.parents else draft)
+        return out
+
+
+async def test_sampled_q_trees_follow_the_target_and_are_accepted_more_with_q():
+    """A drafter that samples its trees and sends q (multi-draft rejection, tree_rejection.py; q far from the
+    target there too): sampled output follows the target; the same trees without q (the deterministic rule) are
+    accepted less often; a drafter whose q is not what it drew from is caught (the test's power)."""
+    target = tiny_llama(seed=21, vocab_size=V)
+    params = SamplingParams(temperature=0.9)
+    expected = exact_joint(target, params)
+    spec = SpeculationParams("qtree", 6)
+    with_q = ModelSamplingTreeProposer(target, 0.9, branch=2, send_q=True, seed=3)
+    joint, engine = await sample_pairs(target, params, spec, {"qtree": with_q})
+    assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
+    accepted_with_q = engine.stats.num_accepted_tokens / engine.stats.num_drafts
+    without_q = ModelSamplingTreeProposer(target, 0.9, branch=2, send_q=False, seed=3)
+    _, engine = await sample_pairs(target, params, spec, {"qtree": without_q}, samples=500)
+    assert accepted_with_q > 1.5 * engine.stats.num_accepted_tokens / engine.stats.num_drafts > 0
+    # the planner's cuts (tree_budget.py, random budgets) keep a q-tree lossless
+    cutting = ModelSamplingTreeProposer(tiny_llama(seed=22, vocab_size=V), 0.9, branch=3, send_q=True, seed=4)
+    planner = RandomTreeCuts(seed=5)
+    joint, engine = await sample_pairs(target, params, SpeculationParams("qtree", 8), {"qtree": cutting},
+                                       planner=planner, samples=2000, max_tokens=8)  # room for trees two deep
+    assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
+    assert len(planner.kept) > 3 and engine.stats.num_accepted_tokens > 0
+    liar = ModelSamplingTreeProposer(target, 0.9, branch=2, send_q=True, seed=3, drawn_from=5.0)
+    joint, _ = await sample_pairs(target, params, spec, {"qtree": liar}, samples=500)
+    assert chi_square_p_value(joint, expected) < ALPHA
+
+
+async def test_greedy_output_with_q_trees_equals_no_speculation():
+    """Greedy rows verify q-trees by the deterministic rule (q is for sampled rows)."""
+    model = tiny_llama(seed=3)
+    rng = random.Random(6)
+    n = 4
+    prompts = [repetitive_prompt(rng, rng.randint(5, 30)) for _ in range(n)]
+    max_tokens = [rng.randint(5, 30) for _ in range(n)]
+    baseline = await greedy_baseline(model, prompts, max_tokens)
+    proposer = ModelSamplingTreeProposer(model, 1.0, branch=2, send_q=True, seed=1)
+    engine = make_engine(model, {"qtree": proposer})
+    out = await run_schedule(engine, build_schedule([SpeculationParams("qtree", 5)] * n, prompts, max_tokens))
+    for i in range(n):
+        assert out[f"r{i}"].tokens == baseline[f"r{i}"].tokens, i
+    assert engine.stats.num_accepted_tokens > 0
 
 
 async def test_ngram_trees_keep_greedy_output_and_sampled_distribution():
