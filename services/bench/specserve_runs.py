@@ -54,11 +54,13 @@ class RequestIds:
 
 
 async def generate_one(
-    engine: Engine, request_id: str, prompt: Sequence[int], max_tokens: int, method: str | None, k: int
+    engine: Engine, request_id: str, prompt: Sequence[int], max_tokens: int, method: str | None, k: int,
+    temperature: float = 0.0, seed: int | None = None,
 ) -> Generation:
-    """Time one request from submission to its last token."""
+    """Time one request from submission to its last token (greedy unless `temperature`)."""
     request = GenerationRequest(
-        request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), speculation(method, k)
+        request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed),
+        speculation(method, k)
     )
     tokens: list[int] = []
     steps = 0

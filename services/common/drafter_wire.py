@@ -40,6 +40,7 @@ class SequenceUpdate:
     # float16 [rows, H]: target states of the committed tokens the drafter has none for yet (see the proto)
     hidden_states: np.ndarray | None = None
     draft_pipelining: bool | None = None  # pre-draft the next step; None: the drafter's own setting
+    temperature: float = 0.0  # the request's sampling temperature; 0: greedy (see the proto)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def step_to_proto(step: DraftStep):
                 hidden_states_fp16=b"" if u.hidden_states is None else u.hidden_states.astype("<f2").tobytes(),
                 hidden_size=0 if u.hidden_states is None else u.hidden_states.shape[1],
                 draft_pipelining=u.draft_pipelining,
+                temperature=u.temperature,
             )
             for u in step.updates
         ],
@@ -141,7 +143,7 @@ def step_from_proto(message) -> DraftStep:
         updates=tuple(
             SequenceUpdate(u.seq_id, u.base_length, tuple(u.new_token_ids), u.num_speculative_tokens,
                            decode_hidden(u.hidden_states_fp16, u.hidden_size),
-                           u.draft_pipelining if u.HasField("draft_pipelining") else None)
+                           u.draft_pipelining if u.HasField("draft_pipelining") else None, u.temperature)
             for u in message.updates
         ),
         closed_seq_ids=tuple(message.closed_seq_ids),

@@ -64,11 +64,17 @@ class EagleOptions(TreeOptions):
     # the target model (a --model spec) whose embedding and LM head the head shares, for a published head whose
     # config does not name one (services/modeling/eagle_head_files.py); None: the head's own `target`
     target_model: str | None = None
+    # With trees, a sampled request's tree is drawn from the head at the request's temperature and sent with q:
+    # the verifier accepts it by multi-draft rejection sampling (services/verifier/tree_rejection.py), more often
+    # than the deterministic rule when the head is close to the target, but a seeded request's output then depends
+    # on the drafts (with deterministic trees it equals speculation off's). Greedy requests are unaffected.
+    eagle_sampled_trees: bool = False
 
     @model_validator(mode="after")
     def _trees_only(self) -> EagleOptions:
-        if self.eagle_topk is not None and self.num_draft_tokens is None:
-            raise ValueError("eagle_topk shapes EAGLE's token trees: it needs num_draft_tokens")
+        for name in ("eagle_topk", "eagle_sampled_trees"):
+            if getattr(self, name) not in (None, False) and self.num_draft_tokens is None:
+                raise ValueError(f"{name} shapes EAGLE's token trees: it needs num_draft_tokens")
         return self
 
     @property

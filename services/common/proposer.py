@@ -33,6 +33,9 @@ class DraftInput:
     # For proposers that declare pre_drafts (draft_model and EAGLE): draft this sequence's next step while
     # the verifier verifies this one (the request's draft_pipelining); None: the proposer's own setting.
     pipelining: bool | None = None
+    # The request's sampling temperature, 0 for a greedy one: a proposer that samples its drafts (EAGLE's q-trees)
+    # draws at it and sends q; deterministic proposers ignore it.
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True)

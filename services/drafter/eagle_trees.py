@@ -127,6 +127,69 @@ def draft_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts
     return [_best(tree.nodes, limit) for tree, limit in zip(trees, limits, strict=True)]
 
 
+@dataclass(frozen=True)
+class SampledTree:
+    """A q-tree as the drafter sends it for a sampled request (Draft.parents with Draft.probs): tokens, parents and
+    each node's q, the head's distribution at its parent over the target's vocabulary [len(tokens), V]."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: torch.Tensor
+
+
+def sampled_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts: Sequence[TreeStart], topk: int,
+                  depth: int, limits: Sequence[int], vocab_size: int, temperatures: Sequence[float],
+                  generator: torch.Generator) -> list[SampledTree]:
+    """Each sampled sequence's q-tree: at each depth one node, the likeliest of the depth above (the root first),
+    gets `topk` children drawn without replacement (Gumbel top-k) from the head's distribution at the request's
+    temperature, listed in the order drawn; at most limits[b] tokens, breadth first, paths at most `depth` long.
+    So every position of the head's likeliest path has topk - 1 drawn alternatives, and how many children a node
+    gets never depends on which tokens they are, as multi-draft acceptance needs (tree_rejection.py). Draft ids
+    past the target's vocabulary get no probability, so none is drawn."""
+    most = max(limits, default=0)
+    trees = [_Tree(start) for start in starts]
+    q_rows: list[list[torch.Tensor]] = [[] for _ in starts]
+    owner = {id(tree): b for b, tree in enumerate(trees)}
+    pending = [_Expansion(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
+    for level in range(min(depth, most)):
+        outputs, own = _expand(head, embed, pending)
+        logits = head.draft_logits(outputs[:, -1], draft_weight).float()  # [R, Vd]
+        target_ids = head.token_ids(torch.arange(logits.shape[-1], device=logits.device))
+        in_vocab = target_ids < vocab_size
+        temperature = torch.tensor([temperatures[owner[id(row.tree)]] for row in pending], device=logits.device)
+        log_q = torch.log_softmax((logits / temperature[:, None]).masked_fill(~in_vocab, float("-inf")), dim=-1)
+        uniform = torch.rand(log_q.shape, generator=generator, device="cpu").to(log_q.device).clamp_min(1e-20)
+        draws = (log_q - torch.log(-torch.log(uniform))).topk(min(topk, int(in_vocab.sum()))).indices  # draw order
+        q = log_q.new_zeros(len(pending), vocab_size)
+        q[:, target_ids[in_vocab]] = log_q.exp()[:, in_vocab]  # [R, V]
+        drawn_ids, drawn_log_q = target_ids[draws].tolist(), log_q.gather(-1, draws).tolist()
+        for r, row in enumerate(pending):
+            tree, b = row.tree, owner[id(row.tree)]
+            expanded = _Expanded(own[r], outputs[r : r + 1], row.above)
+            if row.index < 0:
+                tree.root = expanded
+            else:
+                tree.nodes[row.index].expanded = expanded
+            base = 0.0 if row.index < 0 else tree.nodes[row.index].log_prob
+            for token, log_prob in list(zip(drawn_ids[r], drawn_log_q[r], strict=True))[: limits[b] - len(tree.nodes)]:
+                tree.nodes.append(_Node(token, row.index, level, base + log_prob))
+                q_rows[b].append(q[r])
+        pending = []
+        if level + 1 < depth:
+            for b, tree in enumerate(trees):
+                level_nodes = [i for i, n in enumerate(tree.nodes) if n.depth == level]
+                if level_nodes and len(tree.nodes) < limits[b]:
+                    best = max(level_nodes, key=lambda i: tree.nodes[i].log_prob)
+                    parent = tree.parent_of(tree.nodes[best])
+                    pending.append(_Expansion(tree, best, tree.nodes[best].token, parent.out,
+                                              tree.start.position + level + 1, parent.below()))
+        if not pending:
+            break
+    return [SampledTree([n.token for n in tree.nodes], [n.parent for n in tree.nodes],
+                        torch.stack(rows) if rows else torch.zeros(0, vocab_size))
+            for tree, rows in zip(trees, q_rows, strict=True)]
+
+
 def _best(nodes: list[_Node], limit: int) -> SentTree:
     """The `limit` likeliest nodes (ties: the shallower), by depth then likelier first, parents renumbered."""
     best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].log_prob, nodes[i].depth))[:limit]

@@ -140,7 +140,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if limit:  # a verifier asks for no more (DrafterInfo); this guards the link against one that does
                 k = min(k, limit)
             inputs.append(DraftInput(link.key(update.seq_id), link.sequences[update.seq_id], k,
-                                     self._hidden_states(link, update.seq_id), update.draft_pipelining))
+                                     self._hidden_states(link, update.seq_id), update.draft_pipelining,
+                                     update.temperature))
         wanted = [j for j, item in enumerate(inputs) if item.num_speculative_tokens > 0]
         proposed = list(await self.proposer.propose([inputs[j] for j in wanted])) if wanted else []
         if len(proposed) != len(wanted):

@@ -147,8 +147,9 @@ class DraftCollector:
     def _input(state: RequestState, k: int, snapshot: bool = False) -> DraftInput:
         """`snapshot`: a copy of the token ids, for a call that outlives the step (the engine appends to them)."""
         token_ids = list(state.token_ids) if snapshot else state.token_ids
+        sampling = state.request.sampling
         return DraftInput(state.request_id, token_ids, k, state.hidden_states(),
-                          state.request.speculation.draft_pipelining)
+                          state.request.speculation.draft_pipelining, 0.0 if sampling.greedy else sampling.temperature)
 
     def readmit(self, method: str) -> None:
         """Close `method`'s breaker on outside evidence that it answers in time (a health probe)."""

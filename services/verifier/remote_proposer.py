@@ -258,7 +258,7 @@ class RemoteProposer:
                 states = item.hidden_states.detach().to("cpu", torch.float16).numpy()
                 hidden = new_hidden_rows(states, base, len(committed))
             updates.append(SequenceUpdate(key, base, new_tokens(committed, base), item.num_speculative_tokens, hidden,
-                                          item.pipelining))
+                                          item.pipelining, item.temperature))
         step = DraftStep(link.next_step_id, tuple(updates), tuple(link.closed))
         link.next_step_id += 1
         try:

@@ -168,6 +168,8 @@ def test_wire_round_trip_keeps_everything():
     for pipelining in (True, False, None):  # None (unset) is the drafter's own setting, not False
         update = SequenceUpdate("s", 3, (4, 5), 2, draft_pipelining=pipelining)
         assert step_from_proto(step_to_proto(DraftStep(8, (update,)))).updates == (update,)
+    sampled = SequenceUpdate("s", 3, (4, 5), 2, temperature=0.75)  # a request's temperature, for q-trees
+    assert step_from_proto(step_to_proto(DraftStep(9, (sampled,)))).updates == (sampled,)
     for pre_drafts, sends_trees in ((True, False), (False, True)):
         declared = ProposerCapabilities(11, "f", max_speculative_tokens=4, pre_drafts=pre_drafts,
                                         sends_trees=sends_trees)

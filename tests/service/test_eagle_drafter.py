@@ -34,9 +34,15 @@ TREE = {"tree_nodes": 6, "tree_topk": 3, "tree_depth": 3}  # EAGLE-2 trees of 6 
 EAGLE3_LAYERS = (0, 1, -1)  # the tiny target has two layers: its embeddings, the second's input and the final state
 
 
-def eagle_for(target, draft_vocab: tuple[int, ...] = (), trees: bool = False, eagle3: bool = False) -> EagleProposer:
+def eagle_for(target, draft_vocab: tuple[int, ...] = (), trees: bool = False, eagle3: bool = False,
+              sampled_trees: bool = False) -> EagleProposer:
     """A random head; with `draft_vocab`, one that drafts from those tokens only (a reduced vocabulary); with
-    `trees`, sending token trees (TREE); `eagle3`: an EAGLE-3 head reading EAGLE3_LAYERS."""
+    `trees`, sending token trees (TREE), drawn with q for sampled requests where `sampled_trees`; `eagle3`: an
+    EAGLE-3 head reading EAGLE3_LAYERS."""
+    if sampled_trees:
+        proposer = eagle_for(target, draft_vocab, trees, eagle3)
+        proposer.sampled_trees = True
+        return proposer
     if eagle3:
         head = random_eagle3_head(target.config, EAGLE3_LAYERS, draft_vocab)
         return EagleProposer(head, target.get_input_embeddings(), target.get_output_embeddings(), V,
@@ -117,10 +123,12 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-@pytest.mark.parametrize(("pipelining", "trees", "eagle3"),
-                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
-                         ids=["plain", "pipelined", "trees", "eagle3"])
-async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining, trees, eagle3):
+@pytest.mark.parametrize(("pipelining", "trees", "eagle3", "sampled_trees"),
+                         [(False, False, False, False), (True, False, False, False), (False, True, False, False),
+                          (False, False, True, False), (False, True, True, True)],
+                         ids=["plain", "pipelined", "trees", "eagle3", "eagle3 sampled trees with q"])
+async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining, trees, eagle3,
+                                                                        sampled_trees):
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     samples = 2000
 
@@ -131,8 +139,16 @@ async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, 
                     for i in range(samples)]
         return await run_schedule(e, {0: requests}), e.stats
 
-    proposer = eagle_for(target, trees=trees, eagle3=eagle3)
+    proposer = eagle_for(target, trees=trees, eagle3=eagle3, sampled_trees=sampled_trees)
+    sent = []  # what the drafter answered: q-trees where asked, for sampled requests
+    propose = proposer.propose
+    async def recording(inputs):
+        drafts = await propose(inputs)
+        sent.extend(d.probs is not None and d.parents is not None for d in drafts if d.token_ids)
+        return drafts
+    proposer.propose = recording
     results, stats = await with_eagle(proposer, run)
+    assert set(sent) == {sampled_trees}
     counts = proposer.pipeline_counts
     assert (counts.used + counts.discarded > 0) == pipelining  # pre-drafts were made (the request asked), or none
     joint = np.zeros((V, V))

@@ -53,10 +53,12 @@ class SlowProposer:
 
 
 def decode_states(method: str, count: int) -> list[SimpleNamespace]:
-    """What the collector reads of a decoding request: its id, its tokens, its proposer's name and its kept target
-    states (none here)."""
+    """What the collector reads of a decoding request: its id, its tokens, its proposer's name, its sampling (greedy
+    here) and its kept target states (none here)."""
     speculation = SimpleNamespace(method=method, draft_pipelining=None)
-    return [SimpleNamespace(request_id=f"r{i}", token_ids=[1, 2, 3], request=SimpleNamespace(speculation=speculation),
+    sampling = SimpleNamespace(greedy=True, temperature=0.0)
+    return [SimpleNamespace(request_id=f"r{i}", token_ids=[1, 2, 3],
+                            request=SimpleNamespace(speculation=speculation, sampling=sampling),
                             hidden_states=lambda: None)  # RequestState's: no target states kept
             for i in range(count)]
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
 from services.common.proposer import DraftInput
 from services.common.token_trees import leaf_paths, tree_depths
 from services.drafter.methods.eagle import EagleProposer
+from tests.stats import ALPHA, chi_square_p_value, total_variation
 from tests.unit.test_eagle_proposer import V, random_head, reference_chain
 from tests.unit.test_token_tree_runner import path_to
 
@@ -107,3 +109,43 @@ def test_a_small_budget_drafts_the_same_tree_with_fewer_head_steps():
             assert sorted((whole.token_ids[i], round(whole.path_probs[i], 5)) for i in ranked) == sorted(
                 (t, round(p, 5)) for t, p in zip(cut.token_ids, cut.path_probs, strict=True)), k
             assert all(0 < p <= 1 for p in whole.path_probs)
+
+
+@torch.no_grad()
+def test_a_sampled_request_gets_a_q_tree_drawn_from_the_head_at_its_temperature():
+    """eagle_sampled_trees: a sampled sequence's tree holds, at each depth, topk distinct draws below the likeliest
+    node of the depth above; each node's q is the head's distribution after its parent's path at the request's
+    temperature; the first draws follow that q (chi-square over many trees); a greedy sequence still gets the
+    deterministic tree."""
+    from services.common.token_trees import tree_depths as depths_of
+
+    target, head, embed, lm_head = random_head(6)
+    sequences, states = sequences_and_states(target, 6)
+    proposer = EagleProposer(head, embed, lm_head, V, tree_nodes=6, tree_topk=2, tree_depth=4, sampled_trees=True)
+    temperature = 0.8
+    inputs = [DraftInput("a", sequences["a"], 6, states["a"], temperature=temperature),
+              DraftInput("c", sequences["c"], 6, states["c"])]
+    sampled, greedy = proposer._draft_all(inputs)
+    assert greedy.probs is None and greedy.path_probs is not None
+    tokens, parents = list(sampled.token_ids), list(sampled.parents)
+    assert len(tokens) == 6 and depths_of(parents) == [0, 0, 1, 1, 2, 2]
+    for depth in range(3):
+        siblings = [i for i, d in enumerate(depths_of(parents)) if d == depth]
+        assert len({tokens[i] for i in siblings}) == 2 and len({parents[i] for i in siblings}) == 1
+        below = parents[siblings[0] + 2] if depth < 2 else None
+        if below is not None:  # the likeliest of the depth's nodes is the one expanded
+            assert below == max(siblings, key=lambda i: float(sampled.probs[i, tokens[i]]))
+    for node in range(len(tokens)):
+        path = [tokens[i] for i in path_to(parents, node)][:-1]
+        log_probs = path_log_probs(head, embed, lm_head.weight, sequences["a"], states["a"], path)[-1]
+        assert torch.allclose(sampled.probs[node], torch.softmax(log_probs / temperature, -1), atol=1e-5)
+    from services.drafter.eagle_trees import sampled_trees
+
+    proposer.release("a")
+    [start] = proposer._catch_up([DraftInput("a", sequences["a"], 6, states["a"])])
+    draws = 1500  # the root's first draw, 1500 times in one batch
+    trees = sampled_trees(head, embed, proposer._lm_rows(), [start.tree_start()] * draws, 2, 4, [1] * draws, V,
+                          [temperature] * draws, torch.Generator().manual_seed(1))
+    counts = np.bincount([tree.tokens[0] for tree in trees], minlength=V)
+    q = sampled.probs[0].numpy()
+    assert chi_square_p_value(counts, q) > ALPHA, total_variation(counts, q)

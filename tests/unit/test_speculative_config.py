@@ -43,6 +43,7 @@ def test_empty_flag_means_no_speculation():
          r"token trees, which method 'draft_model' does not draft \(methods that do: eagle, eagle3, ngram, suffix\)"),
         ('{"method": "suffix", "num_draft_tokens": 65}', "num_draft_tokens"),
         ('{"method": "eagle", "eagle_topk": 2}', "eagle_topk shapes EAGLE's token trees"),
+        ('{"method": "eagle", "eagle_sampled_trees": true}', "eagle_sampled_trees shapes EAGLE's token trees"),
         ('{"method": "suffix", "num_draft_tokens": 8, "eagle_topk": 2}', "eagle_topk: not an option of method 'suffix'"),
     ],
 )

@@ -45,7 +45,7 @@ from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.common.method_options import DEFAULT_EAGLE_TOPK
 from services.common.speculative_config import SpeculativeConfig
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
-from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches
+from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches, sampled_trees
 from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import EagleHead
@@ -84,6 +84,10 @@ class EagleProposer:
     tree_nodes: int | None = None
     tree_topk: int = DEFAULT_EAGLE_TOPK
     tree_depth: int = 5
+    # with trees: a sampled request's tree is drawn from the head at its temperature and sent with q, for
+    # multi-draft rejection sampling (eagle_trees.sampled_trees; eagle_sampled_trees in the speculative config)
+    sampled_trees: bool = False
+    _draws: torch.Generator = field(default_factory=torch.Generator)  # the drafter's own, apart from the verifier's
     predrafts: PreDrafts = field(default_factory=PreDrafts)
     predrafting: PreDraftRunner = field(default_factory=PreDraftRunner)
 
@@ -152,16 +156,34 @@ class EagleProposer:
         starts = self._catch_up([inputs[i] for i in catching_up])
         ready = [(i, row) for i, row in zip(catching_up, starts, strict=True) if row is not None]
         if ready and self.tree_nodes is not None:
-            starts = [TreeStart(row.cache, row.position, row.token, row.feature) for _, row in ready]
-            trees = draft_trees(self.head, self.embed, self._lm_rows(), starts, self.tree_topk, self.tree_depth,
-                                [min(row.k, self.tree_nodes) for _, row in ready], self.vocab_size)
-            for (i, _), tree in zip(ready, trees, strict=True):
-                drafts[i] = Draft(tree.tokens, parents=tree.parents, path_probs=tree.path_probs)
+            for i, draft in self._trees(inputs, ready):
+                drafts[i] = draft
         elif ready:
             chains = self._chains([row for _, row in ready])
             for (i, row), chain in zip(ready, chains, strict=True):
                 drafts[i] = Draft(chain[: row.k])
         return drafts
+
+    def _trees(self, inputs: list[DraftInput], ready: list[tuple[int, ChainStart]]) -> list[tuple[int, Draft]]:
+        """(input index, its tree): EAGLE-2's deterministic tree, or where sampled_trees is on and the request
+        samples, a q-tree drawn at its temperature."""
+        drawn = [self.sampled_trees and inputs[i].temperature > 0 for i, _ in ready]
+        plain = [entry for entry, d in zip(ready, drawn, strict=True) if not d]
+        sampled = [entry for entry, d in zip(ready, drawn, strict=True) if d]
+        out = []
+        if plain:
+            trees = draft_trees(self.head, self.embed, self._lm_rows(), [row.tree_start() for _, row in plain],
+                                self.tree_topk, self.tree_depth, [min(row.k, self.tree_nodes) for _, row in plain],
+                                self.vocab_size)
+            out += [(i, Draft(tree.tokens, parents=tree.parents, path_probs=tree.path_probs))
+                    for (i, _), tree in zip(plain, trees, strict=True)]
+        if sampled:
+            trees = sampled_trees(self.head, self.embed, self._lm_rows(), [row.tree_start() for _, row in sampled],
+                                  self.tree_topk, self.tree_depth, [min(row.k, self.tree_nodes) for _, row in sampled],
+                                  self.vocab_size, [inputs[i].temperature for i, _ in sampled], self._draws)
+            out += [(i, Draft(tree.tokens, tree.probs, tree.parents))
+                    for (i, _), tree in zip(sampled, trees, strict=True)]
+        return out
 
     def _lm_rows(self) -> torch.Tensor:
         """The target's LM head rows of the head's draft vocabulary (taken once)."""
@@ -275,6 +297,9 @@ class ChainStart:
     feature: torch.Tensor
     k: int
 
+    def tree_start(self) -> TreeStart:
+        return TreeStart(self.cache, self.position, self.token, self.feature)
+
 
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     from services.modeling.loading import load_model
@@ -309,4 +334,4 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
                          tokenizer_fingerprint(loaded.tokenizer), method=kind, pipelining=bool(config.draft_pipelining),
                          tree_nodes=options.num_draft_tokens, tree_topk=options.tree_topk,
-                         tree_depth=config.num_speculative_tokens)
+                         tree_depth=config.num_speculative_tokens, sampled_trees=options.eagle_sampled_trees)
