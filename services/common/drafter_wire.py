@@ -48,10 +48,11 @@ class SequenceDraft:
     seq_id: str
     base_length: int  # committed length the proposal continues from
     token_ids: tuple[int, ...] = ()
-    probs: torch.Tensor | None = None  # [len(token_ids), V]
+    probs: torch.Tensor | None = None  # [len(token_ids), V], or [len(token_ids), len(probs_token_ids)]
     resync_needed: bool = False
     parents: tuple[int, ...] | None = None  # a token tree (Draft.parents); None: a chain
     path_probs: tuple[float, ...] | None = None  # with a tree, optional (Draft.path_probs)
+    probs_token_ids: tuple[int, ...] = ()  # the token ids probs covers; (): all (see the proto)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,31 @@ def decode_probs(data: bytes, num_tokens: int) -> torch.Tensor | None:
     import torch  # the verifier's side, which has torch; see encode_probs
 
     return torch.from_numpy(values.astype(np.float32).reshape(num_tokens, -1))
+
+
+def probs_support(probs: torch.Tensor | None) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """q as sent: over the token ids some row gives probability when they are at most half the vocabulary (a
+    drafter with a reduced vocabulary), else whole. Returns (the columns sent, their token ids; () for all)."""
+    if probs is None:
+        return None, ()
+    support = probs.detach().ne(0).any(dim=0).nonzero().flatten()
+    if 2 * support.numel() > probs.shape[-1]:
+        return probs, ()
+    return probs[:, support], tuple(support.tolist())
+
+
+def dense_probs(probs: torch.Tensor | None, token_ids: tuple[int, ...], vocab_size: int) -> torch.Tensor | None:
+    """[rows, V] q from what the wire carried: `probs` over `token_ids` (or over every token when empty); None when
+    it does not fit the vocabulary (the drafts are then verified as deterministic ones)."""
+    if probs is None or not token_ids:
+        return probs
+    if probs.shape[-1] != len(token_ids) or max(token_ids) >= vocab_size:
+        return None
+    import torch  # the verifier's side; see encode_probs
+
+    dense = probs.new_zeros(probs.shape[0], vocab_size)
+    dense[:, torch.tensor(token_ids)] = probs
+    return dense
 
 
 # -- Info ---------------------------------------------------------------------------------------------------
@@ -163,6 +189,7 @@ def reply_to_proto(reply: DraftReply):
                 resync_needed=d.resync_needed,
                 parents=d.parents or (),
                 path_probs=d.path_probs or (),
+                probs_token_ids=d.probs_token_ids,
             )
             for d in reply.drafts
         ],
@@ -181,6 +208,7 @@ def reply_from_proto(message) -> DraftReply:
                 resync_needed=d.resync_needed,
                 parents=tuple(d.parents) or None,
                 path_probs=tuple(d.path_probs) or None,
+                probs_token_ids=tuple(d.probs_token_ids),
             )
             for d in message.drafts
         ),

@@ -157,11 +157,15 @@ def sampled_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, star
         target_ids = head.token_ids(torch.arange(logits.shape[-1], device=logits.device))
         in_vocab = target_ids < vocab_size
         temperature = torch.tensor([temperatures[owner[id(row.tree)]] for row in pending], device=logits.device)
-        log_q = torch.log_softmax((logits / temperature[:, None]).masked_fill(~in_vocab, float("-inf")), dim=-1)
+        # q as the link carries it (float16), so the verifier reads exactly the distribution the tokens came from
+        q_draft = torch.softmax((logits / temperature[:, None]).masked_fill(~in_vocab, float("-inf")), dim=-1)
+        q_draft = q_draft.half().float()
+        log_q = q_draft.log()
         uniform = torch.rand(log_q.shape, generator=generator, device="cpu").to(log_q.device).clamp_min(1e-20)
-        draws = (log_q - torch.log(-torch.log(uniform))).topk(min(topk, int(in_vocab.sum()))).indices  # draw order
+        draws = (log_q - torch.log(-torch.log(uniform))).topk(min(topk, log_q.shape[-1])).indices  # in draw order
+        support = (q_draft > 0).sum(-1).tolist()  # a row draws no more tokens than q gives probability
         q = log_q.new_zeros(len(pending), vocab_size)
-        q[:, target_ids[in_vocab]] = log_q.exp()[:, in_vocab]  # [R, V]
+        q[:, target_ids[in_vocab]] = q_draft[:, in_vocab]  # [R, V]
         drawn_ids, drawn_log_q = target_ids[draws].tolist(), log_q.gather(-1, draws).tolist()
         for r, row in enumerate(pending):
             tree, b = row.tree, owner[id(row.tree)]
@@ -171,7 +175,8 @@ def sampled_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, star
             else:
                 tree.nodes[row.index].expanded = expanded
             base = 0.0 if row.index < 0 else tree.nodes[row.index].log_prob
-            for token, log_prob in list(zip(drawn_ids[r], drawn_log_q[r], strict=True))[: limits[b] - len(tree.nodes)]:
+            kept = min(support[r], limits[b] - len(tree.nodes))
+            for token, log_prob in list(zip(drawn_ids[r], drawn_log_q[r], strict=True))[:kept]:
                 tree.nodes.append(_Node(token, row.index, level, base + log_prob))
                 q_rows[b].append(q[r])
         pending = []

@@ -25,6 +25,7 @@ from services.common.drafter_wire import (
     SequenceDraft,
     description_to_proto,
     drafter_pb2_grpc,
+    probs_support,
     reply_to_proto,
     step_from_proto,
 )
@@ -151,14 +152,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         by_input = dict(zip(wanted, proposed, strict=True))
         for j, i in enumerate(pending):
             update, draft = step.updates[i], by_input.get(j)
+            probs, probs_token_ids = probs_support(draft.probs if draft else None)
             answers[i] = SequenceDraft(
                 update.seq_id,
                 len(inputs[j].token_ids),
                 tuple(int(t) for t in draft.token_ids) if draft else (),
-                draft.probs if draft else None,
+                probs,
                 parents=tuple(int(p) for p in draft.parents) if draft and draft.parents is not None else None,
                 path_probs=tuple(float(p) for p in draft.path_probs)
                 if draft and draft.parents is not None and draft.path_probs is not None else None,
+                probs_token_ids=probs_token_ids,
             )
         return DraftReply(step.step_id, tuple(answers))
 

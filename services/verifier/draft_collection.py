@@ -218,12 +218,13 @@ class DraftCollector:
 
 
 def _valid_probs(probs: torch.Tensor | None, num_tokens: int, vocab: int) -> torch.Tensor | None:
-    """q for the first num_tokens drafts if it has a finite, non-negative row of the target's vocabulary for each,
-    else None (the drafts are then verified as deterministic ones, lossless whatever q was)."""
+    """q for the first num_tokens drafts if it has a row of probabilities (each in [0, 1]) over the target's vocabulary
+    for each, else None (the drafts are then verified as deterministic ones, lossless whatever q was)."""
     if probs is None or probs.dim() != 2 or probs.shape[0] < num_tokens or probs.shape[1] != vocab:
         return None
     probs = probs[:num_tokens]
-    return probs if bool(torch.isfinite(probs).all()) and bool((probs >= 0).all()) else None
+    low, high = torch.aminmax(probs)  # one pass; NaN fails both comparisons, as does infinity the second
+    return probs if bool(low >= 0) and bool(high <= 1) else None
 
 
 def _path_probs(values: Sequence[float] | None, num_tokens: int) -> list[float] | None:

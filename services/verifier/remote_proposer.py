@@ -30,6 +30,7 @@ from services.common.drafter_wire import (
     DraftReply,
     DraftStep,
     SequenceUpdate,
+    dense_probs,
     description_from_proto,
     drafter_pb2,
     drafter_pb2_grpc,
@@ -324,5 +325,6 @@ class RemoteProposer:
             elif proposed.base_length != len(item.token_ids):
                 drafts.append(Draft(()))  # continues some other length: useless now
             else:
-                drafts.append(Draft(proposed.token_ids, proposed.probs, proposed.parents, proposed.path_probs))
+                probs = dense_probs(proposed.probs, proposed.probs_token_ids, self.config.vocab_size)
+                drafts.append(Draft(proposed.token_ids, probs, proposed.parents, proposed.path_probs))
         return drafts

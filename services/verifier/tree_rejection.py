@@ -16,8 +16,9 @@ as often as the target samples one of them, while with q a child is accepted wit
 drafter whose q is close to the target's p is accepted nearly always at temperature 1. The price is trust: a
 drafter that sends a q it did not sample from biases the output, as it would with a chain's q (rejection.py).
 
-Uniform numbers and noise are keyed by (seed, position) as everywhere (random_streams.py); the tensor work of
-every q-tree row of a step runs on the device and comes to the host in one transfer, then the walk is plain Python.
+Uniform numbers are keyed by (seed, position) as everywhere (random_streams.py), so a seeded request repeats itself
+given the same drafts; the tensor work of every q-tree row of a step runs on the device and comes to the host in one
+transfer, then the walk is plain Python.
 """
 
 from __future__ import annotations
@@ -82,23 +83,25 @@ def decisions(rows: Sequence[QTreeRow]) -> torch.Tensor:
         fed_seeds += [index] * (len(row.tokens) + 1)
         node_parent_fed += [fed_base + parent + 1 for parent in row.parents]
         fed_base, node_base = fed_base + len(row.tokens) + 1, node_base + len(row.tokens)
-    widest = max(1, max(len(kids) for kids in child_lists))
+    inner = [f for f, kids in enumerate(child_lists) if kids]  # fed positions with children: the rest draw from p
+    widest = max((len(child_lists[f]) for f in inner), default=0)
     dummy = node_base
-    child_at = torch.tensor([[kids[i] if i < len(kids) else dummy for kids in child_lists] for i in range(widest)],
-                            device=device)  # [widest, F]
+    child_at = torch.tensor([[child_lists[f][i] if i < len(child_lists[f]) else dummy for f in inner]
+                             for i in range(widest)], device=device, dtype=torch.int64)  # [widest, inner]
     seeds = torch.cat([row.seed for row in rows])[torch.tensor(fed_seeds, device=device)]  # [F]
     positions = torch.tensor(fed_positions, device=device)[:, None]  # [F, 1]
-    coins = random_streams.uniform(random_streams.position_keys(seeds, positions, random_streams.STREAM_ACCEPT),
-                                   widest)[:, 0]  # [F, widest]
-    r = log_p.exp()
+    inner_index = torch.tensor(inner, device=device, dtype=torch.int64)
+    coins = random_streams.uniform(random_streams.position_keys(
+        seeds[inner_index], positions[inner_index], random_streams.STREAM_ACCEPT), widest)[:, 0]  # [inner, widest]
+    p = log_p.exp()
+    r = p[inner_index]
     drawn = torch.zeros_like(r, dtype=torch.bool)
     accepted = torch.zeros(node_base + 1, dtype=torch.bool, device=device)
-    q = torch.cat([q, q.new_zeros(1, vocab)])
     for i in range(widest):
         child = child_at[i]
-        has = child != dummy  # [F]
-        token = tokens[child][:, None]  # [F, 1]
-        q_i = q[child].masked_fill(drawn, 0.0)
+        has = child != dummy  # [inner]
+        token = tokens[child][:, None]  # [inner, 1]
+        q_i = q[child.clamp_max(dummy - 1)].masked_fill(drawn | ~has[:, None], 0.0)  # no child: q_i = 0, skipped
         q_i = q_i / q_i.sum(-1, keepdim=True).clamp_min(1e-30)
         q_token, r_token = q_i.gather(-1, token).squeeze(-1), r.gather(-1, token).squeeze(-1)
         drawable = has & (q_token > 0)  # a sibling that could not have been drawn (a duplicate, say) is skipped
@@ -108,12 +111,11 @@ def decisions(rows: Sequence[QTreeRow]) -> torch.Tensor:
         # after a rejection r becomes norm(max(0, r - q_i)); one of probability 0 (r <= q_i everywhere) leaves r
         r = torch.where((drawable[:, None] & (mass > 0)), residual / mass.clamp_min(1e-30), r)
         drawn |= torch.zeros_like(drawn).scatter_(1, token, has[:, None])
-    has_children = child_at[0] != dummy
-    sample_noise = random_streams.gumbel(
-        random_streams.position_keys(seeds, positions, random_streams.STREAM_SAMPLE), vocab)[:, 0]
-    residual_noise = random_streams.gumbel(
-        random_streams.position_keys(seeds, positions, random_streams.STREAM_RESIDUAL), vocab)[:, 0]
-    draws = (r.log() + torch.where(has_children[:, None], residual_noise, sample_noise)).argmax(dim=-1)  # [F]
+    # One token per fed position from what is left of its distribution, by inverse CDF with one keyed uniform (a
+    # Gumbel race would hash every vocabulary entry of every position); a zero-probability token is never drawn.
+    cdf = p.index_copy(0, inner_index, r).double().cumsum(dim=-1)  # [F, V]
+    u = random_streams.uniform(random_streams.position_keys(seeds, positions, random_streams.STREAM_RESIDUAL), 1)
+    draws = torch.searchsorted(cdf, u[:, 0] * cdf[:, -1:], right=True).squeeze(-1).clamp_max(vocab - 1)  # [F]
     node_lp = log_p[torch.tensor(node_parent_fed, device=device, dtype=torch.int64), tokens[:-1]]
     draw_lp = log_p.gather(-1, draws[:, None]).squeeze(-1)
     return torch.cat([accepted[:-1].double(), draws.double(), node_lp.double().clamp_min(LOGPROB_FLOOR),

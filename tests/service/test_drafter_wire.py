@@ -15,11 +15,13 @@ from services.common.drafter_wire import (
     SequenceDraft,
     SequenceUpdate,
     decode_probs,
+    dense_probs,
     description_from_proto,
     description_to_proto,
     drafter_pb2,
     drafter_pb2_grpc,
     encode_probs,
+    probs_support,
     reply_from_proto,
     reply_to_proto,
     step_from_proto,
@@ -187,3 +189,22 @@ def test_wire_round_trip_keeps_everything():
     assert decode_probs(encode_probs(probs), 3) is None  # not a whole [3, V] matrix: ignored
     tree = SequenceDraft("s", 5, (1, 2, 3), parents=(-1, -1, 0), path_probs=(0.5, 0.25, 0.125))
     assert reply_from_proto(reply_to_proto(DraftReply(8, (tree,)))).drafts == (tree,)
+
+
+def test_q_over_a_reduced_vocabulary_travels_as_its_support():
+    """A drafter whose q covers a few tokens (a reduced vocabulary) sends those columns and their ids; the verifier
+    gets the whole [rows, V] back, zero elsewhere; a q over most of the vocabulary goes whole; ids past the
+    vocabulary make the q unusable (None: the drafts count as deterministic)."""
+    vocab = 40
+    q = torch.zeros(3, vocab)
+    q[:, [2, 7, 31]] = torch.softmax(torch.randn(3, 3), dim=-1).half().float()
+    sent, ids = probs_support(q)
+    assert ids == (2, 7, 31) and sent.shape == (3, 3)
+    reply = reply_from_proto(reply_to_proto(DraftReply(1, (SequenceDraft("s", 4, (2, 7, 31), sent,
+                                                                          probs_token_ids=ids),))))
+    received = reply.drafts[0]
+    assert received.probs_token_ids == ids and torch.equal(dense_probs(received.probs, ids, vocab), q)
+    whole = torch.softmax(torch.randn(2, vocab), dim=-1)
+    assert probs_support(whole) == (whole, ()) and dense_probs(whole, (), vocab) is whole
+    assert dense_probs(sent, (2, 7, 45), vocab) is None and dense_probs(sent, (2, 7), vocab) is None
+    assert probs_support(None) == (None, ())

@@ -110,15 +110,3 @@ def test_q_close_to_the_target_is_accepted_more_than_the_deterministic_rule_woul
             below = 3 + 2 * tokens[:3].index(first)
             deterministic += 1 + (second in tokens[below : below + 2])
     assert deterministic / N < 0.9 * with_q
-
-
-def test_a_leaf_root_samples_as_speculation_off_would():
-    """No children: the draw at the root uses the plain sampling stream, so the token equals the one sampled
-    without speculation at that position."""
-    p1, _ = target(4)
-    log_p = torch.from_numpy(np.log(p1)).float()
-    seed = torch.tensor([random_streams.seed_to_int64(9)])
-    [outcome] = outcomes([QTreeRow(log_p[None], [], [], torch.zeros(0, V), seed, POSITION)])
-    noise = random_streams.gumbel(random_streams.position_keys(seed, torch.tensor([[POSITION]]),
-                                                               random_streams.STREAM_SAMPLE), V)[0, 0]
-    assert outcome.token == int((log_p + noise).argmax())
