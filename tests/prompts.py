@@ -14,3 +14,11 @@ def repetitive_prompt(rng: random.Random, length: int) -> tuple[int, ...]:
     while len(tokens) < length:
         tokens += rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(VOCAB)]
     return tuple(tokens[:length])
+
+
+def random_workload(seed: int, n: int, prompt_lengths: tuple[int, int], max_token_range: tuple[int, int]):
+    """n repetitive prompts of lengths in prompt_lengths and their max_tokens in max_token_range, drawn from
+    `seed`: (prompts, max_tokens)."""
+    rng = random.Random(seed)
+    prompts = [repetitive_prompt(rng, rng.randint(*prompt_lengths)) for _ in range(n)]
+    return prompts, [rng.randint(*max_token_range) for _ in range(n)]

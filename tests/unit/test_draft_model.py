@@ -38,7 +38,7 @@ from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
-from tests.prompts import repetitive_prompt
+from tests.prompts import random_workload, repetitive_prompt
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
 
 MAX_MODEL_LEN = 160
@@ -276,9 +276,7 @@ async def run_requests(engine: Engine, prompts, max_tokens, spec: SpeculationPar
 
 @pytest.mark.parametrize("drafter", ["target itself", "other model"])
 async def test_greedy_output_is_identical_and_acceptance_follows_the_draft_model(target, draft_model, drafter):
-    rng = random.Random(17)
-    prompts = [repetitive_prompt(rng, rng.randint(4, 40)) for _ in range(6)]
-    max_tokens = [rng.randint(10, 40) for _ in range(6)]
+    prompts, max_tokens = random_workload(17, 6, (4, 40), (10, 40))
     baseline = await run_requests(make_engine(target, {}), prompts, max_tokens, SpeculationParams())
     proposer = proposer_for(tiny_llama(seed=3) if drafter == "target itself" else draft_model, max_num_seqs=3)
     try:

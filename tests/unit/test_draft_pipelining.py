@@ -16,7 +16,7 @@ from services.drafter.methods.draft_model import DraftModelProposer
 from services.drafter.model_drafting import DraftRequest, ModelDrafter
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.verifier.sampling_params import SpeculationParams
-from tests.prompts import repetitive_prompt
+from tests.prompts import random_workload, repetitive_prompt
 from tests.tiny_models import tiny_llama, tiny_qwen2
 from tests.unit.test_draft_model import MAX_MODEL_LEN, commit, fresh_draft, make_engine, run_requests
 
@@ -120,9 +120,7 @@ def after_each_predraft(proposer: DraftModelProposer) -> None:
 
 async def test_greedy_output_with_pipelining_equals_no_speculation():
     target = tiny_llama(seed=3)
-    rng = random.Random(17)
-    prompts = [repetitive_prompt(rng, rng.randint(4, 40)) for _ in range(6)]
-    max_tokens = [rng.randint(10, 40) for _ in range(6)]
+    prompts, max_tokens = random_workload(17, 6, (4, 40), (10, 40))
     baseline = await run_requests(make_engine(target, {}), prompts, max_tokens, SpeculationParams())
     drafters = [(tiny_llama(seed=3), False), (tiny_llama(seed=3), True),  # the target itself: its guesses hold
                 (tiny_qwen2(seed=21), False)]  # another model

@@ -15,7 +15,7 @@ from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
-from tests.prompts import repetitive_prompt
+from tests.prompts import random_workload, repetitive_prompt
 from tests.proposers import OracleProposer, RandomProposer
 from tests.step_costs import FixedCost
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
@@ -53,10 +53,8 @@ def model(request):
 
 
 async def test_greedy_equality_across_drafters_and_k(model):
-    rng = random.Random(7)
     n = 10
-    prompts = [repetitive_prompt(rng, rng.randint(3, 40)) for _ in range(n)]
-    max_tokens = [rng.randint(5, 40) for _ in range(n)]
+    prompts, max_tokens = random_workload(7, n, (3, 40), (5, 40))
 
     baseline_engine = make_engine(model, {})
     baseline = await run_schedule(

@@ -18,7 +18,7 @@ from services.verifier.step_cost import StepCostModel
 from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
-from tests.prompts import repetitive_prompt
+from tests.prompts import random_workload, repetitive_prompt
 from tests.proposers import ModelSamplingTreeProposer, OracleProposer, TreeProposer
 from tests.stats import ALPHA, chi_square_p_value, total_variation
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
@@ -197,10 +197,8 @@ async def test_sampled_q_trees_follow_the_target_and_are_accepted_more_with_q():
 async def test_greedy_output_with_q_trees_equals_no_speculation():
     """Greedy rows verify q-trees by the deterministic rule (q is for sampled rows)."""
     model = tiny_llama(seed=3)
-    rng = random.Random(6)
     n = 4
-    prompts = [repetitive_prompt(rng, rng.randint(5, 30)) for _ in range(n)]
-    max_tokens = [rng.randint(5, 30) for _ in range(n)]
+    prompts, max_tokens = random_workload(6, n, (5, 30), (5, 30))
     baseline = await greedy_baseline(model, prompts, max_tokens)
     proposer = ModelSamplingTreeProposer(model, 1.0, branch=2, send_q=True, seed=1)
     engine = make_engine(model, {"qtree": proposer})
@@ -216,10 +214,8 @@ async def test_ngram_trees_keep_greedy_output_and_sampled_distribution():
     from services.drafter.methods.ngram import NgramProposer, NgramSettings
 
     model = tiny_llama(seed=3)
-    rng = random.Random(11)
     n = 6
-    prompts = [repetitive_prompt(rng, rng.randint(10, 40)) for _ in range(n)]
-    max_tokens = [rng.randint(10, 40) for _ in range(n)]
+    prompts, max_tokens = random_workload(11, n, (10, 40), (10, 40))
     baseline = await greedy_baseline(model, prompts, max_tokens)
     engine = make_engine(model, {"ngram": NgramProposer(NgramSettings(1, 3), tree_depth=4)})
     speculative = await run_schedule(engine, build_schedule([SpeculationParams("ngram", 10)] * n, prompts, max_tokens))

@@ -189,15 +189,13 @@ async def test_through_the_engine_graph_shaped_steps_keep_greedy_output_with_cha
     from services.verifier.engine_config import EngineConfig
     from services.verifier.sampling_params import SpeculationParams
     from tests.engine_harness import run_schedule
-    from tests.prompts import repetitive_prompt
     from tests.proposers import OracleProposer, TreeProposer
+    from tests.prompts import random_workload
     from tests.unit.test_engine_greedy import build_schedule, greedy_baseline
 
     model = tiny_llama(seed=3)
-    rng = random.Random(11)
     n = 6
-    prompts = [repetitive_prompt(rng, rng.randint(3, 40)) for _ in range(n)]
-    max_tokens = [rng.randint(5, 30) for _ in range(n)]
+    prompts, max_tokens = random_workload(11, n, (3, 40), (5, 30))
     baseline = await greedy_baseline(model, prompts, max_tokens)
     references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
     runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160)
