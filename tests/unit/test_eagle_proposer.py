@@ -145,3 +145,28 @@ def test_a_pre_draft_continues_the_chain_past_the_answered_draft_and_answers_exa
     proposer._predraft([(DraftInput("a", tuple(wrong_bonus), 3, states_of(wrong_bonus)), tuple(fresh))],
                        lambda: True)  # a call came at once: stopped
     assert proposer.pipeline_counts.discarded == 2 and not proposer.predrafts.take("a", wrong_bonus, 3)
+
+
+def test_a_tree_is_pre_drafted_along_its_first_path():
+    """With trees, the pre-draft's guess is the tree's first path accepted whole (the head's likeliest chain): a
+    next call that commits that path and the guessed bonus is answered from it."""
+    from services.common.token_trees import leaf_paths
+    from services.drafter.methods.eagle import guessed_path
+
+    target, head, embed, lm_head = random_head(seed=10)
+    proposer = EagleProposer(head, embed, lm_head, V, pipelining=True, tree_nodes=6, tree_topk=2, tree_depth=3)
+
+    def states_of(ids):
+        with torch.no_grad():
+            return target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+
+    committed = torch.randint(0, V, (12,)).tolist()
+    tree = proposer._draft_all([DraftInput("a", committed, 6, states_of(committed))])[0]
+    path = guessed_path(tree)
+    assert list(path) == [tree.token_ids[i] for i in leaf_paths(tree.parents)[0]] and len(path) < len(tree.token_ids)
+    proposer._predraft([(DraftInput("a", tuple(committed), 6, states_of(committed)), path)], lambda: False)
+    pending = proposer.predrafts._by_seq["a"]
+    assert pending.base.tolist()[: len(committed) + len(path)] == committed + list(path)
+    guess = pending.base.tolist()
+    answered = proposer._draft_all([DraftInput("a", guess, 6, states_of(guess))])[0]
+    assert list(answered.token_ids) == list(pending.tokens) and proposer.pipeline_counts.used == 1

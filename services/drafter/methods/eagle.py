@@ -12,8 +12,8 @@ scores only those rows of the LM head. A new sequence starts from the head cache
 (head_prefix_cache.py), so a repeated prompt costs the head no prefill either.
 
 Pipelining (`draft_pipelining`, services/drafter/draft_pipelining.py): after answering a call, the proposer
-goes on drafting while the verifier verifies, on the guess that the whole draft d is accepted: it runs the chain
-again with d forced, takes its next argmax as the guessed bonus g and K more after it, for the committed tokens
+goes on drafting while the verifier verifies, on the guess that the whole draft d is accepted (a tree's first
+path: guessed_path): it runs the chain again with d forced, takes its next argmax as the guessed bonus g and K more after it, for the committed tokens
 committed + d + g. Unlike the draft model's, this pre-draft is not the draft a fresh call would give: the head
 has no target features for d and g yet and reads its own, as it does inside any chain. It is still a draft of
 exactly those committed tokens (answered only when the next call brings them), and the verifier checks it like
@@ -44,6 +44,7 @@ from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.common.method_options import DEFAULT_EAGLE_TOPK
 from services.common.speculative_config import SpeculativeConfig
+from services.common.token_trees import leaf_paths
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
 from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches, sampled_trees
 from services.drafter.head_prefix_cache import HeadPrefixCache
@@ -128,7 +129,8 @@ class EagleProposer:
                   for item, want in zip(inputs, wanted, strict=True)]
         self.predrafting.call_arrived()
         drafts = await asyncio.get_running_loop().run_in_executor(self._compute, self._draft_all, inputs)
-        ahead = [(item, tuple(draft.token_ids)) for item, draft, want in zip(inputs, drafts, wanted, strict=True)
+        # a tree's guess is its first path (the head's likeliest chain, as far as the tree kept it) accepted whole
+        ahead = [(item, guessed_path(draft)) for item, draft, want in zip(inputs, drafts, wanted, strict=True)
                  if want and draft.token_ids]
         if ahead:
             self.predrafting.start(self._compute, self._predraft, ahead)
@@ -299,6 +301,14 @@ class ChainStart:
 
     def tree_start(self) -> TreeStart:
         return TreeStart(self.cache, self.position, self.token, self.feature)
+
+
+def guessed_path(draft: Draft) -> tuple[int, ...]:
+    """What a pre-draft guesses is accepted: a chain whole, a tree's first root-to-leaf path (its tokens in order are
+    no path at all)."""
+    if draft.parents is None:
+        return tuple(draft.token_ids)
+    return tuple(draft.token_ids[i] for i in leaf_paths(draft.parents)[0])
 
 
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
