@@ -30,6 +30,7 @@ import torch
 
 from services.common.sampling_rules import LOGPROB_FLOOR
 from services.common.token_trees import tree_depths
+from services.modeling.host_copies import to_device
 from services.verifier import random_streams
 
 
@@ -72,8 +73,10 @@ def decisions(rows: Sequence[QTreeRow]) -> torch.Tensor:
     device = rows[0].node_log_p.device
     log_p = torch.cat([row.node_log_p.float() for row in rows])  # [F, V], F fed positions in all
     vocab = log_p.shape[-1]
-    q = torch.cat([row.probs.to(device=device, dtype=torch.float32) for row in rows])  # [N, V], N nodes in all
-    tokens = torch.tensor([t for row in rows for t in row.tokens] + [0], device=device)  # a dummy node last
+    if all(row.probs.device.type == "cpu" for row in rows):  # from the link: one copy to the device for all
+        q = to_device(torch.cat([row.probs.float() for row in rows]), device)  # [N, V], N nodes in all
+    else:
+        q = torch.cat([row.probs.to(device=device, dtype=torch.float32) for row in rows])
     child_lists, fed_positions, fed_seeds, node_parent_fed = [], [], [], []
     fed_base = node_base = 0
     for index, row in enumerate(rows):
@@ -86,11 +89,15 @@ def decisions(rows: Sequence[QTreeRow]) -> torch.Tensor:
     inner = [f for f, kids in enumerate(child_lists) if kids]  # fed positions with children: the rest draw from p
     widest = max((len(child_lists[f]) for f in inner), default=0)
     dummy = node_base
-    child_at = torch.tensor([[child_lists[f][i] if i < len(child_lists[f]) else dummy for f in inner]
-                             for i in range(widest)], device=device, dtype=torch.int64)  # [widest, inner]
-    seeds = torch.cat([row.seed for row in rows])[torch.tensor(fed_seeds, device=device)]  # [F]
-    positions = torch.tensor(fed_positions, device=device)[:, None]  # [F, 1]
-    inner_index = torch.tensor(inner, device=device, dtype=torch.int64)
+    child_at_rows = [child_lists[f][i] if i < len(child_lists[f]) else dummy for i in range(widest) for f in inner]
+    # every index the device needs, in one host-to-device copy (pinned on CUDA, so the step does not wait for it)
+    parts = [[t for row in rows for t in row.tokens] + [0], child_at_rows, fed_seeds, fed_positions, inner,
+             node_parent_fed]  # tokens end with a dummy node's
+    packed = to_device(torch.tensor([i for part in parts for i in part], dtype=torch.int64), device)
+    tokens, child_flat, seed_rows, fed_position, inner_index, node_parent = packed.split([len(p) for p in parts])
+    child_at = child_flat.view(widest, len(inner))  # [widest, inner]
+    seeds = torch.cat([row.seed for row in rows])[seed_rows]  # [F]
+    positions = fed_position[:, None]  # [F, 1]
     coins = random_streams.uniform(random_streams.position_keys(
         seeds[inner_index], positions[inner_index], random_streams.STREAM_ACCEPT), widest)[:, 0]  # [inner, widest]
     p = log_p.exp()
@@ -116,7 +123,7 @@ def decisions(rows: Sequence[QTreeRow]) -> torch.Tensor:
     cdf = p.index_copy(0, inner_index, r).double().cumsum(dim=-1)  # [F, V]
     u = random_streams.uniform(random_streams.position_keys(seeds, positions, random_streams.STREAM_RESIDUAL), 1)
     draws = torch.searchsorted(cdf, u[:, 0] * cdf[:, -1:], right=True).squeeze(-1).clamp_max(vocab - 1)  # [F]
-    node_lp = log_p[torch.tensor(node_parent_fed, device=device, dtype=torch.int64), tokens[:-1]]
+    node_lp = log_p[node_parent, tokens[:-1]]
     draw_lp = log_p.gather(-1, draws[:, None]).squeeze(-1)
     return torch.cat([accepted[:-1].double(), draws.double(), node_lp.double().clamp_min(LOGPROB_FLOOR),
                       draw_lp.double().clamp_min(LOGPROB_FLOOR)])
