@@ -151,11 +151,11 @@ def sampled_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, star
     q_rows: list[list[torch.Tensor]] = [[] for _ in starts]
     owner = {id(tree): b for b, tree in enumerate(trees)}
     pending = [_Expansion(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
+    target_ids = head.token_ids(torch.arange(draft_weight.shape[0], device=draft_weight.device))  # per draft row
+    in_vocab = target_ids < vocab_size
     for level in range(min(depth, most)):
         outputs, own = _expand(head, embed, pending)
         logits = head.draft_logits(outputs[:, -1], draft_weight).float()  # [R, Vd]
-        target_ids = head.token_ids(torch.arange(logits.shape[-1], device=logits.device))
-        in_vocab = target_ids < vocab_size
         temperature = torch.tensor([temperatures[owner[id(row.tree)]] for row in pending], device=logits.device)
         # q as the link carries it (float16), so the verifier reads exactly the distribution the tokens came from
         q_draft = torch.softmax((logits / temperature[:, None]).masked_fill(~in_vocab, float("-inf")), dim=-1)
