@@ -2,11 +2,17 @@
 prompts kept out of training (held-out ShareGPT first turns, or the chat prompts of another source); at every
 position n of that answer the head drafts a chain of K by argmax from the committed context (target features up
 to n-1, the token x_n), feeding back its own features; the acceptance length is 1 + the number of leading drafts
-equal to the target's next tokens (vLLM's count: the bonus token included)."""
+equal to the target's next tokens (vLLM's count: the bonus token included).
+
+Two heads are compared on the same answers (`evaluate_heads`, `paired_difference`): positions within one answer
+are correlated, so the prompts are the independent samples, and a difference is read against its standard error
+over them (on 20 held-out prompts the shipped head read 1.87, on 60 it read 1.79)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +28,7 @@ class AcceptanceReport:
     accepted_at: list[int]  # position j accepted (given 1..j-1 were), summed over positions
     reached: list[int]  # position j verified (all before it accepted)
     total_accepted: int
+    per_prompt: list[tuple[int, int]] = field(default_factory=list)  # (positions, accepted drafts) of each prompt
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -96,24 +103,56 @@ def evaluation_prompts(eval_set: str, num_prompts: int) -> list[list[dict[str, s
         return [m[:1] for cid, m in conversations(f) if is_held_out(cid)][:num_prompts]
 
 
-def evaluate(model: str, head_dir: Path, num_prompts: int, k: int = 4, new_tokens: int = 96,
-             eval_set: str = "sharegpt") -> AcceptanceReport:
+def evaluate_heads(model: str, head_dirs: Sequence[Path], num_prompts: int, k: int = 4, new_tokens: int = 96,
+                   eval_set: str = "sharegpt") -> list[AcceptanceReport]:
+    """Each head's acceptance on the same prompts and the same target answers (each answer generated once)."""
     from services.gateway.tokenizer import encode_chat
     from services.modeling.loading import load_model
 
     loaded = load_model(model, device="cpu", dtype="float32")
     target, tokenizer = loaded.model, loaded.tokenizer
-    head = load_eagle_head(head_dir)
-    fit_head_to_target(head, target.config, head_dir)
-    embed = head.token_embedding(target)
+    heads = []
+    for head_dir in head_dirs:
+        head = load_eagle_head(head_dir)
+        fit_head_to_target(head, target.config, head_dir)
+        heads.append(head)
     lm_head = target.get_output_embeddings()
-    report = AcceptanceReport(k, 0, [0] * k, [0] * k, 0)
+    reports = [AcceptanceReport(k, 0, [0] * k, [0] * k, 0) for _ in heads]
     for messages in evaluation_prompts(eval_set, num_prompts):
         prompt = encode_chat(tokenizer, messages)[:384]
         out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
         ids = out[0].tolist()
         with torch.no_grad():
             every = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-        states = torch.cat([every[i] for i in head.config.hidden_layers], dim=-1)  # as the verifier serves them
-        chain_acceptance(head, embed, lm_head, ids, states, len(prompt), k, report)
-    return report
+        for head, report in zip(heads, reports, strict=True):
+            states = torch.cat([every[i] for i in head.config.hidden_layers], dim=-1)  # as the verifier serves them
+            positions, accepted = report.positions, report.total_accepted
+            chain_acceptance(head, head.token_embedding(target), lm_head, ids, states, len(prompt), k, report)
+            report.per_prompt.append((report.positions - positions, report.total_accepted - accepted))
+    return reports
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """A head's mean acceptance length minus a baseline's, prompt by prompt on the same answers."""
+
+    mean: float
+    standard_error: float
+    prompts: int
+
+    def __str__(self) -> str:
+        return (f"head - baseline: {self.mean:+.3f} tokens a step, standard error {self.standard_error:.3f} "
+                f"(paired over {self.prompts} prompts)")
+
+
+def paired_difference(head: AcceptanceReport, baseline: AcceptanceReport) -> PairedDifference:
+    """The mean over prompts of (head's - baseline's) acceptance length on each prompt, and its standard error."""
+    diffs = [(a - b) / n for (n, a), (m, b) in zip(head.per_prompt, baseline.per_prompt, strict=True)
+             if n and n == m]
+    if not diffs:
+        return PairedDifference(0.0, float("nan"), 0)
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return PairedDifference(mean, float("nan"), 1)
+    variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return PairedDifference(mean, math.sqrt(variance / len(diffs)), len(diffs))

@@ -335,6 +335,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts the acceptance is measured on: held-out ShareGPT (written to "
                         "evaluation.json) or hand-written chat from another source (evaluation-chat.json)")
     parser.add_argument("--head", type=Path, default=None, help="with --eval-only: the head folder (default OUT/head)")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="with --eval-only: a second head measured on the same answers; prints the paired "
+                        "difference per prompt with its standard error (which head measures better, and by how "
+                        "much more than chance)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (DEFAULT_DIR_EAGLE3 if args.eagle3 else DEFAULT_DIR)
     if args.eagle3_layers is not None and not args.eagle3:
         parser.error("--eagle3-layers needs --eagle3")
+    if args.baseline is not None and not args.eval_only:
+        parser.error("--baseline needs --eval-only")
     try:
         layers = None if args.eagle3_layers is None else tuple(int(v) for v in args.eagle3_layers.split(","))
     except ValueError:
@@ -356,11 +362,15 @@ def main(argv: list[str] | None = None) -> int:
                              threads=args.threads, precision=args.precision)
     if not args.eval_only:
         train(settings)
-    from services.eagle.evaluate import evaluate
+    from services.eagle.evaluate import evaluate_heads, paired_difference
 
     head_dir = args.head or settings.out / "head"
-    report = evaluate(settings.model, head_dir, args.eval_prompts, eval_set=args.eval_set)
+    heads = [head_dir] if args.baseline is None else [head_dir, args.baseline]
+    report, *baseline = evaluate_heads(settings.model, heads, args.eval_prompts, eval_set=args.eval_set)
     print(report)
+    if baseline:
+        print(f"baseline {args.baseline}: {baseline[0]}")
+        print(paired_difference(report, baseline[0]))
     name = "evaluation.json" if args.eval_set == "sharegpt" else f"evaluation-{args.eval_set}.json"
     (head_dir / name).write_text(json.dumps({**report.as_dict(), "prompts": args.eval_set}, indent=2) + "\n")
     return 0

@@ -95,6 +95,28 @@ def test_acceptance_counts_leading_matches_as_serving_does():
     assert report.reached[0] == report.positions and 1.0 <= report.mean_acceptance_length <= 5.0
 
 
+def test_two_heads_are_compared_prompt_by_prompt_against_the_spread_over_prompts():
+    from services.eagle.evaluate import paired_difference
+
+    def report(per_prompt):
+        return AcceptanceReport(4, sum(n for n, _ in per_prompt), [0] * 4, [0] * 4, sum(a for _, a in per_prompt),
+                                per_prompt)
+
+    baseline = report([(10, 5), (20, 4), (10, 10)])  # 1.5, 1.2, 2.0 tokens a step
+    head = report([(10, 6), (20, 8), (10, 10)])  # 1.6, 1.4, 2.0
+    difference = paired_difference(head, baseline)
+    assert difference.prompts == 3 and difference.mean == pytest.approx(0.1)
+    assert difference.standard_error == pytest.approx(0.1 / 3 ** 0.5)  # the diffs 0.1, 0.2, 0.0: sd 0.1
+    assert paired_difference(baseline, baseline).mean == 0 and paired_difference(baseline, baseline).standard_error == 0
+    assert "+0.100" in str(difference) and "3 prompts" in str(difference)
+    with pytest.raises(ValueError):  # reports of different prompt lists are no pair
+        paired_difference(head, report([(10, 5)]))
+    from services.eagle.train import main
+
+    with pytest.raises(SystemExit):  # a comparison measures saved heads: it does not train one first
+        main(["--baseline", "/nowhere"])
+
+
 class OracleHead(EagleHead):
     """Predicts the target's true next feature at every position: a perfect head, so every draft of every chain
     must be accepted if the evaluation aligns features, tokens and positions as serving does."""
