@@ -11,6 +11,7 @@ over them (on 20 held-out prompts the shipped head read 1.87, on 60 it read 1.79
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +116,7 @@ def evaluate_heads(model: str, head_dirs: Sequence[Path], num_prompts: int, k: i
     for head_dir in head_dirs:
         head = load_eagle_head(head_dir)
         fit_head_to_target(head, target.config, head_dir)
-        heads.append(head)
+        heads.append((head, head.token_embedding(target)))
     lm_head = target.get_output_embeddings()
     reports = [AcceptanceReport(k, 0, [0] * k, [0] * k, 0) for _ in heads]
     for messages in evaluation_prompts(eval_set, num_prompts):
@@ -124,10 +125,10 @@ def evaluate_heads(model: str, head_dirs: Sequence[Path], num_prompts: int, k: i
         ids = out[0].tolist()
         with torch.no_grad():
             every = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-        for head, report in zip(heads, reports, strict=True):
+        for (head, embed), report in zip(heads, reports, strict=True):
             states = torch.cat([every[i] for i in head.config.hidden_layers], dim=-1)  # as the verifier serves them
             positions, accepted = report.positions, report.total_accepted
-            chain_acceptance(head, head.token_embedding(target), lm_head, ids, states, len(prompt), k, report)
+            chain_acceptance(head, embed, lm_head, ids, states, len(prompt), k, report)
             report.per_prompt.append((report.positions - positions, report.total_accepted - accepted))
     return reports
 
@@ -147,12 +148,7 @@ class PairedDifference:
 
 def paired_difference(head: AcceptanceReport, baseline: AcceptanceReport) -> PairedDifference:
     """The mean over prompts of (head's - baseline's) acceptance length on each prompt, and its standard error."""
-    diffs = [(a - b) / n for (n, a), (m, b) in zip(head.per_prompt, baseline.per_prompt, strict=True)
-             if n and n == m]
-    if not diffs:
-        return PairedDifference(0.0, float("nan"), 0)
-    mean = sum(diffs) / len(diffs)
+    diffs = [(a - b) / n for (n, a), (_, b) in zip(head.per_prompt, baseline.per_prompt, strict=True) if n]
     if len(diffs) < 2:
-        return PairedDifference(mean, float("nan"), 1)
-    variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return PairedDifference(mean, math.sqrt(variance / len(diffs)), len(diffs))
+        return PairedDifference(statistics.fmean(diffs) if diffs else 0.0, float("nan"), len(diffs))
+    return PairedDifference(statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs)), len(diffs))
