@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import statistics
 import time
@@ -36,6 +37,7 @@ from services.modeling.loading import LoadedModel, load_model
 from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner_factory import create_runner
 from services.modeling.step_graphs import GraphSettings
+from services.verifier import engine as engine_module
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from services.verifier.spec_stats import SpecDecodeStats
 
@@ -86,6 +88,83 @@ async def generate_all(engine, prompts: Sequence[Sequence[int]], max_tokens: int
     return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
 
 
+class StepPhases:
+    """Where an engine's steps spend their time, timed around the engine's own calls: drafting (the proposers'
+    collection), the step's tensor work on the compute thread (forward, verification, the transfer that waits for
+    the device), the forward's host part (launching or replaying) and, on CUDA, its device time from events, and
+    the loop's own work (planning, committing, emitting). Events are read after the run, so timing adds no sync."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.seconds: dict[str, float] = {}
+        self.steps = self.forwards = 0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.cuda = engine.runner.device.type == "cuda"
+        step, collect, forward = engine.step, engine.drafts.collect, engine.runner.forward
+        execute = engine_module.execute_isolating_faults
+
+        async def timed_step():
+            self.steps += 1
+            with self.timing("step"):
+                await step()
+
+        async def timed_collect(*args):
+            with self.timing("drafting"):
+                return await collect(*args)
+
+        def timed_execute(*args):
+            with self.timing("tensor work"):
+                return execute(*args)
+
+        def timed_forward(rows):
+            self.forwards += 1
+            start = end = None
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            with self.timing("forward host"):
+                output = forward(rows)
+            if self.cuda:
+                end.record()
+                self.events.append((start, end))
+            return output
+
+        engine.step, engine.drafts.collect, engine.runner.forward = timed_step, timed_collect, timed_forward
+        self._execute, self._timed_execute = execute, timed_execute
+
+    def __enter__(self) -> StepPhases:
+        engine_module.execute_isolating_faults = self._timed_execute  # the engine looks it up at each step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        engine_module.execute_isolating_faults = self._execute
+
+    @contextlib.contextmanager
+    def timing(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.events.clear()
+        self.steps = self.forwards = 0
+
+    def summary(self) -> str:
+        """ms per step of each phase, over the steps since reset()."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.seconds["forward on device"] = sum(s.elapsed_time(e) for s, e in self.events) / 1000
+        per_step = {name: 1000 * value / max(self.steps, 1) for name, value in self.seconds.items()}
+        loop = per_step.get("step", 0.0) - per_step.get("drafting", 0.0) - per_step.get("tensor work", 0.0)
+        parts = ", ".join(f"{name} {per_step[name]:.2f}" for name in
+                          ("drafting", "tensor work", "forward host", "forward on device") if name in per_step)
+        return (f"{self.steps} steps, {self.forwards} forwards; ms a step: {per_step.get('step', 0.0):.2f} = "
+                f"{parts}, loop {loop:.2f}")
+
+
 def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load: dict[str, list],
                max_tokens: int) -> dict[str, tuple[float, float, int, int, str]]:
     """Per load: (tok/s none, tok/s with options' speculative method, outputs identical, outputs, what the steps
@@ -93,20 +172,12 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
     method = options.speculative_config.method
     speculation = SpeculationParams(method, options.speculative_config.num_speculative_tokens)
     engine, _ = build_local_engine(options, loaded)
-    runner, forwards = engine.runner, [0]
-    forward = runner.forward
-
-    def counted(rows):
-        forwards[0] += 1
-        return forward(rows)
-
-    runner.forward = counted
+    phases = StepPhases(engine)
 
     async def timed_run(prompts, speculation_params):
-        before, started = forwards[0], time.perf_counter()
+        phases.reset()
         rate, outputs = await generate_all(engine, prompts, max_tokens, speculation_params)
-        steps = forwards[0] - before
-        return rate, outputs, f"{steps} forwards of {1000 * (time.perf_counter() - started) / max(steps, 1):.1f} ms"
+        return rate, outputs, phases.summary()
 
     async def run():
         results = {}
@@ -131,7 +202,8 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
             print(f"  ({len(graphs)} step graphs, captured in {graphs.capture_seconds:.1f} s)", flush=True)
         return results
 
-    return asyncio.run(run())
+    with phases:
+        return asyncio.run(run())
 
 
 def captured_matches_eager(model_spec: str, device: torch.device, prompts: Sequence[Sequence[int]],
@@ -206,8 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 counts = step_counts(loaded, mode, prompt, 32)
             except Exception as error:  # noqa: BLE001 - the profiler's view is a figure, not the benchmark
                 print(f"[{mode}] torch.profiler counts failed: {error!r}")
+        # prefix caching off: the speculative run follows the plain one over the same prompts, and would find
+        # their prefill cached
         options = LocalEngineOptions(model=args.model, device=args.device, dtype=args.dtype,
-                                     max_num_seqs=max(args.loads), enforce_eager=mode == "eager",
+                                     max_num_seqs=max(args.loads), enable_prefix_caching=False,
+                                     enforce_eager=mode == "eager",
                                      batch_invariant=mode == "invariant", speculative_config=NGRAM)
         rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
