@@ -31,10 +31,13 @@ class ForwardBatch:
     # [B, L, L] 1 where fed token i sees fed token j (lower-triangular for a chain); empty: every row a chain
     ancestors: torch.Tensor
     write_slots: torch.Tensor  # [N] pool slots the written K/V go to (a padded batch: every [B, L] position)
-    write_rows: torch.Tensor  # [N] the row of each written position
+    write_rows: torch.Tensor  # [N] the row of each written position, row by row (all of a row's, then the next's)
     write_cols: torch.Tensor  # [N] its column
     select: torch.Tensor  # [B, L] column whose hidden state gives logits i (the last num_logits, clamped)
-    batch_read: torch.Tensor  # [Hkv * B * span] rows of a layer's cache for the padded gather; empty: row by row
+    # [B, span / block size] each row's blocks (PagedKVCache.block_table), read through as one padded gather
+    # (PagedKVCache.read_index); empty: row by row
+    block_table: torch.Tensor
+    ends: torch.Tensor  # [B] each row's length after this forward (0 in padding rows)
     span: int  # key positions each row reads (T)
     row_reads: tuple[tuple[torch.Tensor | slice, int], ...] = ()  # row by row: (where, length) per row
 
@@ -104,9 +107,9 @@ def build_forward_batch(
         positions[b, : len(depths)] = starts[b] + torch.tensor(depths)
         ancestors[b, : len(depths), : len(depths)] = torch.tensor(tree_ancestors(row.parents), dtype=torch.int64)
     if graph_shaped:
-        slots = torch.full((batch, width), cache.sink_slot, dtype=torch.int64)
-        for b, row in enumerate(rows):
-            slots[b, : lengths[b]] = torch.tensor(cache.slots(row.seq_id, starts[b], ends[b]))
+        sink = cache.sink_slot
+        slots = torch.tensor([cache.slots(row.seq_id, starts[b], ends[b]) + [sink] * (width - lengths[b])
+                              for b, row in enumerate(rows)] + [[sink] * width] * pad_rows, dtype=torch.int64)
         write_rows = torch.arange(batch).repeat_interleave(width)
         write_cols = torch.arange(width).repeat(batch)
         write_slots = slots.reshape(-1)
@@ -123,17 +126,19 @@ def build_forward_batch(
     row_reads: tuple[tuple[torch.Tensor | slice, int], ...] = ()
     if row_by_row:
         row_reads = tuple((cache.row_read(r.seq_id, end), end) for r, end in zip(rows, ends, strict=True))
-        batch_read = torch.empty(0, dtype=torch.int64)
+        block_table = torch.empty(0, dtype=torch.int64)
     else:
-        batch_read = cache.batch_read([r.seq_id for r in rows], span, ends, pad_rows=pad_rows, on_host=True)
+        block_table = cache.block_table([r.seq_id for r in rows], span, pad_rows=pad_rows)
     host = ForwardBatch(input_ids, positions, fed_order, torch.tensor(padded_starts), ancestors, write_slots,
-                        write_rows, write_cols, select, batch_read, span, row_reads)
+                        write_rows, write_cols, select, block_table, torch.tensor(ends + [0] * pad_rows), span,
+                        row_reads)
     return host.to(device)
 
 
-def attention_masks(batch: ForwardBatch, windows: Sequence[int | None]) -> dict[int | None, torch.Tensor]:
-    """Additive masks [B, 1, L, span] per sliding window (None: none), from the batch's tensors alone (no host
-    work, so a graph captures it): a fed token sees the cached positions before it and, among the fed tokens,
+def attention_masks(batch: ForwardBatch, windows: Sequence[int | None],
+                    dtype: torch.dtype = torch.float32) -> dict[int | None, torch.Tensor]:
+    """Additive masks [B, 1, L, span] per sliding window (None: none), of 0 and -inf in `dtype` (exact in any
+    float type), from the batch's tensors alone (no host work, so a graph captures it): a fed token sees the cached positions before it and, among the fed tokens,
     its ancestors (the tokens before it, in a chain)."""
     key_index = torch.arange(batch.span, device=batch.input_ids.device)
     allowed = key_index[None, None, :] <= batch.fed_order[:, :, None]  # [B, L, T]
@@ -143,7 +148,7 @@ def attention_masks(batch: ForwardBatch, windows: Sequence[int | None]) -> dict[
     masks = {}
     for window in set(windows):
         near = key_positions[:, None, :] > batch.positions[:, :, None] - window if window is not None else None
-        masks[window] = additive_mask(allowed if near is None else allowed & near, torch.float32)
+        masks[window] = additive_mask(allowed if near is None else allowed & near, dtype)
     return masks
 
 

@@ -234,29 +234,30 @@ class PagedKVCache:
         index = torch.tensor(blocks, dtype=torch.int64)[positions // size] * size + positions % size
         return self._every_head(index)
 
-    def batch_read(
-        self, seq_ids: Sequence[Hashable], span: int, lengths: Sequence[int], pad_rows: int = 0, on_host: bool = False
-    ) -> torch.Tensor:
-        """An index of a layer's rows (_every_head) for reading positions [0, span) of every sequence into one
-        padded [kv_heads, rows * span] buffer; positions at or past a row's length point at the null block, as do
-        all of `pad_rows` extra rows. on_host: leave the index on the host (a graph copies it in with the rest)."""
-        size = self.block_size
-        num_blocks = -(-span // size)
-        lengths = list(lengths) + [0] * pad_rows
-        table = torch.full((len(lengths), num_blocks), NULL_BLOCK, dtype=torch.int64)
-        for row, seq_id in enumerate(seq_ids):
-            blocks = self._seqs[seq_id].blocks[:num_blocks]
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        positions = torch.arange(span)
-        index = table[:, positions // size] * size + positions % size  # [rows, span]
-        past = positions[None, :] >= torch.tensor(lengths)[:, None]
-        index[past] = NULL_BLOCK * size
-        return self._every_head(index.reshape(-1), on_host)
+    def block_table(self, seq_ids: Sequence[Hashable], span: int, pad_rows: int = 0) -> torch.Tensor:
+        """[rows + pad_rows, blocks covering span] each sequence's first blocks, on the host: what a forward needs to
+        read positions [0, span) of every row (read_index). Past a sequence's blocks, and in the padding rows,
+        the null block."""
+        num_blocks = -(-span // self.block_size)
+        table = [blocks + [NULL_BLOCK] * (num_blocks - len(blocks))
+                 for blocks in (self._seqs[seq_id].blocks[:num_blocks] for seq_id in seq_ids)]
+        return torch.tensor(table + [[NULL_BLOCK] * num_blocks] * pad_rows, dtype=torch.int64).view(-1, num_blocks)
 
-    def _every_head(self, index: torch.Tensor, on_host: bool = False) -> torch.Tensor:
+    def read_index(self, table: torch.Tensor, ends: torch.Tensor, span: int) -> torch.Tensor:
+        """The index of a layer's rows (_every_head) that reads positions [0, span) of every row of a block table
+        into one padded [kv_heads, rows * span] buffer; positions at or past a row's end ([rows]) read the null
+        block. Tensor operations on the table's device alone, so a captured graph computes it: the host sends a
+        block table, not an index of kv_heads x rows x span positions."""
+        size = self.block_size
+        positions = torch.arange(span, device=table.device)
+        index = table[:, positions // size] * size + positions % size  # [rows, span]
+        index = torch.where(positions[None, :] < ends[:, None], index, NULL_BLOCK * size)
+        heads, slots = self.keys.shape[1], self.keys.shape[2]
+        return (torch.arange(heads, device=table.device)[:, None] * slots + index.reshape(1, -1)).reshape(-1)
+
+    def _every_head(self, index: torch.Tensor) -> torch.Tensor:
         """Pool positions -> rows of a layer's cache seen as [kv_heads * slots, head_dim], head-major: one
         gather along the first dimension (a row copy each), which is about a third cheaper on CPU than the same
         gather along the slot dimension of [kv_heads, slots, head_dim]."""
         heads, slots = self.keys.shape[1], self.keys.shape[2]
-        rows = (torch.arange(heads)[:, None] * slots + index[None, :]).reshape(-1)
-        return rows if on_host else rows.to(self.keys.device)
+        return (torch.arange(heads)[:, None] * slots + index[None, :]).reshape(-1).to(self.keys.device)

@@ -8,6 +8,7 @@ import torch
 
 from services.modeling import llama_runner
 from services.modeling.generic_runner import GenericRunner
+from services.modeling.host_threads import limit_host_threads
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.runner import ModelRunner
 from services.modeling.step_graphs import GraphSettings
@@ -23,7 +24,9 @@ def create_runner(
     (LlamaFamilyRunner). False where the same model object also runs elsewhere (transformers' generate in the
     bench, a test's shared fixture).
     graphs: captured step graphs on an accelerator (step_graphs.py); None: their defaults.
-    batch_invariant: forwards of one fixed shape (batch_invariance.py); only the llama-family runner has them."""
+    batch_invariant: forwards of one fixed shape (batch_invariance.py); only the llama-family runner has them.
+    On an accelerator the process's torch host threads drop to one (host_threads.py)."""
+    limit_host_threads(next(model.parameters()).device)
     if llama_runner.supports(model):
         runner = llama_runner.LlamaFamilyRunner(model, max_num_seqs, max_model_len, kv_cache=kv_cache,
                                                 owns_model=owns_model, graphs=graphs, batch_invariant=batch_invariant)

@@ -151,7 +151,8 @@ def test_padding_reads_the_null_block_which_stays_zero():
     kv.add("b")
     feed(kv, "a", [5] * 6)
     feed(kv, "b", [6] * 2)
-    index = kv.batch_read(["a", "b"], 6, [6, 2]).view(2, 6)
+    index = kv.read_index(kv.block_table(["a", "b"], 6, pad_rows=1), torch.tensor([6, 2, 0]), 6).view(3, 6)
+    assert (index[2] == NULL_BLOCK * SIZE).all()
     assert (index[1, 2:] == NULL_BLOCK * SIZE).all() and kv.keys[0, 0, NULL_BLOCK * SIZE].abs().sum() == 0
 
 
