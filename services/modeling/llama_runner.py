@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
 
-from services.modeling.attention import grouped_attention
+from services.modeling.attention import attention_for
 from services.modeling.attention_paths import AttentionPaths
 from services.modeling.batch_invariance import InvariantShape, waves
 from services.modeling.cpu_linear import LinearFn
 from services.modeling.forward_batch import ForwardBatch, attention_masks, build_forward_batch
 from services.modeling.fused_linears import fuse_in_place
+from services.modeling.fused_norm import norm_for
 from services.modeling.hidden_layers import FINAL_LAYER, FINAL_ONLY, check_hidden_layers
 from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
@@ -138,6 +139,10 @@ class LlamaFamilyRunner:
                 self.freed_weight_bytes = free_packed_modules(layers, linears[:-1]) + free_packed_head(model, linears[-1])
         if self.device.type != "cpu" and all(kernels is None for kernels in self._kernels):
             self._kernels = [LayerKernels.fused(layer) for layer in layers]  # launch-bound: fewer, wider matmuls
+        self._norm = norm_for(self.device, [n for layer in layers for n in (layer.input_layernorm,
+                                                                            layer.post_attention_layernorm)]
+                              + [model.model.norm])
+        self._attention = attention_for(self.device)
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
         self.hidden_layers = FINAL_ONLY  # the states forward returns (hidden_layers.py); serve_hidden_layers sets them
         self.attention_paths = AttentionPaths.for_device(self.device)
@@ -389,8 +394,9 @@ class LlamaFamilyRunner:
         hidden states [B, L, H] and the served ones [B, L, layers * H]."""
         rows, width = batch.input_ids.shape
         span = batch.span
-        masks = attention_masks(batch, self._windows)
+        masks = attention_masks(batch, self._windows, self.dtype)
         if not batch.row_reads:
+            read = self.cache.read_index(batch.block_table, batch.ends, span)  # [Hkv * B * span]
             shape = (self.num_kv_heads, rows * span, self.head_dim)  # one buffer per forward, not per layer
             gathered = (torch.empty(shape, dtype=self.dtype, device=self.device),
                         torch.empty(shape, dtype=self.dtype, device=self.device))
@@ -403,33 +409,44 @@ class LlamaFamilyRunner:
                 captured[index] = hidden
             attention = layer.self_attn
             residual = hidden
-            hidden = layer.input_layernorm(hidden)
+            hidden = self._norm(layer.input_layernorm, hidden)
             q, k, v = self._rotated_qkv(index, attention, hidden, cos, sin)  # [B, L, Hq|Hkv, D]
             layer_keys, layer_values = self.cache.keys[index], self.cache.values[index]  # [Hkv, slots, D]
-            layer_keys[:, batch.write_slots] = k[batch.write_rows, batch.write_cols].transpose(0, 1)  # [Hkv, N, D]
-            layer_values[:, batch.write_slots] = v[batch.write_rows, batch.write_cols].transpose(0, 1)
+            layer_keys[:, batch.write_slots] = written(k, batch).transpose(0, 1)  # [Hkv, N, D]
+            layer_values[:, batch.write_slots] = written(v, batch).transpose(0, 1)
             mask = masks[self._windows[index]]
             if not batch.row_reads:
-                keys = read_layer(layer_keys, batch.batch_read, rows, span, gathered[0])
-                values = read_layer(layer_values, batch.batch_read, rows, span, gathered[1])
-                attended = grouped_attention(q, keys, values, mask, attention.scaling)
+                keys = read_layer(layer_keys, read, rows, span, gathered[0])
+                values = read_layer(layer_values, read, rows, span, gathered[1])
+                attended = self._attention(q, keys, values, mask, attention.scaling)
             else:  # each row over its own positions, unpadded
                 attended = torch.cat([
-                    grouped_attention(q[b : b + 1], read_layer(layer_keys, read, 1, end),
+                    self._attention(q[b : b + 1], read_layer(layer_keys, read, 1, end),
                                       read_layer(layer_values, read, 1, end), mask[b : b + 1, :, :, :end],
                                       attention.scaling)
                     for b, (read, end) in enumerate(batch.row_reads)
                 ])
             hidden = residual + self._o_proj(index, attention, attended)  # attended: [B, L, Hq*D]
             residual = hidden
-            hidden = residual + self._mlp(index, layer.mlp, layer.post_attention_layernorm(hidden))
-        hidden = inner.norm(hidden)  # [B, L, H]
+            hidden = residual + self._mlp(index, layer.mlp, self._norm(layer.post_attention_layernorm, hidden))
+        hidden = self._norm(inner.norm, hidden)  # [B, L, H]
         captured[FINAL_LAYER] = hidden
         served = hidden if self.hidden_layers == FINAL_ONLY else torch.cat(
             [captured[i] for i in self.hidden_layers], dim=-1)  # [B, L, layers * H]
         if self.cache.hidden is not None:
-            self.cache.hidden[batch.write_slots] = served[batch.write_rows, batch.write_cols]
+            self.cache.hidden[batch.write_slots] = written(served, batch)
         return hidden, served
+
+
+def written(per_position: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The written positions' rows of `per_position` ([B, L, ...]: K, V, served states) as [N, ...], in the batch's
+    write order, which is row by row (build_forward_batch). Where every [B, L] position is written (a graph's
+    padded batch, rows of one width) that is a reshape, not a gather: on an accelerator, a kernel fewer for K and
+    for V in every layer."""
+    rows, width = per_position.shape[:2]
+    if batch.write_rows.numel() == rows * width:
+        return per_position.reshape(rows * width, *per_position.shape[2:])
+    return per_position[batch.write_rows, batch.write_cols]
 
 
 def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[LinearFn | None]) -> int:
@@ -474,7 +491,7 @@ def read_layer(
     layer: torch.Tensor, read: torch.Tensor | slice, batch: int, span: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One layer's K or V ([Hkv, slots, D]) for the batch: [Hkv, B, span, D], a view or a gather of its rows
-    (PagedKVCache.row_read / batch_read) into `out` ([Hkv, B * span, D]) when given."""
+    (PagedKVCache.row_read / read_index) into `out` ([Hkv, B * span, D]) when given."""
     heads, _, head_dim = layer.shape
     if isinstance(read, slice):
         return layer[:, read][:, None]

@@ -1,0 +1,69 @@
+"""The kernels a CUDA forward runs instead of the CPU's (a fused RMSNorm, SDPA attention) compute the same forward,
+and are chosen only where they apply. Checked on CPU, where both forms run."""
+
+import torch
+
+from services.modeling.attention import attention_for, grouped_attention, sdpa_attention
+from services.modeling.fused_norm import fused_rms_norm, module_norm, norm_for
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.modeling.runner import RowInput
+from tests.tiny_models import tiny_llama, tiny_qwen2
+
+
+def test_the_fused_norm_computes_what_the_models_own_norm_does():
+    for model in (tiny_llama(), tiny_qwen2()):
+        for norm in (model.model.layers[0].input_layernorm, model.model.norm):
+            with torch.no_grad():
+                norm.weight.copy_(torch.rand_like(norm.weight) + 0.5)  # a weight that is not all ones
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(3, 5, norm.weight.shape[0], dtype=dtype) * 4
+                expected = norm.to(dtype)(x)
+                got = fused_rms_norm(norm, x)
+                assert got.dtype == expected.dtype
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2)
+            norm.float()
+
+
+def test_the_fused_norm_runs_on_cuda_only_and_only_for_plain_rms_norms():
+    norms = [tiny_llama().model.norm]
+    assert norm_for(torch.device("cpu"), norms) is module_norm
+    assert norm_for(torch.device("meta"), norms) is module_norm  # another accelerator: not measured there
+    assert norm_for(torch.device("cuda"), norms) is fused_rms_norm  # chosen, not run: no device needed
+
+    class GemmaRMSNorm(torch.nn.Module):  # weight applied as 1 + weight: not the plain formula
+        variance_epsilon, weight = 1e-6, torch.nn.Parameter(torch.zeros(4))
+
+    assert norm_for(torch.device("cuda"), norms + [GemmaRMSNorm()]) is module_norm
+    assert norm_for(torch.device("cuda"), [torch.nn.LayerNorm(4)]) is module_norm
+
+
+def test_sdpa_attention_is_grouped_attention():
+    torch.manual_seed(0)
+    rows, width, heads, kv_heads, head_dim, span = 3, 5, 8, 2, 16, 40
+    q = torch.randn(rows, width, heads, head_dim)
+    keys, values = torch.randn(kv_heads, rows, span, head_dim), torch.randn(kv_heads, rows, span, head_dim)
+    ends = torch.tensor([40, 17, 5])
+    allowed = torch.arange(span)[None, None, :] <= (ends[:, None, None] - width + torch.arange(width)[None, :, None])
+    mask = torch.zeros(rows, 1, width, span).masked_fill_(~allowed[:, None], float("-inf"))
+    torch.testing.assert_close(sdpa_attention(q, keys, values, mask, 0.25),
+                               grouped_attention(q, keys, values, mask, 0.25), rtol=1e-5, atol=1e-5)
+    assert attention_for(torch.device("cuda")) is sdpa_attention
+    assert attention_for(torch.device("cpu")) is grouped_attention
+    assert attention_for(torch.device("meta")) is grouped_attention  # another accelerator: not measured there
+
+
+def test_a_forward_with_the_cuda_kernels_matches_the_plain_one():
+    """The runner's body with CUDA's choices (fused norm, SDPA), run on CPU: the same logits as the plain body,
+    for a batch of rows at different offsets (prefill, then a verify-shaped step)."""
+    model = tiny_llama()
+    logits = []
+    for cuda_kernels in (False, True):
+        runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128, pack_weights=False)
+        if cuda_kernels:
+            runner._norm, runner._attention = fused_rms_norm, sdpa_attention
+        for i, prompt in enumerate(([3, 4, 5, 6, 7], [9, 10], [11, 12, 13])):
+            runner.add_sequence(i)
+            runner.forward([RowInput(i, prompt, 1)])
+        step = runner.forward([RowInput(i, [20 + i, 21, 22], 3) for i in range(3)])
+        logits.append(step.logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
