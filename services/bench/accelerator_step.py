@@ -95,7 +95,6 @@ class StepPhases:
     the loop's own work (planning, committing, emitting). Events are read after the run, so timing adds no sync."""
 
     def __init__(self, engine) -> None:
-        self.engine = engine
         self.seconds: dict[str, float] = {}
         self.steps = self.forwards = 0
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []

@@ -27,7 +27,8 @@ from services.bench.hardware import describe_hardware
 from services.bench.prompts import chat_token_ids
 from services.eagle.chat_prompts import chat_prompt_messages
 from services.inprocess import LocalEngineOptions, build_local_engine
-from services.modeling.attention import additive_mask, grouped_attention
+from services.modeling.attention import additive_mask, grouped_attention, sdpa_attention
+from services.modeling.fused_norm import fused_rms_norm, module_norm
 from services.modeling.loading import LoadedModel, load_model
 from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner import RowInput
@@ -123,7 +124,7 @@ def graph_time_us(fn, repeats: int = 50) -> float:
     return 1000 * start.elapsed_time(end) / (5 * repeats)
 
 
-def alternatives(loaded: LoadedModel, top: int) -> str:
+def alternatives(loaded: LoadedModel) -> str:
     """Device time of a layer's pieces, the plain way against a fused one, at SmolLM2's shapes (1 and 8 rows of
     1 and 5 tokens over 512 positions); with how many outputs differ bit for bit."""
     model = loaded.model
@@ -135,30 +136,23 @@ def alternatives(loaded: LoadedModel, top: int) -> str:
     lines = []
     for rows, width in ((1, 1), (1, 5), (8, 5)):
         x = torch.randn(rows, width, hidden_size, device=device, dtype=dtype)
-        fused = lambda: torch.nn.functional.rms_norm(x, (hidden_size,), eps=norm.variance_epsilon) * norm.weight  # noqa: E731
-        same = (norm(x) == fused()).float().mean().item()
-        lines.append(f"  rms norm [{rows},{width},{hidden_size}]: transformers {graph_time_us(lambda: norm(x)):.1f} us, "
-                     f"F.rms_norm {graph_time_us(fused):.1f} us; {100 * same:.2f}% of outputs identical")
+        same = (module_norm(norm, x) == fused_rms_norm(norm, x)).float().mean().item()
+        lines.append(f"  rms norm [{rows},{width},{hidden_size}]: transformers "
+                     f"{graph_time_us(lambda: module_norm(norm, x)):.1f} us, F.rms_norm "
+                     f"{graph_time_us(lambda: fused_rms_norm(norm, x)):.1f} us; {100 * same:.2f}% of outputs identical")
         span = 512
         q = torch.randn(rows, width, heads, head_dim, device=device, dtype=dtype)
         keys = torch.randn(kv_heads, rows, span, head_dim, device=device, dtype=dtype)
         values = torch.randn(kv_heads, rows, span, head_dim, device=device, dtype=dtype)
-        allowed = torch.arange(span, device=device)[None, None, :] <= (300 + torch.arange(width, device=device))[None, :, None]
-        mask = additive_mask(allowed.expand(rows, width, span), torch.float32)
-        plain = lambda: grouped_attention(q, keys, values, mask, head_dim ** -0.5)  # noqa: E731
-
-        def sdpa():
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask.to(dtype),
-                scale=head_dim ** -0.5, enable_gqa=True)
-            return out.transpose(1, 2).reshape(rows, width, heads * head_dim)
-
-        try:
-            diff = (plain().float() - sdpa().float()).abs().max().item()
-            lines.append(f"  attention [{rows}x{width} over {span}]: matmuls {graph_time_us(plain):.1f} us, "
-                         f"SDPA {graph_time_us(sdpa):.1f} us; max difference {diff:.2e}")
-        except Exception as error:  # noqa: BLE001 - a kernel this platform lacks is a line, not a failure
-            lines.append(f"  attention [{rows}x{width}]: SDPA failed: {error!r}")
+        fed = 300 + torch.arange(width, device=device)
+        allowed = torch.arange(span, device=device)[None, None, :] <= fed[None, :, None]
+        mask = additive_mask(allowed.expand(rows, width, span), dtype)
+        timed = {name: graph_time_us(lambda fn=fn: fn(q, keys, values, mask, head_dim ** -0.5))
+                 for name, fn in (("matmuls", grouped_attention), ("SDPA", sdpa_attention))}
+        diff = (grouped_attention(q, keys, values, mask, head_dim ** -0.5).float()
+                - sdpa_attention(q, keys, values, mask, head_dim ** -0.5).float()).abs().max().item()
+        lines.append(f"  attention [{rows}x{width} over {span}]: matmuls {timed['matmuls']:.1f} us, "
+                     f"SDPA {timed['SDPA']:.1f} us; max difference {diff:.2e}")
     return "\n".join(lines)
 
 
@@ -186,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n=== {load} concurrent chats, {name}: cProfile, by own time ===\n{report}", flush=True)
     if device.type == "cuda":
         print("\n=== " + kernel_profile(loaded, chats[0], args.top), flush=True)
-        print("\n=== a layer's pieces, plain and fused (device time from graphs)\n" + alternatives(loaded, args.top),
+        print("\n=== a layer's pieces, plain and fused (device time from graphs)\n" + alternatives(loaded),
               flush=True)
     return 0
 

@@ -138,8 +138,8 @@ def build_forward_batch(
 def attention_masks(batch: ForwardBatch, windows: Sequence[int | None],
                     dtype: torch.dtype = torch.float32) -> dict[int | None, torch.Tensor]:
     """Additive masks [B, 1, L, span] per sliding window (None: none), of 0 and -inf in `dtype` (exact in any
-    float type), from the batch's tensors alone (no host work, so a graph captures it): a fed token sees the cached positions before it and, among the fed tokens,
-    its ancestors (the tokens before it, in a chain)."""
+    float type), from the batch's tensors alone (no host work, so a graph captures it): a fed token sees the cached
+    positions before it and, among the fed tokens, its ancestors (the tokens before it, in a chain)."""
     key_index = torch.arange(batch.span, device=batch.input_ids.device)
     allowed = key_index[None, None, :] <= batch.fed_order[:, :, None]  # [B, L, T]
     key_positions = key_index[None, :]

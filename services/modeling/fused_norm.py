@@ -29,8 +29,9 @@ def fused_rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def norm_for(device: torch.device, norms: list[torch.nn.Module]) -> Norm:
-    """fused_rms_norm on CUDA (where it was measured; an NPU keeps the modules until measured) where every norm is the plain weighted RMSNorm (a weight and
-    variance_epsilon, no offset such as Gemma's 1 + weight); the modules themselves otherwise."""
+    """fused_rms_norm on CUDA (where it was measured; an NPU keeps the modules until measured) where every norm is
+    the plain weighted RMSNorm (a weight and variance_epsilon, no offset such as Gemma's 1 + weight); the modules
+    themselves otherwise."""
     plain = all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") and hasattr(n, "weight")
                 and not type(n).__name__.startswith("Gemma") for n in norms)
     return fused_rms_norm if device.type == "cuda" and plain else module_norm

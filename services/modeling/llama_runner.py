@@ -422,8 +422,8 @@ class LlamaFamilyRunner:
             else:  # each row over its own positions, unpadded
                 attended = torch.cat([
                     self._attention(q[b : b + 1], read_layer(layer_keys, read, 1, end),
-                                      read_layer(layer_values, read, 1, end), mask[b : b + 1, :, :, :end],
-                                      attention.scaling)
+                                    read_layer(layer_values, read, 1, end), mask[b : b + 1, :, :, :end],
+                                    attention.scaling)
                     for b, (read, end) in enumerate(batch.row_reads)
                 ])
             hidden = residual + self._o_proj(index, attention, attended)  # attended: [B, L, Hq*D]
