@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from services.common.method_options import MAX_SPECULATIVE_TOKENS
 from services.common.token_trees import tree_ancestors, tree_depths
 from services.modeling.attention import additive_mask
 from services.modeling.host_copies import to_device
@@ -65,6 +66,13 @@ class ForwardBatch:
         return replace(self, **views)
 
 
+# The widest forward a token tree can be part of: up to MAX_SPECULATIVE_TOKENS nodes and the last committed token,
+# padded up to a graph's width (step_graphs.WIDTH_BUCKETS: powers of two from 64). A graph this wide or narrower
+# takes an [B, L, L] ancestor table, so that one graph serves chains and trees; wider ones (prefill chunks of 256
+# and 512 tokens, never a tree) leave it out: at 512 it was 2 MB a row to build, pack and copy, 3.3 ms of host
+# work for a one-row chunk on a 2-core Xeon.
+TREE_CAPABLE_WIDTH = 2 * MAX_SPECULATIVE_TOKENS
+
 TENSOR_FIELDS = tuple(f.name for f in fields(ForwardBatch) if f.name not in ("span", "row_reads"))
 
 
@@ -94,7 +102,10 @@ def build_forward_batch(
     input_ids = torch.tensor([[*r.token_ids] + [0] * (width - n) for r, n in zip(rows, lengths, strict=True)]
                              + padding_rows, dtype=torch.int64)  # [B, L]
     ancestors = torch.empty(0, dtype=torch.int64)
-    if graph_shaped or any(r.parents is not None for r in rows):
+    trees = any(r.parents is not None for r in rows)
+    if trees and width > TREE_CAPABLE_WIDTH:
+        raise ValueError(f"a token tree in a forward {width} tokens wide (at most {TREE_CAPABLE_WIDTH})")
+    if trees or (graph_shaped and width <= TREE_CAPABLE_WIDTH):
         ancestors = torch.ones(width, width, dtype=torch.int64).tril().expand(batch, width, width).clone()
     fed_order = torch.tensor(padded_starts)[:, None] + torch.arange(width)[None, :]
     positions = fed_order.clone()

@@ -13,10 +13,12 @@ import random
 import pytest
 import torch
 
+from services.common.method_options import MAX_SPECULATIVE_TOKENS
+from services.modeling.forward_batch import TREE_CAPABLE_WIDTH, build_forward_batch
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.runner import RowInput
-from services.modeling.step_graphs import MIN_SPAN, GraphSettings, StepGraphs, default_capture_sizes
+from services.modeling.step_graphs import MIN_SPAN, GraphSettings, StepGraphs, default_capture_sizes, width_bucket
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
 
 
@@ -122,6 +124,20 @@ def test_graph_shaped_forwards_match_eager_ones(make_model, max_width):
     prefill_graphs = {shape for shape in graphed.graphs._graphs if shape[1] >= 64}
     assert len(prefill_graphs) == (2 if max_width == 512 else 0)  # (1, 256, 256) for 240 and 250, (1, 64, 256)
     assert not graphed.cache.keys[:, :, : graphed.cache.block_size].any()  # the padding went to the sink, not here
+    if max_width == 512:  # the 256-token prefill graph left the ancestor table out; the verify graphs have one
+        assert graphed.graphs._graphs[(1, 256, 256)].batch.ancestors.numel() == 0
+        assert graphed.graphs._graphs[(4, 5, 256)].batch.ancestors.shape == (4, 5, 5)
+
+
+def test_every_width_a_token_tree_can_have_is_one_whose_graph_takes_trees():
+    """A tree of up to MAX_SPECULATIVE_TOKENS nodes and the committed token, padded to its width bucket, fits a
+    graph that carries the ancestor table; a tree in a wider forward is refused, not silently read as a chain."""
+    assert width_bucket(MAX_SPECULATIVE_TOKENS + 1) <= TREE_CAPABLE_WIDTH < width_bucket(TREE_CAPABLE_WIDTH + 1)
+    runner = make_runner(tiny_llama())
+    runner.add_sequence("t")
+    with pytest.raises(ValueError, match="token tree"):
+        build_forward_batch(runner.cache, [RowInput("t", [1, 2, 3], 3, parents=[-1, 0, 0])], [0],
+                            torch.device("cpu"), shape=(1, 2 * TREE_CAPABLE_WIDTH, MIN_SPAN))
 
 
 def test_a_changed_forward_is_captured_again():
