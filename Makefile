@@ -18,7 +18,7 @@ PIP_INSTALL := $(BIN)/python -m pip install -q
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-pipelining bench-trees bench-eagle bench-accelerator eagle-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-sweep bench-grammar bench-draft-model bench-pipelining bench-trees bench-eagle bench-accelerator bench-accelerator-http eagle-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -76,6 +76,11 @@ bench: fetch-model
 ACCEL_DEVICE ?= cuda
 bench-accelerator: fetch-model
 	$(BIN)/python -m services.bench.accelerator_step --model $(MODEL) --device $(ACCEL_DEVICE) --dtype bfloat16 \
+	  $(ACCEL_BENCH_ARGS)
+
+# The same through the OpenAI HTTP API: a whole stack per mode (captured, eager), 1 / 8 / 64 concurrent chats.
+bench-accelerator-http: fetch-model
+	$(BIN)/python -m services.bench.accelerator_http --model $(MODEL) --device $(ACCEL_DEVICE) --dtype bfloat16 \
 	  $(ACCEL_BENCH_ARGS)
 
 # Token trees: suffix decoding sending trees (num_draft_tokens) vs chains vs no speculation on the edit sequence and
