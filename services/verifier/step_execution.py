@@ -181,16 +181,12 @@ def execute(
          for line, s in zip(lines, line_states, strict=True)], dtype=torch.int64)
     per_line = to_device(per_line, device)
     draft_tokens, num_draft, positions = per_line[:, :max_k], per_line[:, max_k], per_line[:, max_k + 1]
-    draft_probs = has_probs = None
     # a q-tree's q is read by its own walk (tree_rejection.py), not by the chain rule along each of its paths
     line_probs = [None if all_drafts[line.state].parents is not None else all_drafts[line.state].probs
                   for line in lines]
-    if any(q is not None for q in line_probs):
-        draft_probs = torch.zeros(len(lines), max_k, vocab, dtype=torch.float32, device=device)
-        for b, (line, q) in enumerate(zip(lines, line_probs, strict=True)):
-            if q is not None:
-                draft_probs[b, : len(line.tokens)] = q.to(device=device, dtype=torch.float32)
-        has_probs = torch.tensor([q is not None for q in line_probs], device=device)
+    draft_probs, has_probs = draft_probabilities(
+        [len(line.tokens) for line in lines], line_probs, [s.request.sampling.greedy for s in line_states], max_k,
+        vocab, device)
     batch = SamplingBatch.build(
         [s.request.sampling for s in line_states],
         [s.seed for s in line_states],
@@ -263,6 +259,28 @@ def execute(
         for (b, _), kept in zip(kept_states, hidden_states_to_host(verified.hidden_states, kept_states), strict=True):
             rows_out[b] = replace(rows_out[b], hidden=kept)
     return rows_out
+
+
+def draft_probabilities(
+    lengths: Sequence[int], probs: Sequence[torch.Tensor | None], greedy: Sequence[bool], max_k: int, vocab: int,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Each line's q ([lines, max_k, V] float32, its first `lengths[b]` rows filled) and which lines have one
+    ([lines] bool), on `device`; (None, None) when no sampled line has q. A greedy line's q is left out: greedy
+    rows accept by argmax and never read it (rejection.py). A remote drafter's q arrives on the host; it is put
+    together there and sent in one copy from pinned memory, where a copy per line from ordinary memory made the
+    host wait for the device once per line."""
+    kept = [None if is_greedy else q for q, is_greedy in zip(probs, greedy, strict=True)]
+    if all(q is None for q in kept):
+        return None, None
+    has = to_device(torch.tensor([q is not None for q in kept]), device)
+    on_host = device.type == "cuda" and all(q.device.type == "cpu" for q in kept if q is not None)
+    where = torch.device("cpu") if on_host else device
+    assembled = torch.zeros(len(kept), max_k, vocab, dtype=torch.float32, device=where, pin_memory=on_host)
+    for b, (n, q) in enumerate(zip(lengths, kept, strict=True)):
+        if q is not None:
+            assembled[b, :n] = q.to(device=where, dtype=torch.float32)
+    return (to_device(assembled, device) if on_host else assembled), has
 
 
 def _walk_q_trees(q_trees: Sequence[int], lines: Sequence, drafts: Sequence[ProposedDraft], log_probs: torch.Tensor,
