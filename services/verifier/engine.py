@@ -32,6 +32,7 @@ import torch
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Proposer, capabilities_known, capabilities_of
 from services.modeling.hidden_layers import FINAL_ONLY
+from services.modeling.host_copies import to_device
 from services.modeling.runner import ModelRunner
 from services.verifier import kv_scheduling
 from services.verifier.draft_collection import DraftCollector
@@ -404,7 +405,7 @@ class Engine:
                 vocab, device = self.runner.vocab_size, self.runner.device
                 state.output_counts = torch.zeros(vocab, dtype=torch.float32, device=device)
                 state.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-                state.prompt_mask[torch.tensor(state.request.prompt_token_ids, device=device)] = True
+                state.prompt_mask[to_device(torch.tensor(state.request.prompt_token_ids), device)] = True
 
     def _preempt(self, state: RequestState) -> None:
         """Take the request's KV blocks back for the others; it waits at the head of the queue and recomputes."""
@@ -476,7 +477,7 @@ class Engine:
         if state.output_counts is not None:
             state.output_counts.index_add_(
                 0,
-                torch.tensor(emitted, device=state.output_counts.device),
+                to_device(torch.tensor(emitted), state.output_counts.device),
                 torch.ones(len(emitted), device=state.output_counts.device),
             )
         logprobs = row.logprobs[: len(emitted)] if row.logprobs is not None else None

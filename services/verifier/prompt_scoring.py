@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.modeling.host_copies import to_device
 from services.verifier.outputs import TokenLogprob
 
 SCORING_BLOCK = 128  # positions log-softmaxed at once
@@ -29,7 +30,7 @@ def score_positions(logits: torch.Tensor, next_tokens: Sequence[int], num_top: i
     count = len(next_tokens)
     if count > logits.shape[0]:
         raise ValueError(f"{count} tokens to score but logits for {logits.shape[0]} positions")
-    targets = torch.tensor(list(next_tokens), dtype=torch.int64, device=logits.device)  # [m]
+    targets = to_device(torch.tensor(list(next_tokens), dtype=torch.int64), logits.device)  # [m]
     entries: list[TokenLogprob] = []
     for start in range(0, count, SCORING_BLOCK):
         end = min(start + SCORING_BLOCK, count)

@@ -162,9 +162,9 @@ def execute(
         ]
         verified = runner.forward(rows)
         if any(d.parents is not None for d in drafts):  # each path's logits, gathered along it
-            index = torch.tensor([[line.state, f] for line in lines[: len(lines) - len(first_token_logits)]
-                                  for f in line.fed + [line.fed[-1]] * (max_k + 1 - len(line.fed))],
-                                 device=verified.logits.device)
+            index = to_device(torch.tensor([[line.state, f] for line in lines[: len(lines) - len(first_token_logits)]
+                                            for f in line.fed + [line.fed[-1]] * (max_k + 1 - len(line.fed))]),
+                              verified.logits.device)
             parts.append(verified.logits[index[:, 0], index[:, 1]].view(-1, max_k + 1, vocab))
         else:
             parts.append(verified.logits)  # [Bd, K+1, V]
@@ -291,7 +291,7 @@ def _walk_q_trees(q_trees: Sequence[int], lines: Sequence, drafts: Sequence[Prop
     for b in q_trees:
         draft = drafts[b]
         line_index, offsets = fed_rows(lines, b, len(draft.tokens) + 1)
-        where = torch.tensor([line_index, offsets], device=log_probs.device)
+        where = to_device(torch.tensor([line_index, offsets]), log_probs.device)
         node_log_p = log_probs[where[0], where[1]]  # [n + 1, V]
         seed = seeds[line_index[0] : line_index[0] + 1]
         rows.append(QTreeRow(node_log_p, draft.tokens, draft.parents, draft.probs, seed, len(decode[b].token_ids)))

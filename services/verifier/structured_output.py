@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from services.modeling.host_copies import to_device
 from services.verifier.sampling_params import OutputGrammar, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -234,12 +235,12 @@ def _mask_token_rules(logits: torch.Tensor, constraints: Sequence[OutputConstrai
         return {}
     limited = [b for b in rows if constraints[b].allowed is not None]
     if limited:
-        allowed = torch.stack([constraints[b].allowed for b in limited]).to(logits.device)  # [N, V]
+        allowed = to_device(torch.stack([constraints[b].allowed for b in limited]), logits.device)  # [N, V]
         logits[limited] = logits[limited].masked_fill(~allowed[:, None, :], float("-inf"))
     index = [(b, j, token) for b in rows
              for j, token in constraints[b].banned(outputs[b] if outputs is not None else (), drafts[b])]
     if index:
-        logits[tuple(torch.tensor(index, device=logits.device).T)] = float("-inf")
+        logits[tuple(to_device(torch.tensor(index), logits.device).T)] = float("-inf")
     positions = torch.isfinite(logits[rows]).any(dim=-1)  # [N, P]
     if not positions[:, 0].all():
         stuck = [rows[i] for i in (~positions[:, 0]).nonzero().flatten().tolist()]
