@@ -6,8 +6,10 @@ For each load, an in-process engine (captured steps where the device has graphs)
 without speculation and with ngram (K = 4) under cProfile, and the functions with the most time of their own
 are printed: what the host does between two replays (building inputs, launching, waiting, drafting, committing).
 Then, on CUDA, one eager decode forward at batch 1 under torch.profiler: the kernels by device time and count,
-which are the kernels a captured step replays. A diagnostic for issue 29's step, not a benchmark: cProfile slows
-Python-heavy code more than C, so read the ranking, not the milliseconds.
+which are the kernels a captured step replays; one replayed step graph's device time by rows, width and span
+(what a verify width and the span floor cost); and a layer's norm and attention, plain against fused. A
+diagnostic for issue 29's step, not a benchmark: cProfile slows Python-heavy code more than C, so read the
+ranking, not the milliseconds.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from services.bench.prompts import chat_token_ids
 from services.eagle.chat_prompts import chat_prompt_messages
 from services.inprocess import LocalEngineOptions, build_local_engine
 from services.modeling.attention import additive_mask, grouped_attention, sdpa_attention
+from services.modeling.forward_batch import build_forward_batch
 from services.modeling.fused_norm import fused_rms_norm, module_norm
 from services.modeling.loading import LoadedModel, load_model
 from services.modeling.registry import DEFAULT_MODEL
@@ -99,6 +102,32 @@ def kernel_profile(loaded: LoadedModel, prompt: Sequence[int], top: int) -> str:
     lines = [f"{count} kernels, {total / 1000:.2f} ms of device time in one eager decode forward at batch 1"]
     for name, times in sorted(kernels.items(), key=lambda item: -sum(item[1]))[:top]:
         lines.append(f"  {sum(times) / 1000:6.3f} ms  {len(times):5d} x  {name[:110]}")
+    return "\n".join(lines)
+
+
+@torch.inference_mode()  # as the runner's forward and capture run
+def replay_costs(loaded: LoadedModel, rows: Sequence[int], widths: Sequence[int], spans: Sequence[int]) -> str:
+    """Device ms of one replayed step graph by (rows, width, span), each captured from a batch of padding as the
+    engine captures ahead: what a verify width and the span floor cost on this device (CUDA events around 20
+    replays, inputs copied in each time as in serving)."""
+    runner = create_runner(loaded.model, max(rows), max(spans))
+    lines = [f"{'rows':>6} {'width':>6} " + " ".join(f"{f'span {span}':>11}" for span in spans)]
+    for n in rows:
+        for width in widths:
+            cells = []
+            for span in spans:
+                batch = build_forward_batch(runner.cache, [], [], torch.device("cpu"), shape=(n, width, span))
+                if runner.graphs.run(batch) is None:  # the capture failed (logged): nothing to time
+                    cells.append("no graph")
+                    continue
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    runner.graphs.run(batch)
+                end.record()
+                torch.cuda.synchronize()
+                cells.append(f"{start.elapsed_time(end) / 20:8.3f} ms")
+            lines.append(f"{n:>6} {width:>6} " + " ".join(f"{cell:>11}" for cell in cells))
     return "\n".join(lines)
 
 
@@ -180,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n=== {load} concurrent chats, {name}: cProfile, by own time ===\n{report}", flush=True)
     if device.type == "cuda":
         print("\n=== " + kernel_profile(loaded, chats[0], args.top), flush=True)
+        print("\n=== one replayed step graph by rows, width and span (device time)\n"
+              + replay_costs(loaded, (1, 8, 64), (1, 2, 3, 5, 9), (256, 512, 1024, 2048, 4096)), flush=True)
         print("\n=== a layer's pieces, plain and fused (device time from graphs)\n" + alternatives(loaded),
               flush=True)
     return 0
