@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from services.bench.accelerator_step import NGRAM
 from services.bench.hardware import describe_hardware
 from services.bench.http_runs import HttpClient, HttpStack, HttpTarget, launcher_args
 from services.bench.prompts import chat_token_ids
@@ -28,7 +29,7 @@ from services.gateway.tokenizer import load_tokenizer
 from services.modeling.registry import DEFAULT_MODEL
 
 MODES = ("captured", "eager")
-K = 4
+K = NGRAM.num_speculative_tokens  # the in-process bench's drafter, so that the two read alike
 
 
 def load_rate(client: HttpClient, prompts: Sequence[Sequence[int]], max_tokens: int, k: int) -> float:
@@ -43,7 +44,9 @@ def load_rate(client: HttpClient, prompts: Sequence[Sequence[int]], max_tokens: 
 def run_mode(target: HttpTarget, mode: str, prompts_by_load: dict[int, list], max_tokens: int,
              progress) -> tuple[float, dict[int, tuple[float, float]]]:
     """(start-up seconds, per load: tok/s without speculation, with ngram K) of one stack."""
-    args = launcher_args(target, K, 1, 4, max(prompts_by_load), 2048, "auto")
+    lookup = NGRAM.options
+    args = launcher_args(target, K, lookup.prompt_lookup_min, lookup.prompt_lookup_max, max(prompts_by_load), 2048,
+                         "auto")
     args.enforce_eager = mode == "eager"
     args.enable_prefix_caching = False  # the ngram run follows the plain one over the same prompts
     started = time.perf_counter()

@@ -396,7 +396,7 @@ class LlamaFamilyRunner:
         span = batch.span
         masks = attention_masks(batch, self._windows, self.dtype)
         if not batch.row_reads:
-            read = self.cache.read_index(batch.block_table, batch.ends, span)  # [Hkv * B * span]
+            batch_read = self.cache.read_index(batch.block_table, batch.ends, span)  # [Hkv * B * span]
             shape = (self.num_kv_heads, rows * span, self.head_dim)  # one buffer per forward, not per layer
             gathered = (torch.empty(shape, dtype=self.dtype, device=self.device),
                         torch.empty(shape, dtype=self.dtype, device=self.device))
@@ -416,8 +416,8 @@ class LlamaFamilyRunner:
             layer_values[:, batch.write_slots] = written(v, batch).transpose(0, 1)
             mask = masks[self._windows[index]]
             if not batch.row_reads:
-                keys = read_layer(layer_keys, read, rows, span, gathered[0])
-                values = read_layer(layer_values, read, rows, span, gathered[1])
+                keys = read_layer(layer_keys, batch_read, rows, span, gathered[0])
+                values = read_layer(layer_values, batch_read, rows, span, gathered[1])
                 attended = self._attention(q, keys, values, mask, attention.scaling)
             else:  # each row over its own positions, unpadded
                 attended = torch.cat([
