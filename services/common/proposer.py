@@ -28,7 +28,8 @@ class DraftInput:
     num_speculative_tokens: int
     # For proposers that declare needs_hidden_states (EAGLE): the target's final hidden states of the committed
     # tokens it has run on, [n, H], row i belonging to token_ids[i]. n = len(token_ids) - 1: the last committed
-    # token (the bonus one) has not been through the target yet; its state comes with the next step.
+    # token (the bonus one) has not been through the target yet; its state comes with the next step. Any float
+    # dtype, on any device (a view of the history, read-only): a proposer converts the rows it reads, not all n.
     hidden_states: torch.Tensor | None = None
     # For proposers that declare pre_drafts (draft_model and EAGLE): draft this sequence's next step while
     # the verifier verifies this one (the request's draft_pipelining); None: the proposer's own setting.

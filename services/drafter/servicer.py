@@ -29,6 +29,7 @@ from services.common.drafter_wire import (
     reply_to_proto,
     step_from_proto,
 )
+from services.common.growing_rows import GrowingRows
 from services.common.proposer import DraftInput, Proposer
 from services.drafter.metrics import DrafterMetrics, StepObservation
 
@@ -41,17 +42,13 @@ class LinkState:
 
     link_id: int
     sequences: dict[str, list[int]] = field(default_factory=dict)
-    # The target's hidden states of each sequence's committed tokens but the last, as received (float16 rows);
-    # kept only for a drafter that needs them.
-    hidden: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    # The target's hidden states of each sequence's committed tokens but the last, as received (float16 rows;
+    # growing_rows.py: a step appends its rows without copying the history); kept only for a drafter that needs them.
+    hidden: dict[str, GrowingRows] = field(default_factory=dict)
 
     def hidden_states(self, seq_id: str) -> np.ndarray | None:
-        parts = self.hidden.get(seq_id)
-        if not parts:
-            return None
-        if len(parts) > 1:
-            parts[:] = [np.concatenate(parts)]
-        return parts[0]
+        rows = self.hidden.get(seq_id)
+        return None if rows is None else rows.view()
 
     def key(self, seq_id: str) -> tuple[int, str]:
         return (self.link_id, seq_id)
@@ -72,7 +69,7 @@ def apply_step(link: LinkState, step: DraftStep) -> tuple[list[SequenceDraft | N
             if known is not None:
                 dropped.append(update.seq_id)  # re-opened: the proposer starts afresh
             link.sequences[update.seq_id] = list(update.new_token_ids)
-            link.hidden[update.seq_id] = [] if update.hidden_states is None else [update.hidden_states]
+            link.hidden[update.seq_id] = GrowingRows(update.hidden_states)
         elif known is None or len(known) != update.base_length:
             if known is not None:
                 del link.sequences[update.seq_id]
@@ -82,7 +79,7 @@ def apply_step(link: LinkState, step: DraftStep) -> tuple[list[SequenceDraft | N
         else:
             known.extend(update.new_token_ids)
             if update.hidden_states is not None:
-                link.hidden.setdefault(update.seq_id, []).append(update.hidden_states)
+                link.hidden.setdefault(update.seq_id, GrowingRows()).append(update.hidden_states)
         answers.append(None)
     return answers, dropped
 
@@ -118,7 +115,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self.proposer.release(link.key(seq_id))
 
     def _hidden_states(self, link: LinkState, seq_id: str):
-        """A torch [n, H] float32 view of the sequence's states for a drafter that needs them (it has torch)."""
+        """A torch [n, H] float16 view of the sequence's states for a drafter that needs them (it has torch); the
+        drafter converts the rows it reads, where converting the whole history each step grew with the context."""
         if not self.description.capabilities.needs_hidden_states:
             return None
         states = link.hidden_states(seq_id)
@@ -126,7 +124,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return None
         import torch
 
-        return torch.from_numpy(states.astype(np.float32))
+        return torch.from_numpy(states)
 
     async def _step(self, link: LinkState, step: DraftStep) -> DraftReply:
         answers, dropped = apply_step(link, step)

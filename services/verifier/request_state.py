@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.growing_rows import GrowingRows
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.row_speculation import RowSpeculation
 from services.verifier.sampling_params import GenerationRequest
@@ -33,17 +34,14 @@ class RequestState:
     prompt_logprobs: list[TokenLogprob] | None = None
     # The request's grammar and logit bias (structured_output.py); None when it has neither.
     constraint: OutputConstraint | None = None
-    # The target's hidden states of committed tokens, in order, when a proposer needs them (chunks of [n, H]);
-    # None when none does.
-    hidden: list[torch.Tensor] | None = None
+    # The target's hidden states of committed tokens, in order, when a proposer needs them (rows [n, H] on the
+    # host); None when none does.
+    hidden: GrowingRows | None = None
 
     def hidden_states(self) -> torch.Tensor | None:
-        """[n, H]: rows for token_ids[:n] (every committed token the target has run on), or None."""
-        if not self.hidden:
-            return None
-        if len(self.hidden) > 1:
-            self.hidden = [torch.cat(self.hidden)]
-        return self.hidden[0]
+        """[n, H]: rows for token_ids[:n] (every committed token the target has run on), or None. A view: a step
+        appends only the rows it committed, never copying the history (growing_rows.py)."""
+        return None if self.hidden is None else self.hidden.view()
 
     @property
     def request_id(self) -> str:

@@ -221,7 +221,7 @@ class EagleProposer:
         in one batch (EagleHead.keys_values), not by a whole head step per sequence: for 8 sequences of 4 new
         positions the shipped head took 19.6 ms that way on a 2-core CPU and 1.9 ms batched, and on a GPU each
         of those steps was a hundred-odd kernel launches."""
-        ready = []  # (index, item, its sequence, n, its states on the head's device)
+        ready = []  # (index, item, its sequence, n, its states from position seq.fed on, on the head's device)
         for i, item in enumerate(items):
             tokens, states = item.token_ids, item.hidden_states
             n = len(tokens) - 1  # the last committed token x_n; states exist for x_0..x_{n-1}
@@ -234,20 +234,23 @@ class EagleProposer:
                 seq.fed, seq.cache, seq.published = 0, None, (0, 0)
             if seq.fed == 0:  # a new sequence: the head cache of its longest cached prefix (head_prefix_cache.py)
                 seq.fed, seq.cache = self.prefix_cache.longest(tokens, n - 1)
-            ready.append((i, item, seq, n, states.to(device=self.device, dtype=self.embed.weight.dtype)))
-        pending = [(seq, item.token_ids, n, states) for _, item, seq, n, states in ready if seq.fed < n - 1]
+            # only the rows not fed yet move and convert: the whole history each call grew with the context
+            unfed = states[seq.fed : n].to(device=self.device, dtype=self.embed.weight.dtype)
+            ready.append((i, item, seq, n, unfed))
+        pending = [(seq, item.token_ids, n, unfed) for _, item, seq, n, unfed in ready if seq.fed < n - 1]
         if pending:  # commit positions fed..n-2 of each: [x_{t+1}; f_t]
             self._feed_committed(pending)
         starts: list[ChainStart | None] = [None] * len(items)
-        for i, item, seq, n, states in ready:
+        for i, item, seq, n, unfed in ready:
             starts[i] = ChainStart(seq.cache, n - 1, int(item.token_ids[n]),
-                                   self.head.target_features(states[n - 1 : n]), item.num_speculative_tokens)
+                                   self.head.target_features(unfed[-1:]), item.num_speculative_tokens)
         return starts
 
     def _feed_committed(self, pending: list[tuple[HeadSequence, Sequence[int], int, torch.Tensor]]) -> None:
-        """Positions fed..n-2 of every pending sequence into its cache, their K/V computed as one batch."""
+        """Positions fed..n-2 of every pending sequence into its cache, their K/V computed as one batch; each
+        entry's states start at position fed."""
         ids = torch.tensor([t for seq, tokens, n, _ in pending for t in tokens[seq.fed + 1 : n]], device=self.device)
-        features = torch.cat([states[seq.fed : n - 1] for seq, _, n, states in pending])
+        features = torch.cat([unfed[:-1] for _, _, _, unfed in pending])
         positions = torch.cat([torch.arange(seq.fed, n - 1) for seq, _, n, _ in pending]).to(self.device)
         keys, values = self.head.keys_values(self.embed(ids[None]), self.head.target_features(features[None]),
                                              positions)
