@@ -222,12 +222,13 @@ def decode_hidden(data: bytes, hidden_size: int) -> np.ndarray | None:
     return np.frombuffer(data, dtype="<f2").reshape(-1, hidden_size)
 
 
-def new_hidden_rows(states: np.ndarray, base_length: int, num_committed: int) -> np.ndarray:
+def new_hidden_rows(states, base_length: int, num_committed: int):
     """The rows a peer holding `base_length` committed tokens (states for all but its last) is missing, of
-    `states` [>= num_committed - 1, H] (row i: token i), once `num_committed` tokens are committed."""
+    `states` [>= num_committed - 1, H] (row i: token i; a numpy array or a torch tensor), once `num_committed`
+    tokens are committed."""
     return states[max(base_length - 1, 0) : num_committed - 1]
 
 
-def new_tokens(committed: Sequence[int], base_length: int) -> tuple[int, ...]:
-    """The committed tokens a peer that holds `base_length` of them is missing."""
-    return tuple(int(t) for t in committed[base_length:])
+def new_tokens(committed: Sequence[int], base_length: int, end: int | None = None) -> tuple[int, ...]:
+    """The committed tokens a peer that holds `base_length` of them is missing (up to `end`: all of them)."""
+    return tuple(int(t) for t in committed[base_length:end])

@@ -7,6 +7,12 @@ notices a dead peer behind a NAT or load balancer) is then disconnected after a 
 call fails. Deriving both sides' options from one `LinkPolicy` keeps them consistent: the server permits
 pings without calls and accepts them at half the client's interval, so jitter never counts as a strike.
 
+Message size: gRPC refuses a received message over 4 MiB by default. An EAGLE drafter's first step of a request
+carries the target's hidden states of its whole prompt: 4 requests of 1,800 tokens with SmolLM2's 576-wide states
+made a 6.2 MB step, which the drafter refused, breaking the stream for every request (issue 29). Both sides allow
+`max_message_bytes`; the verifier also spreads a large backlog of states over several steps (remote_proposer.py),
+so a step stays far below it.
+
 Reconnect backoff: gRPC's default (1 s, growing 1.6x up to 120 s) means a client whose peer was away for a minute
 keeps failing fast for up to two more after the peer is back. Services here restart in seconds (specserve serve
 supervises them), so clients retry at most every `reconnect_max_ms`.
@@ -32,9 +38,15 @@ class LinkPolicy:
     ping_timeout_ms: int = 10_000
     reconnect_initial_ms: int = 100
     reconnect_max_ms: int = 2_000
+    max_message_bytes: int = 256 * 1024 * 1024
+
+    def message_options(self) -> GrpcOptions:
+        return [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes)]
 
     def client_options(self) -> GrpcOptions:
         return [
+            *self.message_options(),
             ("grpc.keepalive_time_ms", self.ping_interval_ms),
             ("grpc.keepalive_timeout_ms", self.ping_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -46,6 +58,7 @@ class LinkPolicy:
 
     def server_options(self) -> GrpcOptions:
         return [
+            *self.message_options(),
             ("grpc.keepalive_time_ms", self.ping_interval_ms),
             ("grpc.keepalive_timeout_ms", self.ping_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),

@@ -42,6 +42,7 @@ from services.common.drafter_wire import (
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities, vocabulary_mismatch
 from services.common.tls import open_channel
 from services.modeling.hidden_layers import check_hidden_layers
+from services.verifier.hidden_state_budget import HiddenStateBudget
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class RemoteProposerConfig:
     max_missed_steps: int = 4  # unanswered steps in a row before the link is considered dead
     channel_credentials: grpc.ChannelCredentials | None = None  # TLS to the drafter; None: plaintext
     channel_options: tuple[tuple[str, int], ...] = ()  # beyond the shared link policy (open_channel)
+    # The target's hidden states one step sends at most (float16 bytes): a longer backlog, such as a batch of long
+    # prompts all starting to decode, is sent over several steps (hidden_state_budget), each sequence drafting
+    # again once its states are through, so a step's message stays small and quick (grpc_link_policy.py).
+    max_hidden_bytes_per_step: int = 16 * 1024 * 1024
 
 
 def check_compatible(info: DrafterDescription, config: RemoteProposerConfig,
@@ -249,16 +254,21 @@ class RemoteProposer:
 
     async def _exchange(self, link: _Link, inputs: Sequence[DraftInput]) -> list[Draft]:
         updates = []
+        states_budget = HiddenStateBudget(self.config.max_hidden_bytes_per_step)
         for item in inputs:
             key, committed = str(item.seq_id), item.token_ids
             base = link.sent.get(key, 0)
             if base > len(committed):
                 base = 0  # cannot happen with an append-only engine; re-open rather than send garbage
-            hidden = None
+            hidden, upto, k = None, len(committed), item.num_speculative_tokens
             if link.info.capabilities.needs_hidden_states and item.hidden_states is not None:
-                states = item.hidden_states.detach().to("cpu", torch.float16).numpy()
-                hidden = new_hidden_rows(states, base, len(committed))
-            updates.append(SequenceUpdate(key, base, new_tokens(committed, base), item.num_speculative_tokens, hidden,
+                upto = states_budget.take(base, len(committed), item.hidden_states.shape[1])
+                if upto < len(committed):
+                    k = 0  # part of its backlog only: the drafter catches up and drafts once it has it all
+                # only the rows the drafter lacks are converted: the whole history each step grew with the context
+                rows = new_hidden_rows(item.hidden_states, base, upto)
+                hidden = rows.detach().to("cpu", torch.float16).numpy()
+            updates.append(SequenceUpdate(key, base, new_tokens(committed, base, upto), k, hidden,
                                           item.pipelining, item.temperature))
         step = DraftStep(link.next_step_id, tuple(updates), tuple(link.closed))
         link.next_step_id += 1

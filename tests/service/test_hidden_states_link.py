@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,8 +46,11 @@ class RecordingDrafter:
         pass
 
 
-@pytest.mark.parametrize("needs", [True, False])
-async def test_the_drafter_receives_the_targets_hidden_states(needs):
+@pytest.mark.parametrize(("needs", "budget"), [(True, None), (False, None), (True, 3 * 64 * 2)],
+                         ids=["needs", "does-not-need", "three-rows-a-step"])
+async def test_the_drafter_receives_the_targets_hidden_states(needs, budget):
+    """With a budget of three rows of states a step (hidden_state_budget.py), a prompt's backlog reaches the
+    drafter over several steps, drafting nothing meanwhile, and then all of it, exactly as in one step."""
     model = tiny_llama(seed=5)
     prompts = {"a": list(range(3, 30)), "b": [7, 8, 9, 10, 11]}
     with torch.no_grad():
@@ -54,7 +58,10 @@ async def test_the_drafter_receives_the_targets_hidden_states(needs):
                                             min_new_tokens=20)[0].tolist() for rid, p in prompts.items()}
     drafter = RecordingDrafter(continuation)
     server, port = await serve(drafter, "127.0.0.1", 0, num_speculative_tokens=4, needs_hidden_states=needs)
-    remote = await RemoteProposer.connect(RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, step_timeout_s=None))
+    config = RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, step_timeout_s=None)
+    if budget is not None:
+        config = replace(config, max_hidden_bytes_per_step=budget)
+    remote = await RemoteProposer.connect(config)
     try:
         engine = Engine(LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128),
                         EngineConfig(max_num_batched_tokens=16, log_stats_interval_s=0, adaptive_speculation=False,
@@ -77,7 +84,12 @@ async def test_the_drafter_receives_the_targets_hidden_states(needs):
                  for rid, c in continuation.items()}
     for seq, token_ids, states in drafter.seen:
         assert states is not None and states.shape[0] == len(token_ids) - 1, (seq, len(token_ids))
-        assert torch.allclose(states, truth[seq][: states.shape[0]], atol=2e-2, rtol=1e-2)  # float16 on the wire
+        assert torch.allclose(states.float(), truth[seq][: states.shape[0]], atol=2e-2, rtol=1e-2)  # float16 on the wire
+    first_drafted = {seq: len(token_ids) for seq, token_ids, _ in reversed(drafter.seen)}
+    if budget is not None:  # the 27-token prompt's 26 rows took several steps before its first draft
+        assert first_drafted["a"] > len(prompts["a"]) + 2
+    else:
+        assert first_drafted["a"] == len(prompts["a"]) + 1  # its first decode step (the prefill's token committed)
     assert 0 < engine.stats.num_accepted_tokens < engine.stats.num_draft_tokens
 
 
@@ -119,3 +131,22 @@ async def test_a_verifier_refuses_a_drafter_whose_states_it_cannot_serve(width, 
     finally:
         await remote.close()
         await server.server.stop(0)
+
+
+async def test_a_step_past_grpcs_default_message_size_reaches_the_drafter():
+    """One step of 50,000 rows of 64-wide states is 6.4 MB, past gRPC's 4 MiB default, which made a drafter break
+    the stream on a few long prompts (grpc_link_policy.py): the link allows it."""
+    drafter = RecordingDrafter({"long": []})
+    drafter.capabilities = ProposerCapabilities(needs_hidden_states=True, hidden_size=64)
+    server, port = await serve(drafter, "127.0.0.1", 0, num_speculative_tokens=4)
+    config = RemoteProposerConfig(f"127.0.0.1:{port}", VOCAB, hidden_size=64, step_timeout_s=None,
+                                  max_hidden_bytes_per_step=1 << 30)
+    remote = await RemoteProposer.connect(config)
+    states = torch.randn(50_000, 64)
+    try:
+        drafts = await remote.propose([DraftInput("long", [t % VOCAB for t in range(50_001)], 4, states)])
+    finally:
+        await remote.close()
+        await server.server.stop(0)
+    assert not drafts[0].token_ids and len(drafter.seen) == 1  # the continuation it was given is empty
+    assert torch.equal(drafter.seen[0][2], states.half())
