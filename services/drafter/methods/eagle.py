@@ -268,26 +268,34 @@ class EagleProposer:
         """Argmax chains for every row at once: their caches padded to one length (a mask hides the padding),
         one batched head step per draft position, from copies (drafts never enter a sequence's own cache).
         `forced[b]`: tokens row b's chain takes instead of its argmax at its first steps (a pre-draft's answered
-        draft). None when `stop()` said so between steps."""
+        draft). None when `stop()` said so between steps. The tokens stay on the head's device until the chain is
+        done: one host sync per call, where reading each step's argmax made an accelerator wait K times."""
         draft_weight = self._lm_rows()
         cache, mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
         tokens = torch.tensor([r.token for r in rows], device=self.device)
         features = torch.stack([r.feature for r in rows])  # [B, 1, H]
         positions = torch.tensor([r.position for r in rows], device=self.device)
-        chains = []
+        forcing = _forced_tokens(forced, self.device) if forced is not None and any(forced) else None
+        steps = []
         for j in range(max(r.k for r in rows)):
             if j and stop is not None and stop():
                 return None
             out, cache, mask = self.head.step_rows(self.embed(tokens[:, None]), features, positions + j, cache, mask)
             tokens = self.head.token_ids(self.head.draft_logits(out[:, -1], draft_weight).argmax(-1))  # [B]
-            picked = tokens.tolist()
-            if forced is not None and any(j < len(f) for f in forced):
-                picked = [f[j] if j < len(f) else t for f, t in zip(forced, picked, strict=True)]
-                tokens = torch.tensor(picked, device=self.device)
-            chains.append(picked)
+            if forcing is not None and j < forcing[0].shape[1]:
+                tokens = torch.where(forcing[1][:, j], forcing[0][:, j].to(tokens.dtype), tokens)
+            steps.append(tokens)
             features = out
-        by_row = [list(chain) for chain in zip(*chains, strict=True)]
+        by_row = torch.stack(steps, dim=1).tolist()
         return [row[: next((i for i, t in enumerate(row) if t >= self.vocab_size), len(row))] for row in by_row]
+
+
+def _forced_tokens(forced: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's forced tokens, padded to the longest ([B, F] int64), and where a row has one ([B, F] bool)."""
+    width = max(map(len, forced))
+    ids = torch.tensor([list(f) + [0] * (width - len(f)) for f in forced], dtype=torch.int64)
+    where = torch.tensor([[j < len(f) for j in range(width)] for f in forced])
+    return ids.to(device), where.to(device)
 
 
 @dataclass
