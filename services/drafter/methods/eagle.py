@@ -46,6 +46,7 @@ from services.common.method_options import DEFAULT_EAGLE_TOPK
 from services.common.speculative_config import SpeculativeConfig
 from services.common.token_trees import leaf_paths
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
+from services.drafter.eagle_chain_graphs import ChainGraphs, ChainInputs, draft_chains
 from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches, sampled_trees
 from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle3_head import Eagle3Head
@@ -91,6 +92,8 @@ class EagleProposer:
     _draws: torch.Generator = field(default_factory=torch.Generator)  # the drafter's own, apart from the verifier's
     predrafts: PreDrafts = field(default_factory=PreDrafts)
     predrafting: PreDraftRunner = field(default_factory=PreDraftRunner)
+    # on an accelerator, chains replay captured graphs (eagle_chain_graphs.py); None: eager (CPU)
+    chain_graphs: ChainGraphs | None = None
 
     @property
     def capabilities(self) -> ProposerCapabilities:
@@ -266,27 +269,25 @@ class EagleProposer:
     def _chains(self, rows: list[ChainStart], forced: list[tuple[int, ...]] | None = None,
                 stop: Callable[[], bool] | None = None) -> list[list[int]] | None:
         """Argmax chains for every row at once: their caches padded to one length (a mask hides the padding),
-        one batched head step per draft position, from copies (drafts never enter a sequence's own cache).
-        `forced[b]`: tokens row b's chain takes instead of its argmax at its first steps (a pre-draft's answered
-        draft). None when `stop()` said so between steps. The tokens stay on the head's device until the chain is
-        done: one host sync per call, where reading each step's argmax made an accelerator wait K times."""
-        draft_weight = self._lm_rows()
-        cache, mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
-        tokens = torch.tensor([r.token for r in rows], device=self.device)
-        features = torch.stack([r.feature for r in rows])  # [B, 1, H]
-        positions = torch.tensor([r.position for r in rows], device=self.device)
-        forcing = _forced_tokens(forced, self.device) if forced is not None and any(forced) else None
-        steps = []
-        for j in range(max(r.k for r in rows)):
-            if j and stop is not None and stop():
+        one batched head step per draft position, from copies (drafts never enter a sequence's own cache);
+        on an accelerator one captured graph replays them all (eagle_chain_graphs.py). `forced[b]`: tokens row
+        b's chain takes instead of its argmax at its first steps (a pre-draft's answered draft). None when
+        `stop()` said so between steps. The tokens stay on the head's device until the chain is done: one host
+        sync per call, where reading each step's argmax made an accelerator wait K times."""
+        k = max(r.k for r in rows)
+        drafted = None
+        if forced is None and self.chain_graphs is not None:
+            drafted = self.chain_graphs.run(rows, k)
+        if drafted is None:
+            (keys, values), mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
+            inputs = ChainInputs(keys, values, mask, torch.tensor([r.token for r in rows], device=self.device),
+                                 torch.stack([r.feature for r in rows]),  # [B, 1, H]
+                                 torch.tensor([r.position for r in rows], device=self.device))
+            forcing = _forced_tokens(forced, self.device) if forced is not None and any(forced) else None
+            drafted = draft_chains(self.head, self.embed, self._lm_rows(), inputs, k, forcing, stop)
+            if drafted is None:
                 return None
-            out, cache, mask = self.head.step_rows(self.embed(tokens[:, None]), features, positions + j, cache, mask)
-            tokens = self.head.token_ids(self.head.draft_logits(out[:, -1], draft_weight).argmax(-1))  # [B]
-            if forcing is not None and j < forcing[0].shape[1]:
-                tokens = torch.where(forcing[1][:, j], forcing[0][:, j].to(tokens.dtype), tokens)
-            steps.append(tokens)
-            features = out
-        by_row = torch.stack(steps, dim=1).tolist()
+        by_row = drafted[:, :k].tolist()
         return [row[: next((i for i, t in enumerate(row) if t >= self.vocab_size), len(row))] for row in by_row]
 
 
@@ -352,7 +353,12 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     lm_head = loaded.model.get_output_embeddings()
     logger.info("%s head %s for %s (hidden %d, target layers %s) on %s in %s", type(head).__name__, head_dir,
                 target_spec, head.config.hidden_size, list(head.config.hidden_layers), device, dtype)
-    return EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
-                         tokenizer_fingerprint(loaded.tokenizer), method=kind, pipelining=bool(config.draft_pipelining),
-                         tree_nodes=options.num_draft_tokens, tree_topk=options.tree_topk,
-                         tree_depth=config.num_speculative_tokens, sampled_trees=options.eagle_sampled_trees)
+    proposer = EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
+                             tokenizer_fingerprint(loaded.tokenizer), method=kind,
+                             pipelining=bool(config.draft_pipelining), tree_nodes=options.num_draft_tokens,
+                             tree_topk=options.tree_topk, tree_depth=config.num_speculative_tokens,
+                             sampled_trees=options.eagle_sampled_trees)
+    proposer.chain_graphs = ChainGraphs.for_device(
+        lambda inputs, k: draft_chains(head, embed, proposer._lm_rows(), inputs, k),
+        head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, dtype, device)
+    return proposer

@@ -1,0 +1,192 @@
+"""Captured EAGLE chains: on an accelerator, the K head steps of a drafting call replay one graph instead of
+launching every step's kernels.
+
+Why: the verifier's step replays a captured graph (services/modeling/step_graphs.py; 2.9 ms a step on an H200),
+but EAGLE's chain ran eagerly, each head step a few dozen small kernels, so drafting K = 4 cost about as much as
+verifying. With the shipped head reading bf16 states, a step commits 1.75 tokens at K = 4 (first token accepted
+0.42 of the time; 1.86 and 0.46 in float32, measured on CPU with the head in either precision), so the issue's
+1.5x at 1 request needs the whole chain to cost a small fraction of a step: one launch, not K x dozens.
+
+A chain of K steps over B rows whose committed head caches are padded to S positions is a fixed computation of
+(B, S, K). It is captured once per (rows padded to a power of two, S rounded up to a power of two from MIN_SPAN,
+K rounded up to a power of two) and replayed with its inputs copied into that graph's static buffers; rows past B
+are padding that attend only to their own new position, and columns past a row's cache are masked (the buffers
+start zeroed and only ever hold real K/V, so masked columns are finite). Asking fewer tokens than the graph drafts
+costs a few more head steps inside one launch. Shapes are captured as calls first meet them; the padding keeps
+them to a handful per sequence length.
+
+The chain computed here is the eager one (EagleProposer._chains) step for step, so drafts are identical; a shape
+the platform refuses to capture runs eagerly from then on. Pre-drafts (forced tokens, a stop between steps) run
+eagerly. Not yet measured on a GPU: none was lent while this was built; CPU tests replay through a backend that
+runs the body again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.modeling.host_copies import pinned
+from services.modeling.step_graphs import GraphBackend, TorchGraphs
+
+logger = logging.getLogger(__name__)
+
+MIN_SPAN = 64  # the fewest committed head positions a graph reads; longer caches round up to a power of two
+MAX_ROWS = 256  # rows a graph takes at most; a larger call drafts eagerly
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class ChainRow(Protocol):
+    """One row of a chain (methods/eagle.py's ChainStart): its committed head cache ([1, kv heads, L, D] each, or
+    None), the head position of its last committed token, that token and the head's feature of the target state
+    before it ([1, H])."""
+
+    cache: KV | None
+    position: int
+    token: int
+    feature: torch.Tensor
+
+
+@dataclass
+class ChainInputs:
+    """What a chain reads: padded caches [B, kv heads, S, D], their real columns [B, S], and per row the token,
+    feature [B, 1, H] and position its chain starts from."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    tokens: torch.Tensor
+    features: torch.Tensor
+    positions: torch.Tensor
+
+
+ChainBody = Callable[[ChainInputs, int], torch.Tensor]  # (inputs, K) -> drafted target token ids [B, K]
+
+
+def draft_chains(head, embed: torch.nn.Module, draft_weight: torch.Tensor, inputs: ChainInputs, k: int,
+                 forcing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    """K argmax steps of every row at once, each feeding back the head's own feature ([B, K] target token ids, on
+    the head's device: nothing here waits for it). `forcing` ([B, F] ids, [B, F] where a row has one): tokens taken
+    instead of the argmax at the first steps (a pre-draft's answered draft). None when `stop()` said so between
+    steps. The captured chains replay exactly this."""
+    cache, mask = (inputs.keys, inputs.values), inputs.mask
+    tokens, features = inputs.tokens, inputs.features
+    steps = []
+    for j in range(k):
+        if j and stop is not None and stop():
+            return None
+        out, cache, mask = head.step_rows(embed(tokens[:, None]), features, inputs.positions + j, cache, mask)
+        tokens = head.token_ids(head.draft_logits(out[:, -1], draft_weight).argmax(-1))  # [B]
+        if forcing is not None and j < forcing[0].shape[1]:
+            tokens = torch.where(forcing[1][:, j], forcing[0][:, j].to(tokens.dtype), tokens)
+        steps.append(tokens)
+        features = out
+    return torch.stack(steps, dim=1)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class _Captured:
+    replay: Callable[[], None]
+    inputs: ChainInputs  # the static buffers the replay reads
+    drafted: torch.Tensor  # [rows, K], written by each replay
+
+
+class ChainGraphs:
+    def __init__(self, body: ChainBody, backend: GraphBackend, kv_heads: int, head_dim: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self._body = body
+        self._backend = backend
+        self._kv_heads, self._head_dim, self._hidden = kv_heads, head_dim, hidden
+        self._dtype, self.device = dtype, device
+        self._graphs: dict[tuple[int, int, int], _Captured] = {}
+        self._uncapturable: set[tuple[int, int, int]] = set()
+        self.capture_seconds = 0.0
+
+    @classmethod
+    def for_device(cls, body: ChainBody, kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
+                   device: torch.device) -> ChainGraphs | None:
+        """None where chains run eagerly: on CPU or without a graph API."""
+        backend = TorchGraphs.for_device(device)
+        return None if backend is None else cls(body, backend, kv_heads, head_dim, hidden, dtype, device)
+
+    @staticmethod
+    def shape_for(rows: int, span: int, k: int) -> tuple[int, int, int] | None:
+        """(padded rows, span, K) of the graph that drafts these chains; None: they run eagerly."""
+        if rows > MAX_ROWS:
+            return None
+        return _power_of_two_at_least(rows), max(MIN_SPAN, _power_of_two_at_least(span)), _power_of_two_at_least(k)
+
+    def run(self, rows: Sequence[ChainRow], k: int) -> torch.Tensor | None:
+        """The chains of `rows`, K tokens each ([len(rows), >= k] target token ids on the device: a graph may
+        draft more, which the caller cuts); None where they must run eagerly."""
+        span = max((0 if r.cache is None else r.cache[0].shape[2] for r in rows), default=0)
+        key = self.shape_for(len(rows), span, k)
+        if key is None or key in self._uncapturable:
+            return None
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = self._capture(key)
+            if captured is None:
+                return None
+        self._fill(captured.inputs, rows)
+        captured.replay()
+        return captured.drafted[: len(rows)]
+
+    def _capture(self, key: tuple[int, int, int]) -> _Captured | None:
+        started = time.perf_counter()
+        inputs = self._static_inputs(*key[:2])
+        try:
+            replay, drafted = self._backend.capture(lambda: self._body(inputs, key[2]))
+        except Exception:  # noqa: BLE001 - a capture the platform refuses costs speed, never a draft
+            logger.exception("capturing EAGLE chains of %d rows x %d positions x %d steps failed; that shape "
+                             "drafts eagerly", *key)
+            self._uncapturable.add(key)
+            return None
+        captured = self._graphs[key] = _Captured(replay, inputs, drafted)
+        seconds = time.perf_counter() - started
+        self.capture_seconds += seconds
+        logger.info("captured EAGLE chains of %d rows x %d positions x %d steps in %.2f s (%d graphs)", *key,
+                    seconds, len(self._graphs))
+        return captured
+
+    def _static_inputs(self, rows: int, span: int) -> ChainInputs:
+        """Zeroed buffers: a padding row reads nothing but its own new position, and masked columns stay finite."""
+        options = {"device": self.device}
+        keys = torch.zeros(rows, self._kv_heads, span, self._head_dim, dtype=self._dtype, **options)
+        return ChainInputs(keys, torch.zeros_like(keys), torch.zeros(rows, span, dtype=torch.bool, **options),
+                           torch.zeros(rows, dtype=torch.int64, **options),
+                           torch.zeros(rows, 1, self._hidden, dtype=self._dtype, **options),
+                           torch.zeros(rows, dtype=torch.int64, **options))
+
+    @staticmethod
+    def _fill(inputs: ChainInputs, rows: Sequence[ChainRow]) -> None:
+        """Copy the rows into the static buffers (device to device for the caches; the small host parts from pinned
+        memory without waiting). Rows past len(rows) keep what they held: their results are never read."""
+        span = inputs.mask.shape[1]
+        lengths = torch.tensor([0 if r.cache is None else r.cache[0].shape[2] for r in rows])
+        mask = torch.zeros(inputs.mask.shape, dtype=torch.bool)
+        mask[: len(rows)] = torch.arange(span)[None, :] < lengths[:, None]
+        inputs.mask.copy_(pinned(mask), non_blocking=True)
+        for r, row in enumerate(rows):
+            if row.cache is not None:
+                length = row.cache[0].shape[2]
+                inputs.keys[r, :, :length] = row.cache[0][0]
+                inputs.values[r, :, :length] = row.cache[1][0]
+        count = len(rows)
+        inputs.tokens[:count].copy_(pinned(torch.tensor([r.token for r in rows])), non_blocking=True)
+        inputs.positions[:count].copy_(pinned(torch.tensor([r.position for r in rows])), non_blocking=True)
+        inputs.features[:count] = torch.stack([r.feature for r in rows])
+
+    def __len__(self) -> int:
+        return len(self._graphs)
