@@ -105,17 +105,20 @@ def evaluation_prompts(eval_set: str, num_prompts: int) -> list[list[dict[str, s
 
 
 def evaluate_heads(model: str, head_dirs: Sequence[Path], num_prompts: int, k: int = 4, new_tokens: int = 96,
-                   eval_set: str = "sharegpt") -> list[AcceptanceReport]:
-    """Each head's acceptance on the same prompts and the same target answers (each answer generated once)."""
+                   eval_set: str = "sharegpt", dtype: str = "float32") -> list[AcceptanceReport]:
+    """Each head's acceptance on the same prompts and the same target answers (each answer generated once).
+    `dtype`: the target's and the heads' precision; bfloat16 is how a GPU serves them (the target answers, and
+    its states differ, in that precision)."""
     from services.gateway.tokenizer import encode_chat
     from services.modeling.loading import load_model
 
-    loaded = load_model(model, device="cpu", dtype="float32")
+    loaded = load_model(model, device="cpu", dtype=dtype)
     target, tokenizer = loaded.model, loaded.tokenizer
     heads = []
     for head_dir in head_dirs:
         head = load_eagle_head(head_dir)
         fit_head_to_target(head, target.config, head_dir)
+        head.to(dtype=loaded.dtype)
         heads.append((head, head.token_embedding(target)))
     lm_head = target.get_output_embeddings()
     reports = [AcceptanceReport(k, 0, [0] * k, [0] * k, 0) for _ in heads]

@@ -334,6 +334,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-set", choices=EVAL_SETS, default="sharegpt",
                         help="prompts the acceptance is measured on: held-out ShareGPT (written to "
                         "evaluation.json) or hand-written chat from another source (evaluation-chat.json)")
+    parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the target's and the head's precision while measuring (bfloat16: as a GPU serves "
+                        "them; written to evaluation[-chat]-bfloat16.json)")
     parser.add_argument("--head", type=Path, default=None, help="with --eval-only: the head folder (default OUT/head)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="with --eval-only: a second head measured on the same answers; prints the paired "
@@ -366,13 +369,17 @@ def main(argv: list[str] | None = None) -> int:
 
     head_dir = args.head or settings.out / "head"
     heads = [head_dir] if args.baseline is None else [head_dir, args.baseline]
-    report, *baseline = evaluate_heads(settings.model, heads, args.eval_prompts, eval_set=args.eval_set)
+    report, *baseline = evaluate_heads(settings.model, heads, args.eval_prompts, eval_set=args.eval_set,
+                                       dtype=args.eval_dtype)
     print(report)
     if baseline:
         print(f"baseline {args.baseline}: {baseline[0]}")
         print(paired_difference(report, baseline[0]))
-    name = "evaluation.json" if args.eval_set == "sharegpt" else f"evaluation-{args.eval_set}.json"
-    (head_dir / name).write_text(json.dumps({**report.as_dict(), "prompts": args.eval_set}, indent=2) + "\n")
+    name = "evaluation" + ("" if args.eval_set == "sharegpt" else f"-{args.eval_set}") + (
+        "" if args.eval_dtype == "float32" else f"-{args.eval_dtype}")
+    (head_dir / f"{name}.json").write_text(json.dumps({**report.as_dict(), "prompts": args.eval_set,
+                                                       **({"dtype": args.eval_dtype} if args.eval_dtype != "float32"
+                                                          else {})}, indent=2) + "\n")
     return 0
 
 
