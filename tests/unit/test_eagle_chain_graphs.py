@@ -4,7 +4,6 @@ so the padding, the static buffers and the shape buckets are checked here; the r
 
 from __future__ import annotations
 
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from services.common.proposer import DraftInput
 from services.drafter.eagle_chain_graphs import MAX_ROWS, MIN_SPAN, ChainGraphs, draft_chains
 from services.drafter.methods.eagle import EagleProposer
-from services.modeling.eagle_head import EagleConfig, EagleHead
+from tests.tiny_heads import reduced_vocabulary_eagle_head
 from tests.tiny_models import tiny_llama
 
 V = 96
@@ -42,12 +41,8 @@ class ReplayingBackend:
 def proposers(backend: ReplayingBackend):
     """An eager proposer and one drafting through `backend`, sharing a random head over a reduced vocabulary."""
     target = tiny_llama(seed=5, vocab_size=V)
-    torch.manual_seed(1)
-    config = EagleConfig(**{**asdict(EagleConfig.for_target(target.config)), "draft_vocab_size": 40})
-    head = EagleHead(config).eval()
-    head.draft_vocab.copy_(torch.randperm(V)[:40].sort().values)
-    with torch.no_grad():  # a random head drafts poorly: make its features count so chains differ per sequence
-        head.fc.weight.mul_(4)
+    head = reduced_vocabulary_eagle_head(target, V)
+    config = head.config
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     eager = EagleProposer(head, embed, lm_head, V)
     captured = EagleProposer(head, embed, lm_head, V)

@@ -5,13 +5,13 @@ changes the cost of drafting, never a draft."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
 
 import torch
 
 from services.common.proposer import DraftInput
 from services.drafter.methods.eagle import EagleProposer
 from services.modeling.eagle_head import EagleConfig, EagleHead
+from tests.tiny_heads import reduced_vocabulary_eagle_head
 from tests.tiny_models import tiny_llama
 
 V = 96
@@ -47,12 +47,7 @@ def random_head(seed: int):
 
 def test_batched_chains_over_a_reduced_vocabulary_equal_each_sequence_alone():
     target = tiny_llama(seed=5, vocab_size=V)
-    torch.manual_seed(1)
-    config = EagleConfig(**{**asdict(EagleConfig.for_target(target.config)), "draft_vocab_size": 40})
-    head = EagleHead(config).eval()
-    head.draft_vocab.copy_(torch.randperm(V)[:40].sort().values)
-    with torch.no_grad():  # a random head drafts poorly: make its features count so chains differ per sequence
-        head.fc.weight.mul_(4)
+    head = reduced_vocabulary_eagle_head(target, V)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     proposer = EagleProposer(head, embed, lm_head, V)
     sequences = {"a": torch.randint(0, V, (9,)).tolist(), "b": torch.randint(0, V, (2,)).tolist(),
