@@ -204,6 +204,9 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
         graphs = getattr(engine.runner, "graphs", None)
         if graphs is not None:
             print(f"  ({len(graphs)} step graphs, captured in {graphs.capture_seconds:.1f} s)", flush=True)
+        chains = getattr(engine.proposers.get(method), "chain_graphs", None)
+        if chains is not None:
+            print(f"  ({len(chains)} {method} chain graphs, captured in {chains.capture_seconds:.1f} s)", flush=True)
         return results
 
     with phases:
