@@ -8,12 +8,14 @@ verifying. With the shipped head reading bf16 states, a step commits 1.75 tokens
 1.5x at 1 request needs the whole chain to cost a small fraction of a step: one launch, not K x dozens.
 
 A chain of K steps over B rows whose committed head caches are padded to S positions is a fixed computation of
-(B, S, K). It is captured once per (rows padded to a power of two, S rounded up to a power of two from MIN_SPAN,
-K rounded up to a power of two) and replayed with its inputs copied into that graph's static buffers; rows past B
-are padding that attend only to their own new position, and columns past a row's cache are masked (the buffers
-start zeroed and only ever hold real K/V, so masked columns are finite). Asking fewer tokens than the graph drafts
-costs a few more head steps inside one launch. Shapes are captured as calls first meet them; the padding keeps
-them to a handful per sequence length.
+(B, S, K). It is captured once per (rows padded to a power of two, S rounded up to a power of two, K rounded up to
+a power of two) and replayed with its inputs copied into that graph's static buffers; rows past B are padding that
+attend only to their own new position, and columns past a row's cache are masked (the buffers start zeroed and
+only ever hold real K/V, so masked columns are finite). Asking fewer tokens than the graph drafts costs a few more
+head steps inside one launch. As the verifier's step graphs do (step_graphs.py), S has a floor of about
+GATHER_POSITIONS / rows: reading a few thousand masked positions costs a small batch next to nothing, and one
+graph then serves its sequences from their first token to a long context, so shapes are captured as calls first
+meet them, a handful in a server's life.
 
 The chain computed here is the eager one (EagleProposer._chains) step for step, so drafts are identical; a shape
 the platform refuses to capture runs eagerly from then on. Pre-drafts (forced tokens, a stop between steps) run
@@ -37,6 +39,7 @@ from services.modeling.step_graphs import GraphBackend, TorchGraphs
 logger = logging.getLogger(__name__)
 
 MIN_SPAN = 64  # the fewest committed head positions a graph reads; longer caches round up to a power of two
+GATHER_POSITIONS = 4096  # a graph of r rows reads at least this / r positions a row (span_floor)
 MAX_ROWS = 256  # rows a graph takes at most; a larger call drafts eagerly
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -95,6 +98,11 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def span_floor(rows: int) -> int:
+    """The fewest positions a graph of `rows` (a power of two) reads a row: GATHER_POSITIONS / rows, from MIN_SPAN."""
+    return max(MIN_SPAN, GATHER_POSITIONS // rows)
+
+
 @dataclass
 class _Captured:
     replay: Callable[[], None]
@@ -125,7 +133,8 @@ class ChainGraphs:
         """(padded rows, span, K) of the graph that drafts these chains; None: they run eagerly."""
         if rows > MAX_ROWS:
             return None
-        return _power_of_two_at_least(rows), max(MIN_SPAN, _power_of_two_at_least(span)), _power_of_two_at_least(k)
+        padded = _power_of_two_at_least(rows)
+        return padded, max(span_floor(padded), _power_of_two_at_least(span)), _power_of_two_at_least(k)
 
     def run(self, rows: Sequence[ChainRow], k: int) -> torch.Tensor | None:
         """The chains of `rows`, K tokens each ([len(rows), >= k] target token ids on the device: a graph may

@@ -57,7 +57,7 @@ def test_captured_chains_draft_what_eager_chains_draft_and_reuse_their_graph():
     target, eager, captured = proposers(backend)
     generator = torch.Generator().manual_seed(3)
     sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist()
-                 for s, n in (("a", 9), ("b", 2), ("c", 70))}  # "c" spans past MIN_SPAN: a 128-position graph
+                 for s, n in (("a", 9), ("b", 2), ("c", 70))}
     wanted = {"a": 4, "b": 2, "c": 3}
     for step in range(3):
         with torch.no_grad():
@@ -72,7 +72,7 @@ def test_captured_chains_draft_what_eager_chains_draft_and_reuse_their_graph():
         assert [len(chain) for chain in expected] == [4, 2, 3]
         for s, chain in zip(sequences, expected, strict=True):  # a step later: the drafts partly accepted
             sequences[s] += chain[:1] + [step + 1]
-    assert backend.captures == 1 and backend.replays == 3  # (4 rows, 128 positions, K 4) every time
+    assert backend.captures == 1 and backend.replays == 3  # (4 rows, 1,024 positions, K 4) every time
     assert len(captured.chain_graphs) == 1
 
 
@@ -89,6 +89,9 @@ def test_a_shape_the_platform_refuses_drafts_eagerly_and_is_not_tried_again():
 
 
 @pytest.mark.parametrize(("rows", "span", "k", "shape"), [
-    (1, 0, 1, (1, MIN_SPAN, 1)), (3, 65, 3, (4, 128, 4)), (8, 1000, 4, (8, 1024, 4)), (MAX_ROWS + 1, 10, 4, None)])
+    (1, 0, 1, (1, 4096, 1)), (1, 4097, 2, (1, 8192, 2)), (3, 65, 3, (4, 1024, 4)), (8, 1000, 4, (8, 1024, 4)),
+    (200, 10, 4, (256, MIN_SPAN, 4)), (MAX_ROWS + 1, 10, 4, None)])
 def test_chains_are_padded_to_few_shapes(rows, span, k, shape):
+    """Rows and K to powers of two; the span too, from a floor of about 4,096 positions over the rows (a sequence
+    crosses few of them in its life)."""
     assert ChainGraphs.shape_for(rows, span, k) == shape
