@@ -98,20 +98,20 @@ def _given_engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def with_shipped_head(spec: SpeculativeConfig, target: str | None) -> SpeculativeConfig:
-    """eagle without a model drafts with the head that ships for the served target; a target with none is a
-    usage error now, before any process starts. An EAGLE head shares the served target's embedding and LM head:
-    --model names it for a published head whose config does not (target_model)."""
+    """eagle or eagle3 without a model drafts with the head of that kind that ships for the served target; a target
+    with none is a usage error now, before any process starts. An EAGLE head shares the served target's embedding
+    and LM head: --model names it for a published head whose config does not (target_model)."""
     if spec.method not in ("eagle", "eagle3"):
         return spec
-    if spec.method == "eagle3" and not spec.model:
-        raise ValueError("method 'eagle3' needs model: the folder of an EAGLE-3 head (none ships with specserve)")
-    if target and spec.model and getattr(spec, "target_model", None) is None:
-        spec = spec.model_copy(update={"target_model": target})
-    if spec.model or spec.method != "eagle":
-        return spec
-    from services.modeling.eagle_heads import shipped_head
+    if not spec.model:
+        from services.modeling.eagle_heads import shipped_head
 
-    return spec.model_copy(update={"model": str(shipped_head(target))})
+        spec = spec.model_copy(update={"model": str(shipped_head(target, spec.method))})
+        if spec.method == "eagle":
+            return spec
+    if target and getattr(spec, "target_model", None) is None:
+        spec = spec.model_copy(update={"target_model": target})
+    return spec
 
 
 def on_the_verifiers_device(spec: SpeculativeConfig, device: str | None, dtype: str | None) -> SpeculativeConfig:

@@ -5,7 +5,7 @@ The target is the head's own (SmolLM2-135M-Instruct by default); the prompts are
 held-out ShareGPT conversations, which the head never trained on, greedy. Both drafters run as they are deployed:
 a `specserve drafter` process each (eagle with the shipped head, ngram), reached over gRPC by the bench's in-process
 engine (the verifier's own engine through its public API), so the EAGLE rows pay for the hidden states on the
-link. With `--eagle3-head`, EAGLE-3 rows too (K = 4 as a chain, fixed and adaptive, and as a tree), on engines
+link. With an EAGLE-3 head (`--eagle3-head`, by default the one that ships for the target), EAGLE-3 rows too (K = 4 as a chain, fixed and adaptive, and as a tree), on engines
 of their own since they read other target layers. Rows: no speculation, ngram at K = 4, eagle at each fixed K
 (adaptive speculation off: the mean acceptance length per K), eagle with adaptive K, and eagle sending EAGLE-2
 token trees (a third drafter process: `num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk`
@@ -24,7 +24,7 @@ import platform
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-nodes", type=int, default=defaults.tree_nodes, help="num_draft_tokens of the tree row")
     parser.add_argument("--tree-topk", type=int, default=defaults.tree_topk, help="eagle_topk of the tree row")
-    parser.add_argument("--eagle3-head", default=None, help="an EAGLE-3 head folder: adds its rows")
+    parser.add_argument("--eagle3-head", default=None,
+                        help="an EAGLE-3 head folder: adds its rows (default: the one that ships for --model, if any)")
     parser.add_argument("--eagle3-k", type=int, default=defaults.eagle3_k, help="K of the EAGLE-3 chain rows")
     parser.add_argument("--device", default=defaults.device, help="the target's and the EAGLE drafters' device")
     parser.add_argument("--dtype", default=defaults.dtype)
@@ -224,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from services.modeling.eagle_heads import shipped_head
 
     head = Path(settings.head) if settings.head else shipped_head(settings.model)
+    if settings.eagle3_head is None:
+        with contextlib.suppress(ValueError):  # none ships for this target: no EAGLE-3 rows
+            settings = replace(settings, eagle3_head=str(shipped_head(settings.model, "eagle3")))
     torch.set_num_threads(available_cores())
     progress = stderr_progress()
     target = load_model(settings.model, device=settings.device, dtype=settings.dtype)

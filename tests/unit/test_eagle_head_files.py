@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import EagleHead
 from services.modeling.eagle_head_files import HeadFormatError, fit_head_to_target, load_eagle_head
+from services.modeling.eagle_heads import shipped_head
 from tests.tiny_models import tiny_llama
 
 V, H, I, HEADS, KV, D = 96, 64, 128, 4, 2, 16
@@ -236,7 +237,7 @@ def test_the_eagle_methods_build_a_drafter_from_a_published_head_and_refuse_the_
     assert proposer.capabilities.hidden_layers == tuple(LAYERS) and proposer.state_width == 3 * H
     with pytest.raises(ValueError, match="is an EAGLE-3 head: use method 'eagle3'"):
         build_proposer(config(method="eagle", model=str(head_dir), target_model=str(target_dir)))
-    with pytest.raises(ValueError, match="method 'eagle3' needs model"):
-        build_proposer(config(method="eagle3"))
+    shipped = load_eagle_head(shipped_head(method="eagle3"))  # what eagle3 without a model drafts with
+    assert isinstance(shipped, Eagle3Head) and shipped.config.hidden_layers == (2, 15, 27)
     with pytest.raises(Exception, match="tiny-llama"):  # the head names a target that is nowhere here
         build_proposer(config(method="eagle3", model=str(head_dir)))

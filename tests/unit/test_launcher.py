@@ -13,6 +13,7 @@ import pytest
 
 from services import launcher, supervision
 from services.common import drafter_methods
+from services.modeling.eagle_heads import shipped_head
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,8 +76,6 @@ def test_the_drafter_gets_the_whole_speculative_config_so_any_methods_options_re
 
 
 def test_eagle_without_a_model_drafts_with_the_head_that_ships_for_the_target():
-    from services.modeling.eagle_heads import shipped_head
-
     drafter, verifier, _ = launcher.plan(parse("--speculative-config", '{"method": "eagle", "num_speculative_tokens": 4}'))
     sent = json.loads(flag(drafter.argv, "--speculative-config"))
     assert sent["model"] == str(shipped_head("smollm2-135m-instruct"))
@@ -89,9 +88,10 @@ def test_eagle_without_a_model_drafts_with_the_head_that_ships_for_the_target():
     assert json.loads(flag(drafter.argv, "--speculative-config"))["model"] == "/heads/mine"
 
 
-def test_an_eagle3_head_shares_the_served_models_embedding_and_needs_a_folder():
+def test_an_eagle3_head_shares_the_served_models_embedding_and_defaults_to_the_shipped_one():
     """A published head names its target by Hub id: the drafter is told to share the served --model's (unless the
-    config says otherwise); eagle3 without a head is a usage error before anything starts (none ships)."""
+    config says otherwise); eagle3 without a head drafts with the one that ships for the target, and a target with
+    none is a usage error before anything starts."""
     given = '{"method": "eagle3", "model": "/heads/eagle3"}'
     drafter, verifier, _ = launcher.plan(parse("--model", "smollm2-135m-instruct", "--speculative-config", given))
     sent = json.loads(flag(drafter.argv, "--speculative-config"))
@@ -100,8 +100,12 @@ def test_an_eagle3_head_shares_the_served_models_embedding_and_needs_a_folder():
     own = '{"method": "eagle3", "model": "/heads/eagle3", "target_model": "/models/mine"}'
     drafter, _, _ = launcher.plan(parse("--model", "smollm2-135m-instruct", "--speculative-config", own))
     assert json.loads(flag(drafter.argv, "--speculative-config"))["target_model"] == "/models/mine"
-    with pytest.raises(ValueError, match="method 'eagle3' needs model"):
-        launcher.plan(parse("--speculative-config", '{"method": "eagle3"}'))
+    drafter, _, _ = launcher.plan(parse("--model", "smollm2-135m-instruct", "--speculative-config", '{"method": "eagle3"}'))
+    sent = json.loads(flag(drafter.argv, "--speculative-config"))
+    assert sent["model"] == str(shipped_head("smollm2-135m-instruct", "eagle3"))
+    assert sent["target_model"] == "smollm2-135m-instruct"
+    with pytest.raises(ValueError, match="no EAGLE-3 head ships for target 'qwen2.5-coder-1.5b-instruct'.*--eagle3"):
+        launcher.plan(parse("--model", "qwen2.5-coder-1.5b-instruct", "--speculative-config", '{"method": "eagle3"}'))
 
 
 def test_no_speculation_starts_no_drafter():

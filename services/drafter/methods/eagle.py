@@ -329,10 +329,8 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     from services.modeling.eagle_heads import shipped_head
 
     options = config.options  # EagleOptions (services/common/method_options.py)
-    if config.method == "eagle3" and not config.model:
-        raise ValueError("method 'eagle3' needs model: the folder of an EAGLE-3 head (a speculators checkpoint or "
-                         "one in its authors' layout); the heads that ship with specserve are EAGLE-1 (method 'eagle')")
-    head_dir = Path(config.model).expanduser() if config.model else shipped_head()
+    method = "eagle3" if config.method == "eagle3" else "eagle"
+    head_dir = Path(config.model).expanduser() if config.model else shipped_head(method=method)
     head = load_eagle_head(head_dir)  # any layout users have (eagle_head_files.py); a clear error otherwise
     kind = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
     if config.method in ("eagle", "eagle3") and kind != config.method:

@@ -1,7 +1,9 @@
 """EAGLE heads that ship with specserve, so that `{"method": "eagle"}` drafts without training a head first.
 
 One folder per target (a registered model name), each with the head's weights (fp16 safetensors), its config,
-its held-out evaluation and a model card saying how it was trained (`make eagle-head` reproduces it).
+its held-out evaluation and a model card saying how it was trained (`make eagle-head` reproduces it). Where an
+EAGLE-3 head ships too (`{"method": "eagle3"}`), it is in the target folder's `eagle3/`, in the speculators layout
+vLLM loads (`make eagle3-head` reproduces it).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 from services.modeling.registry import DEFAULT_MODEL
 
 HEADS_DIR = Path(__file__).resolve().parent
+EAGLE3_FOLDER = "eagle3"
 
 
 def shipped_heads() -> dict[str, Path]:
@@ -19,9 +22,18 @@ def shipped_heads() -> dict[str, Path]:
             if (folder / "eagle_config.json").is_file()}
 
 
-def shipped_head(target: str | None = None) -> Path:
-    """The shipped head for `target` (None: the default target); a ValueError that says what to do otherwise."""
+def shipped_head(target: str | None = None, method: str = "eagle") -> Path:
+    """The shipped head of `method` (eagle or eagle3) for `target` (None: the default target); a ValueError that
+    says what to do otherwise."""
     name = target or DEFAULT_MODEL
+    if method == "eagle3":
+        folder = HEADS_DIR / name / EAGLE3_FOLDER
+        if not (folder / "config.json").is_file():
+            shipped = ", ".join(t for t in shipped_heads() if (HEADS_DIR / t / EAGLE3_FOLDER / "config.json").is_file())
+            raise ValueError(f"no EAGLE-3 head ships for target {name!r} (shipped: {shipped or 'none'}); train one "
+                             f"with `specserve train-eagle --eagle3 --model {name}` and pass its folder as the "
+                             "speculative config's 'model'")
+        return folder
     heads = shipped_heads()
     if name not in heads:
         shipped = ", ".join(heads) or "none"
