@@ -26,14 +26,15 @@ def shipped_head(target: str | None = None, method: str = "eagle") -> Path:
     """The shipped head of `method` (eagle or eagle3) for `target` (None: the default target); a ValueError that
     says what to do otherwise."""
     name = target or DEFAULT_MODEL
-    if method == "eagle3":
-        folder = HEADS_DIR / name / EAGLE3_FOLDER
-        if not (folder / "config.json").is_file():
-            shipped = ", ".join(t for t in shipped_heads() if (HEADS_DIR / t / EAGLE3_FOLDER / "config.json").is_file())
+    if method == "eagle3":  # looked up among the shipped targets' folders only (a --model may be any path)
+        eagle3 = {t: folder / EAGLE3_FOLDER for t, folder in shipped_heads().items()
+                  if (folder / EAGLE3_FOLDER / "config.json").is_file()}
+        if name not in eagle3:
+            shipped = ", ".join(eagle3)
             raise ValueError(f"no EAGLE-3 head ships for target {name!r} (shipped: {shipped or 'none'}); train one "
                              f"with `specserve train-eagle --eagle3 --model {name}` and pass its folder as the "
                              "speculative config's 'model'")
-        return folder
+        return eagle3[name]
     heads = shipped_heads()
     if name not in heads:
         shipped = ", ".join(heads) or "none"
