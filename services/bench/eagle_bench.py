@@ -5,8 +5,8 @@ The target is the head's own (SmolLM2-135M-Instruct by default); the prompts are
 held-out ShareGPT conversations, which the head never trained on, greedy. Both drafters run as they are deployed:
 a `specserve drafter` process each (eagle with the shipped head, ngram), reached over gRPC by the bench's in-process
 engine (the verifier's own engine through its public API), so the EAGLE rows pay for the hidden states on the
-link. With an EAGLE-3 head (`--eagle3-head`, by default the one that ships for the target), EAGLE-3 rows too (K = 4 as a chain, fixed and adaptive, and as a tree), on engines
-of their own since they read other target layers. Rows: no speculation, ngram at K = 4, eagle at each fixed K
+link. With an EAGLE-3 head (`--eagle3-head`, by default the one that ships for the target), EAGLE-3 rows too
+(K = 4 as a chain, fixed and adaptive, and as a tree), on engines of their own since they read other target layers. Rows: no speculation, ngram at K = 4, eagle at each fixed K
 (adaptive speculation off: the mean acceptance length per K), eagle with adaptive K, and eagle sending EAGLE-2
 token trees (a third drafter process: `num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk`
 expanded per depth; adaptive off, and adaptive: the planner cuts each tree to the nodes worth their cost), at 1

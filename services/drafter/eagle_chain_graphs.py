@@ -34,12 +34,11 @@ from typing import Protocol
 import torch
 
 from services.modeling.host_copies import pinned
-from services.modeling.step_graphs import GraphBackend, TorchGraphs
+from services.modeling.step_graphs import GATHER_POSITIONS, GraphBackend, TorchGraphs, power_of_two_at_least
 
 logger = logging.getLogger(__name__)
 
 MIN_SPAN = 64  # the fewest committed head positions a graph reads; longer caches round up to a power of two
-GATHER_POSITIONS = 4096  # a graph of r rows reads at least this / r positions a row (span_floor)
 MAX_ROWS = 256  # rows a graph takes at most; a larger call drafts eagerly
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -94,10 +93,6 @@ def draft_chains(head, embed: torch.nn.Module, draft_weight: torch.Tensor, input
     return torch.stack(steps, dim=1)
 
 
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def span_floor(rows: int) -> int:
     """The fewest positions a graph of `rows` (a power of two) reads a row: GATHER_POSITIONS / rows, from MIN_SPAN."""
     return max(MIN_SPAN, GATHER_POSITIONS // rows)
@@ -133,8 +128,8 @@ class ChainGraphs:
         """(padded rows, span, K) of the graph that drafts these chains; None: they run eagerly."""
         if rows > MAX_ROWS:
             return None
-        padded = _power_of_two_at_least(rows)
-        return padded, max(span_floor(padded), _power_of_two_at_least(span)), _power_of_two_at_least(k)
+        padded = power_of_two_at_least(rows)
+        return padded, max(span_floor(padded), power_of_two_at_least(span)), power_of_two_at_least(k)
 
     def run(self, rows: Sequence[ChainRow], k: int) -> torch.Tensor | None:
         """The chains of `rows`, K tokens each ([len(rows), >= k] target token ids on the device: a graph may

@@ -60,8 +60,9 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted({min(n, max_num_seqs) for n in sizes}))
 
 
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): how graph shapes round up."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class StepGraphs:
         self.capture_sizes = tuple(sorted(capture_sizes))
         self.device = device
         self.max_width = max_width
-        self.max_span = _power_of_two_at_least(max_span) if max_span else None
+        self.max_span = power_of_two_at_least(max_span) if max_span else None
         self.gather_positions = gather_positions
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._uncapturable: set[tuple[int, int, int]] = set()
@@ -161,7 +162,7 @@ class StepGraphs:
         if bucket is None or bucket > self.max_width or rows > self.capture_sizes[-1]:
             return None
         padded = next(size for size in self.capture_sizes if size >= rows)
-        return padded, bucket, max(self.span_floor(padded), _power_of_two_at_least(span))
+        return padded, bucket, max(self.span_floor(padded), power_of_two_at_least(span))
 
     def shapes_to_capture(self, max_width: int) -> list[tuple[int, int, int]]:
         """What the engine captures before its first step: every capture size by every width bucket a row of up
