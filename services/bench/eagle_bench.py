@@ -6,11 +6,13 @@ held-out ShareGPT conversations, which the head never trained on, greedy. Both d
 a `specserve drafter` process each (eagle with the shipped head, ngram), reached over gRPC by the bench's in-process
 engine (the verifier's own engine through its public API), so the EAGLE rows pay for the hidden states on the
 link. With an EAGLE-3 head (`--eagle3-head`, by default the one that ships for the target), EAGLE-3 rows too
-(K = 4 as a chain, fixed and adaptive, and as a tree), on engines of their own since they read other target layers. Rows: no speculation, ngram at K = 4, eagle at each fixed K
-(adaptive speculation off: the mean acceptance length per K), eagle with adaptive K, and eagle sending EAGLE-2
-token trees (a third drafter process: `num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk`
-expanded per depth; adaptive off, and adaptive: the planner cuts each tree to the nodes worth their cost), at 1
-request and at `concurrency` requests; `rounds` rounds, each running every system once, medians. The link's hidden-state bytes per step are counted from what was committed.
+(K = 4 as a chain and as a tree, each fixed and adaptive), on engines of their own since they read other target
+layers. Rows: no speculation, ngram at K = 4, eagle at each fixed K (adaptive speculation off: the mean acceptance
+length per K), eagle with adaptive K, and eagle sending EAGLE-2 token trees (a third drafter process:
+`num_draft_tokens` tokens, paths of at most the tree depth, `eagle_topk` expanded per depth; adaptive off, and
+adaptive: the planner cuts each tree to the nodes worth their cost), at 1 request and at `concurrency` requests;
+`rounds` rounds, each running every system once, medians. The link's hidden-state bytes per step are counted from
+what was committed.
 
 Every speculative output must equal the output without speculation (exit code 1 otherwise).
 """
@@ -65,8 +67,8 @@ class EagleBenchSettings:
     tree_depth: int = 4
     tree_nodes: int = 24
     tree_topk: int = 8
-    # an EAGLE-3 head folder (any layout eagle_head_files.py reads): adds its rows (K = eagle3_k as a chain, fixed
-    # and adaptive, and as a tree of the shape above), on engines of their own (one verifier serves one layer set)
+    # an EAGLE-3 head folder (any layout eagle_head_files.py reads): adds its rows (K = eagle3_k as a chain and a
+    # tree of the shape above, each fixed and adaptive), on engines of their own (one verifier serves one layer set)
     eagle3_head: str | None = None
     eagle3_k: int = 4
     device: str = "cpu"  # the target's and the EAGLE drafters' (a GPU run: cuda, with dtype bfloat16)
@@ -94,7 +96,7 @@ class Mode:
 def modes(settings: EagleBenchSettings) -> list[Mode]:
     return [Mode("off", "specserve off", None, 0),
             Mode(f"ngram{settings.ngram_k}", f"ngram K={settings.ngram_k}", "ngram", settings.ngram_k),
-            *(Mode(f"eagle{k}", f"eagle K={k}", "eagle", k) for k in settings.ks),
+            *(Mode(f"eagle-k{k}", f"eagle K={k}", "eagle", k) for k in settings.ks),
             Mode("eagle-adaptive", f"eagle adaptive K<={max(settings.ks)}", "eagle", max(settings.ks), True),
             Mode("eagletree", f"eagle tree depth {settings.tree_depth}, {settings.tree_nodes} tokens, top-"
                  f"{settings.tree_topk}", "eagle-tree", settings.tree_nodes),
@@ -104,11 +106,12 @@ def modes(settings: EagleBenchSettings) -> list[Mode]:
 
 
 def eagle3_modes(settings: EagleBenchSettings) -> list[Mode]:
-    k = settings.eagle3_k
-    return [Mode(f"eagle3{k}", f"eagle3 K={k}", "eagle3", k),
+    k, depth, nodes, topk = settings.eagle3_k, settings.tree_depth, settings.tree_nodes, settings.tree_topk
+    return [Mode(f"eagle3-k{k}", f"eagle3 K={k}", "eagle3", k),
             Mode("eagle3-adaptive", f"eagle3 adaptive K<={k}", "eagle3", k, True),
-            Mode("eagle3tree", f"eagle3 tree depth {settings.tree_depth}, {settings.tree_nodes} tokens, top-"
-                 f"{settings.tree_topk}", "eagle3-tree", settings.tree_nodes)]
+            Mode("eagle3-tree", f"eagle3 tree depth {depth}, {nodes} tokens, top-{topk}", "eagle3-tree", nodes),
+            Mode("eagle3-tree-adaptive", f"eagle3 tree depth {depth}, <={nodes} tokens, top-{topk}, adaptive",
+                 "eagle3-tree", nodes, True)]
 
 
 def is_eagle3(method: str | None) -> bool:
@@ -186,13 +189,14 @@ async def measure_mode(engine: Engine, ids: RequestIds, prompts, settings: Eagle
 
 def link_bytes_per_step(measurements: Sequence[Measurement], hidden_size: int, eagle3_layers: int = 3) -> str:
     """Hidden states on the link: each committed token's states cross once (fp16), so a step that commits
-    accepted + 1 tokens of a sequence sends (accepted + 1) x layers x hidden x 2 bytes for it."""
+    accepted + 1 tokens of a sequence sends (accepted + 1) x layers x hidden x 2 bytes for it (EAGLE-3's keys
+    start "eagle3-", EAGLE-1's "eagle-" or "eagletree")."""
     parts = []
     for m in measurements:
         if m.key.startswith("eagle") and m.concurrency == 1:
             gens = [g for repeat in m.generations for g in repeat]
             tokens, steps = sum(len(g.tokens) for g in gens), sum(g.num_steps for g in gens)
-            width = hidden_size * (eagle3_layers if m.key.startswith("eagle3") else 1)
+            width = hidden_size * (eagle3_layers if m.key.startswith("eagle3-") else 1)
             parts.append(f"{m.system}: {tokens / max(1, steps) * width * 2 / 1024:.2f} KiB")
     return "; ".join(parts)
 
