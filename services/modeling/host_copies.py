@@ -24,3 +24,33 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda":
         return pinned(tensor).to(device, non_blocking=True)
     return tensor.to(device)
+
+
+class DeviceToHost:
+    """Device-to-host copies queued during a step and read after its one wait.
+
+    A step that feeds EAGLE moved the target's hidden states to the host with `.cpu()`, which waits for the device:
+    a second host sync a step beside the one that reads the step's accepted tokens, and one more per prefill chunk.
+    Queued into pinned memory instead, the copies run on the stream behind the forward, and the wait that reads the
+    accepted tokens (queued after them) finds them done; `wait()` covers a step with no such read. Elsewhere it is
+    `.cpu()` as before: no copy on CPU, a blocking one on another accelerator (not tried: no NPU here).
+    """
+
+    def __init__(self) -> None:
+        self._done: torch.cuda.Event | None = None
+
+    def queue(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor that holds `tensor` once `wait()` returns (or after any later wait on the stream)."""
+        if tensor.device.type != "cuda":
+            return tensor.detach().cpu()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor.detach(), non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+        return host
+
+    def wait(self) -> None:
+        """Return once every queued copy has landed (at once when a later wait already covered them)."""
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from services.modeling.host_copies import to_device
+from services.modeling.host_copies import DeviceToHost, to_device
 from services.modeling.runner import ModelRunner, RowInput
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
 from services.verifier.draft_trees import best_lines, fed_parents, fed_rows, line_through, verify_lines
@@ -93,12 +93,13 @@ def execute_isolating_faults(
 
 def prefill_chunks(
     runner: ModelRunner, prefill: Sequence[PrefillChunk], scores: list[PromptScores] | None,
-    hidden: list[tuple[RequestState, torch.Tensor]] | None = None,
+    hidden: list[tuple[RequestState, torch.Tensor]] | None, to_host: DeviceToHost,
 ) -> list[tuple[RequestState, torch.Tensor]]:
     """Feed the prompt chunks; returns the last-position logits ([1, V]) of each final chunk whose request
     samples (max_tokens > 0). Chunks of requests that asked prompt_logprobs run in forwards of their own with
     logits at every position, scored here (appended to `scores`); the other chunks keep one position's logits,
-    so they neither pay for scoring nor see their batch change because of it."""
+    so they neither pay for scoring nor see their batch change because of it. The chunks' hidden states are
+    appended to `hidden` through `to_host` (read them after its wait)."""
     first_token_logits: list[tuple[RequestState, torch.Tensor]] = []
     for scoring in (False, True):
         part = [c for c in prefill if is_scored(c) == scoring]
@@ -110,7 +111,7 @@ def prefill_chunks(
             logits = output.logits  # [B, max num_logits, V]
             for b, (chunk, row) in enumerate(zip(chunks, rows, strict=True)):
                 if chunk.state.hidden is not None and hidden is not None and not chunk.resumes:
-                    hidden.append((chunk.state, output.hidden_states[b, : len(chunk.tokens)].detach().cpu()))
+                    hidden.append((chunk.state, to_host.queue(output.hidden_states[b, : len(chunk.tokens)])))
                 if scoring:
                     prompt = chunk.state.request.prompt_token_ids
                     following = prompt[chunk.start + 1 : chunk.start + len(chunk.tokens) + 1]
@@ -141,10 +142,12 @@ def execute(
     to the results on the host (the transfer waits for an accelerator to finish); with `scores`, appends the
     prompt logprobs of the chunks whose requests asked for them."""
     vocab = runner.vocab_size
-    first_token_logits = prefill_chunks(runner, prefill, scores, hidden)
+    to_host = DeviceToHost()  # hidden states, read after the step's one wait
+    first_token_logits = prefill_chunks(runner, prefill, scores, hidden, to_host)
 
     states = list(decode) + [state for state, _ in first_token_logits]
     if not states:
+        to_host.wait()
         return []
     # A tree's first path only, where the runner cannot feed trees or one grammar matcher would walk its paths
     trees_ok = getattr(runner, "supports_trees", False)
@@ -153,6 +156,8 @@ def execute(
     lines = verify_lines(all_drafts)
     max_k = max(len(line.tokens) for line in lines)
     parts = []
+    rows_with_states = [b for b, state in enumerate(decode) if state.hidden is not None]  # their states go out
+    states_on_host = None
     started = time.perf_counter()
     if decode:
         rows = [
@@ -161,6 +166,8 @@ def execute(
             for s, d in zip(decode, drafts, strict=True)
         ]
         verified = runner.forward(rows)
+        if rows_with_states:
+            states_on_host = to_host.queue(rows_of(verified.hidden_states, rows_with_states))
         if any(d.parents is not None for d in drafts):  # each path's logits, gathered along it
             index = to_device(torch.tensor([[line.state, f] for line in lines[: len(lines) - len(first_token_logits)]
                                             for f in line.fed + [line.fed[-1]] * (max_k + 1 - len(line.fed))]),
@@ -255,9 +262,10 @@ def execute(
         if b < len(decode) and state.hidden is not None:  # [last committed, accepted drafts] ran through the target
             kept_states.append((b, kept_fed))
         rows_out.append(SampledRow(state, emitted, len(line.tokens), n_acc, entries))
-    if kept_states:
-        for (b, _), kept in zip(kept_states, hidden_states_to_host(verified.hidden_states, kept_states), strict=True):
-            rows_out[b] = replace(rows_out[b], hidden=kept)
+    to_host.wait()  # done already: queued before the results' transfer
+    host_row = {b: i for i, b in enumerate(rows_with_states)}
+    for b, kept_fed in kept_states:
+        rows_out[b] = replace(rows_out[b], hidden=states_on_host[host_row[b], kept_fed])
     return rows_out
 
 
@@ -302,10 +310,10 @@ def _walk_q_trees(q_trees: Sequence[int], lines: Sequence, drafts: Sequence[Prop
     return walked
 
 
-def hidden_states_to_host(hidden: torch.Tensor, kept: Sequence[tuple[int, list[int]]]) -> list[torch.Tensor]:
-    """Each (row, positions)'s hidden states [positions, H'] on the host, gathered on the device and moved in one
-    transfer: a transfer per row would wait on an accelerator once per row (64 rows: 64 syncs a step)."""
-    index = to_device(torch.tensor([[b for b, positions in kept for _ in positions],
-                                    [f for _, positions in kept for f in positions]], dtype=torch.int64), hidden.device)
-    gathered = hidden[index[0], index[1]].detach().cpu()
-    return list(gathered.split([len(positions) for _, positions in kept]))
+def rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] ([len(rows), L, H']) gathered on the device, so that they move in one transfer (a transfer per
+    row waited on an accelerator once per row: 64 rows, 64 syncs a step). Every fed position moves, since which are
+    kept is known only once the step's accepted tokens are read; a few rows more of states cost less than a wait."""
+    if rows == list(range(hidden.shape[0])):
+        return hidden
+    return hidden.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), hidden.device))
