@@ -29,11 +29,11 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 class DeviceToHost:
     """Device-to-host copies queued during a step and read after its one wait.
 
-    A step that feeds EAGLE moved the target's hidden states to the host with `.cpu()`, which waits for the device:
-    a second host sync a step beside the one that reads the step's accepted tokens, and one more per prefill chunk.
-    Queued into pinned memory instead, the copies run on the stream behind the forward, and the wait that reads the
-    accepted tokens (queued after them) finds them done; `wait()` covers a step with no such read. Elsewhere it is
-    `.cpu()` as before: no copy on CPU, a blocking one on another accelerator (not tried: no NPU here).
+    Every `.cpu()` or `.tolist()` of a device tensor waits for the device. A step read its accepted tokens so, then
+    its logprobs and top logprobs (one wait each), and a step that feeds EAGLE moved the target's hidden states the
+    same way, once more per prefill chunk. Queued into pinned memory instead, the copies run on the stream behind
+    the step's work and one `wait()` covers them all (issue 29's target: one host sync a step). Elsewhere a queued
+    copy is `.cpu()` as before: none on CPU, a blocking one on another accelerator (not tried: no NPU here).
     """
 
     def __init__(self) -> None:

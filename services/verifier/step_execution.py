@@ -142,7 +142,7 @@ def execute(
     to the results on the host (the transfer waits for an accelerator to finish); with `scores`, appends the
     prompt logprobs of the chunks whose requests asked for them."""
     vocab = runner.vocab_size
-    to_host = DeviceToHost()  # hidden states, read after the step's one wait
+    to_host = DeviceToHost()  # results and hidden states, read after the step's one wait
     first_token_logits = prefill_chunks(runner, prefill, scores, hidden, to_host)
 
     states = list(decode) + [state for state, _ in first_token_logits]
@@ -208,13 +208,15 @@ def execute(
                                      [s.token_ids[s.num_prompt_tokens :] for s in line_states])
     result = verify(logits, draft_tokens, num_draft, positions, batch, draft_probs, has_probs)
 
-    # the step's one host transfer of results (from an accelerator, every transfer waits for the device)
-    results = torch.cat([result.tokens, result.num_accepted[:, None]], dim=1).tolist()
-    tokens, accepted = [row[:-1] for row in results], [row[-1] for row in results]
+    # the step's one wait for the device: every result (and the hidden states queued above) moves in copies queued
+    # behind the step's work, read once they have all landed
     wants_logprobs = any(s.request.sampling.logprobs is not None for s in states)
-    logprobs = result.logprobs.tolist() if wants_logprobs else None
-    top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-    top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+    on_host = [to_host.queue(tensor) if tensor is not None else None for tensor in (
+        torch.cat([result.tokens, result.num_accepted[:, None]], dim=1), result.logprobs if wants_logprobs else None,
+        result.top_logprobs, result.top_token_ids)]
+    to_host.wait()
+    results, logprobs, top_lp, top_ids = (None if tensor is None else tensor.tolist() for tensor in on_host)
+    tokens, accepted = [row[:-1] for row in results], [row[-1] for row in results]
     if timing is not None and decode:
         width = max(len(d.tokens) for d in drafts) + 1
         timing.append((StepShape(len(decode), width, max(len(s.token_ids) for s in decode) + width),
@@ -262,7 +264,6 @@ def execute(
         if b < len(decode) and state.hidden is not None:  # [last committed, accepted drafts] ran through the target
             kept_states.append((b, kept_fed))
         rows_out.append(SampledRow(state, emitted, len(line.tokens), n_acc, entries))
-    to_host.wait()  # done already: queued before the results' transfer
     host_row = {b: i for i, b in enumerate(rows_with_states)}
     for b, kept_fed in kept_states:
         rows_out[b] = replace(rows_out[b], hidden=states_on_host[host_row[b], kept_fed])
