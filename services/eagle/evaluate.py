@@ -109,6 +109,8 @@ def evaluate_heads(model: str, head_dirs: Sequence[Path], num_prompts: int, k: i
     """Each head's acceptance on the same prompts and the same target answers (each answer generated once).
     `dtype`: the target's and the heads' precision; bfloat16 is how a GPU serves them (the target answers, and
     its states differ, in that precision)."""
+    from tqdm import tqdm
+
     from services.gateway.tokenizer import encode_chat
     from services.modeling.loading import load_model
 
@@ -122,7 +124,8 @@ def evaluate_heads(model: str, head_dirs: Sequence[Path], num_prompts: int, k: i
         heads.append((head, head.token_embedding(target)))
     lm_head = target.get_output_embeddings()
     reports = [AcceptanceReport(k, 0, [0] * k, [0] * k, 0) for _ in heads]
-    for messages in evaluation_prompts(eval_set, num_prompts):
+    prompts = evaluation_prompts(eval_set, num_prompts)
+    for messages in tqdm(prompts, unit="prompt", desc=f"eval {eval_set} ({dtype})", mininterval=5):
         prompt = encode_chat(tokenizer, messages)[:384]
         out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
         ids = out[0].tolist()
