@@ -47,6 +47,17 @@ def _sharpen(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def word_tokenizer(size: int):
+    """A real fast tokenizer of `size` whole-word tokens "w0".."w{size-1}" (w0 also unknown), to save beside a tiny
+    model so that a folder loads as a model users have would."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
+
+
 CHARS = "abcdefghijk"  # token i + 1 is CHARS[i]; token 0 is "</s>": matches tiny models of vocabulary 12
 
 

@@ -13,8 +13,7 @@ import random
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from services.common.drafter_methods import build_proposer
 from services.common.proposer import DraftInput, capabilities_of
@@ -39,7 +38,7 @@ from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
 from tests.prompts import random_workload, repetitive_prompt
-from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2
+from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2, word_tokenizer
 
 MAX_MODEL_LEN = 160
 
@@ -310,12 +309,6 @@ def test_drafter_flags_configure_the_draft_model():
     assert (defaults.device, defaults.dtype, defaults.max_num_seqs, defaults.max_model_len) == ("auto", "auto", 16, None)
     with pytest.raises(ValueError, match="needs a 'model'"):
         settings_from_args(parser.parse_args(["--method", "draft_model"]))
-
-
-def word_tokenizer(size: int) -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0")
 
 
 def test_the_registry_builds_it_from_a_model_folder_and_it_declares_its_vocabulary(tmp_path, draft_model):

@@ -19,7 +19,7 @@ from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import EagleHead
 from services.modeling.eagle_head_files import HeadFormatError, fit_head_to_target, load_eagle_head
 from services.modeling.eagle_heads import shipped_head
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import tiny_llama, word_tokenizer
 
 V, H, I, HEADS, KV, D = 96, 64, 128, 4, 2, 16
 DRAFT_V = 40
@@ -216,17 +216,12 @@ def test_a_head_that_does_not_fit_the_target_is_refused(tmp_path):
 def test_the_eagle_methods_build_a_drafter_from_a_published_head_and_refuse_the_wrong_kind(tmp_path):
     """`{"method": "eagle3", "model": HEAD, "target_model": TARGET}`: the drafter shares TARGET's embedding and
     declares the head's layers; the method must match the head's kind, and eagle3 needs a head (none ships)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from services.common.drafter_methods import build_proposer
     from services.common.speculative_config import SpeculativeConfig
 
     target_dir = tmp_path / "target"
     tiny_llama(seed=5, vocab_size=V).save_pretrained(target_dir)
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(target_dir)
+    word_tokenizer(V).save_pretrained(target_dir)
     head_dir = write(tmp_path / "head", speculators_config(), eagle3_tensors("layers.0."))
 
     def config(**fields) -> SpeculativeConfig:
