@@ -121,7 +121,7 @@ def evaluate_heads(model: str, head_dirs: Sequence[Path], num_prompts: int, k: i
         head = load_eagle_head(head_dir)
         fit_head_to_target(head, target.config, head_dir)
         head.to(dtype=loaded.dtype)
-        heads.append((head, head.token_embedding(target)))
+        heads.append((head, head.token_embedding(target.get_input_embeddings())))
     lm_head = target.get_output_embeddings()
     reports = [AcceptanceReport(k, 0, [0] * k, [0] * k, 0) for _ in heads]
     prompts = evaluation_prompts(eval_set, num_prompts)

@@ -133,10 +133,10 @@ class EagleHead(nn.Module):
         """Target token ids of indices into the rows `draft_weight` returned."""
         return indices if self.draft_vocab is None else self.draft_vocab[indices]
 
-    def token_embedding(self, target: nn.Module) -> nn.Module:
+    def token_embedding(self, target_embedding: nn.Module) -> nn.Module:
         """The embedding it reads tokens through: its own where a checkpoint ships one (some EAGLE-3 heads), else
         the target's."""
-        return getattr(self, "embed_tokens", None) or target.get_input_embeddings()
+        return getattr(self, "embed_tokens", None) or target_embedding
 
     def target_features(self, states: torch.Tensor) -> torch.Tensor:
         """The head's feature of the target's hidden states as the verifier sends them: EAGLE-1 reads the final

@@ -149,7 +149,7 @@ def _load_from_hub(source: ModelSource, dtype: torch.dtype, trust_remote_code: b
     return _from_pretrained(source, dtype, trust_remote_code, **weights)
 
 
-def _converted_folder(source: ModelSource, trust_remote_code: bool) -> Path | None:
+def converted_folder(source: ModelSource, trust_remote_code: bool = False) -> Path | None:
     """A registered model's GGUF converted once into a folder that loads in seconds (converted_cache.py)."""
     gguf_file = Path(source.path) / source.gguf_file
     return ensure_converted(
@@ -177,7 +177,7 @@ def load_model(
     elif source.kind == "folder":
         weights = _folder_weight_kwargs(Path(source.path), allow_pickle)
         model, tokenizer = _from_pretrained(source, torch_dtype, trust_remote_code, **weights)
-    elif source.kind == "registered" and (converted := _converted_folder(source, trust_remote_code)) is not None:
+    elif source.kind == "registered" and (converted := converted_folder(source, trust_remote_code)) is not None:
         folder = ModelSource("folder", str(converted), source.model_id)
         model, tokenizer = _from_pretrained(folder, torch_dtype, trust_remote_code, use_safetensors=True)
     else:

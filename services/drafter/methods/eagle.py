@@ -324,9 +324,8 @@ def guessed_path(draft: Draft) -> tuple[int, ...]:
 
 
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
-    from services.modeling.loading import load_model
-
     from services.modeling.eagle_heads import shipped_head
+    from services.modeling.vocabulary_weights import load_vocabulary_weights
 
     options = config.options  # EagleOptions (services/common/method_options.py)
     method = "eagle3" if config.method == "eagle3" else "eagle"
@@ -344,15 +343,15 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     # accelerator when there is one, in its half precision, else the CPU in float32
     device = resolve_device(config.draft_device)
     dtype = resolve_dtype(config.draft_dtype, device)
-    loaded = load_model(target_spec, device=device, dtype=dtype)
-    fit_head_to_target(head, loaded.model.config, head_dir)
+    target = load_vocabulary_weights(target_spec, device=device, dtype=dtype)  # the rest of the target is not read
+    fit_head_to_target(head, target.config, head_dir)
     head.to(device=device, dtype=dtype)
-    embed = head.token_embedding(loaded.model)
-    lm_head = loaded.model.get_output_embeddings()
+    embed = head.token_embedding(target.embedding)
+    lm_head = target.lm_head
     logger.info("%s head %s for %s (hidden %d, target layers %s) on %s in %s", type(head).__name__, head_dir,
                 target_spec, head.config.hidden_size, list(head.config.hidden_layers), device, dtype)
-    proposer = EagleProposer(head, embed, lm_head, int(loaded.model.config.vocab_size),
-                             tokenizer_fingerprint(loaded.tokenizer), method=kind,
+    proposer = EagleProposer(head, embed, lm_head, int(target.config.vocab_size),
+                             tokenizer_fingerprint(target.tokenizer), method=kind,
                              pipelining=bool(config.draft_pipelining), tree_nodes=options.num_draft_tokens,
                              tree_topk=options.tree_topk, tree_depth=config.num_speculative_tokens,
                              sampled_trees=options.eagle_sampled_trees)
