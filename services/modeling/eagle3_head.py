@@ -78,8 +78,8 @@ class Eagle3Head(EagleHead):
         """[..., layers * target H] target states, as the verifier sends them, fused to the head's width."""
         return self.fc(states)
 
-    def draft_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Its own LM head: the target's is not used."""
+    def draft_weight(self, lm_head_weight: torch.Tensor | None) -> torch.Tensor:
+        """Its own LM head: the target's is not used (a drafter does not even read it)."""
         return self.lm_head.weight
 
     def draft_logits(self, outputs: torch.Tensor, draft_weight: torch.Tensor) -> torch.Tensor:

@@ -61,3 +61,22 @@ def test_an_embedding_that_computes_more_than_its_weight_loads_the_whole_model(t
     ids = torch.tensor([[1, 5, 7]])
     assert torch.equal(alone.embedding(ids), whole.get_input_embeddings()(ids))  # scaled, as the target scales
     assert not torch.equal(alone.embedding(ids), torch.nn.functional.embedding(ids, alone.embedding.weight))
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["untied", "tied"])
+def test_a_part_not_asked_for_is_not_read(tmp_path, build, monkeypatch):
+    import services.modeling.vocabulary_weights as vocabulary_weights
+
+    folder = saved(build(seed=3), tmp_path / "target")
+    whole = load_model(folder, device="cpu", dtype="float32").model
+    read = []
+    real_read = vocabulary_weights._read_tensors
+    monkeypatch.setattr(vocabulary_weights, "_read_tensors", lambda f, names: read.append(names) or real_read(f, names))
+    no_head = load_vocabulary_weights(folder, device="cpu", dtype="float32", lm_head=False)
+    assert no_head.lm_head is None and torch.equal(no_head.embedding.weight, whole.get_input_embeddings().weight)
+    assert read[-1] == ["model.embed_tokens.weight"]
+    no_embedding = load_vocabulary_weights(folder, device="cpu", dtype="float32", embedding=False)
+    assert no_embedding.embedding is None
+    assert torch.equal(no_embedding.lm_head.weight, whole.get_output_embeddings().weight)
+    # a tied head is the embedding's matrix, so that is what is read
+    assert read[-1] == (["model.embed_tokens.weight"] if whole.config.tie_word_embeddings else ["lm_head.weight"])

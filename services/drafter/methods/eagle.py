@@ -68,7 +68,7 @@ class HeadSequence:
 class EagleProposer:
     head: EagleHead
     embed: torch.nn.Module
-    lm_head: torch.nn.Module
+    lm_head: torch.nn.Module | None  # the target's; None for a head that scores with its own (EAGLE-3)
     vocab_size: int
     tokenizer_fingerprint: str = ""
     method: str = "eagle"
@@ -193,7 +193,7 @@ class EagleProposer:
     def _lm_rows(self) -> torch.Tensor:
         """The target's LM head rows of the head's draft vocabulary (taken once)."""
         if self._draft_weight is None:
-            self._draft_weight = self.head.draft_weight(self.lm_head.weight)
+            self._draft_weight = self.head.draft_weight(None if self.lm_head is None else self.lm_head.weight)
         return self._draft_weight
 
     @torch.no_grad()
@@ -343,7 +343,9 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     # accelerator when there is one, in its half precision, else the CPU in float32
     device = resolve_device(config.draft_device)
     dtype = resolve_dtype(config.draft_dtype, device)
-    target = load_vocabulary_weights(target_spec, device=device, dtype=dtype)  # the rest of the target is not read
+    # the rest of the target is not read; an EAGLE-3 head scores with its own LM head, and may ship its own embedding
+    target = load_vocabulary_weights(target_spec, device=device, dtype=dtype,
+                                     embedding=getattr(head, "embed_tokens", None) is None, lm_head=kind == "eagle")
     fit_head_to_target(head, target.config, head_dir)
     head.to(device=device, dtype=dtype)
     embed = head.token_embedding(target.embedding)
