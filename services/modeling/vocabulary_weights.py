@@ -1,11 +1,11 @@
 """A target model's token embedding and LM head alone, read from its checkpoint without building the model.
 
 An EAGLE drafter reads tokens through the target's embedding and (EAGLE-1) scores them with the target's LM head;
-nothing else of the target. It loaded the whole target for them: on an H100 the drafter spent 28.6 s loading
-SmolLM2 whole (issue 29), and a drafter placed on the verifier's GPU held, while loading, a second copy of every
-layer of a target that may fill much of that GPU already (the mission's "weights twice in memory"). Here the
-target's architecture is built on the meta device (no memory), which names the two modules' tensors for any
-architecture transformers knows, and only those tensors are read from the safetensors files and put on the device.
+nothing else of the target. It loaded the whole target for them, so a drafter placed on the verifier's GPU held,
+while loading, a second copy of every layer of a target that may fill much of that GPU already (the mission's "weights
+twice in memory"; issue 29). Here the target's architecture is built on the meta device (no memory), which names the
+two modules' tensors for any architecture transformers knows, and only those tensors are read from the safetensors
+files and put on the device. For SmolLM2 on CPU the EAGLE drafter's peak memory went 667 -> 465 MB.
 
 Plain `nn.Embedding` and bias-free `nn.Linear` modules only, from safetensors folders (a user's folder or a
 registered model's converted one): a module of another kind may compute more than its weight says (Gemma's scaled
