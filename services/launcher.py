@@ -100,15 +100,14 @@ def _given_engine_flags(args: argparse.Namespace) -> list[str]:
 def with_shipped_head(spec: SpeculativeConfig, target: str | None) -> SpeculativeConfig:
     """eagle or eagle3 without a model drafts with the head of that kind that ships for the served target; a target
     with none is a usage error now, before any process starts. An EAGLE head shares the served target's embedding
-    and LM head: --model names it for a published head whose config does not (target_model)."""
+    and LM head: target_model names the served --model (a published head's config names its target by Hub id, and
+    a shipped head's is the served model already), unless the config says otherwise."""
     if spec.method not in ("eagle", "eagle3"):
         return spec
     if not spec.model:
         from services.modeling.eagle_heads import shipped_head
 
         spec = spec.model_copy(update={"model": str(shipped_head(target, spec.method))})
-        if spec.method == "eagle":
-            return spec
     if target and getattr(spec, "target_model", None) is None:
         spec = spec.model_copy(update={"target_model": target})
     return spec
