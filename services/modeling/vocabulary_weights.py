@@ -42,7 +42,6 @@ class VocabularyWeights:
     lm_head: nn.Module | None
     config: Any  # the target's transformers config
     tokenizer: Any
-    load_seconds: float
     whole_model_loaded: bool  # True where the source needed the whole model loaded (see the module docstring)
 
 
@@ -62,16 +61,14 @@ def load_vocabulary_weights(spec: str, device: str | torch.device = "auto", dtyp
         model = loaded.model
         return VocabularyWeights(model.get_input_embeddings() if embedding else None,
                                  model.get_output_embeddings() if lm_head else None, model.config,
-                                 loaded.tokenizer, time.perf_counter() - started, whole_model_loaded=True)
+                                 loaded.tokenizer, whole_model_loaded=True)
     from transformers import AutoTokenizer
 
     read_embedding, read_head, config = parts
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    seconds = time.perf_counter() - started
-    logger.info("read %s's %s alone (%s, %s) in %.1f s", spec,
-                " and ".join(name for name, wanted in (("embedding", embedding), ("LM head", lm_head)) if wanted)
-                or "config", torch_device, torch_dtype, seconds)
-    return VocabularyWeights(read_embedding, read_head, config, tokenizer, seconds, whole_model_loaded=False)
+    logger.info("read %s's vocabulary weights alone (embedding: %s, LM head: %s) on %s as %s in %.1f s", spec,
+                embedding, lm_head, torch_device, torch_dtype, time.perf_counter() - started)
+    return VocabularyWeights(read_embedding, read_head, config, tokenizer, whole_model_loaded=False)
 
 
 def _safetensors_folder(spec: str) -> Path | None:
@@ -121,20 +118,19 @@ def _read_parts(folder: Path, device: torch.device, dtype: torch.dtype, embeddin
 
 
 def _read_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The named tensors present in the folder's safetensors files (sharded through their index, or not)."""
+    """The named tensors present in the folder's safetensors files (only the shards holding them, where an index
+    says which), each file opened once."""
     from safetensors import safe_open
 
     index = folder / SAFETENSORS_INDEX
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = {name: folder / weight_map[name] for name in names if name in weight_map}
+        paths = sorted({folder / weight_map[name] for name in names if name in weight_map})
     else:
-        files = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            with safe_open(path, "pt") as f:
-                files.update({name: path for name in names if name in f.keys() and name not in files})
-    tensors = {}
-    for name, path in files.items():
+        paths = sorted(folder.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for path in paths:
         with safe_open(path, "pt") as f:
-            tensors[name] = f.get_tensor(name)
+            for name in set(names).intersection(f.keys()).difference(tensors):
+                tensors[name] = f.get_tensor(name)
     return tensors
