@@ -42,7 +42,7 @@ class DeviceToHost:
     def queue(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor that holds `tensor` once `wait()` returns (or after any later wait on the stream)."""
         cuda = tensor.device.type == "cuda"
-        host = tensor.detach().to("cpu", non_blocking=cuda)  # from CUDA, torch puts a non-blocking copy in pinned memory
+        host = tensor.detach().to("cpu", non_blocking=cuda)  # from CUDA torch makes this copy into pinned memory
         if cuda:
             self._done = torch.cuda.Event()
             self._done.record()
