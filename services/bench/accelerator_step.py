@@ -91,8 +91,9 @@ async def generate_all(engine, prompts: Sequence[Sequence[int]], max_tokens: int
 class StepPhases:
     """Where an engine's steps spend their time, timed around the engine's own calls: drafting (the proposers'
     collection), the step's tensor work on the compute thread (forward, verification, the transfer that waits for
-    the device), the forward's host part (launching or replaying) and, on CUDA, its device time from events, and
-    the loop's own work (planning, committing, emitting). Events are read after the run, so timing adds no sync."""
+    the device), the forward's host part (launching or replaying, with the verification where a graph runs it) and,
+    on CUDA, its device time from events, and the loop's own work (planning, committing, emitting). Events are read
+    after the run, so timing adds no sync."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
@@ -115,20 +116,24 @@ class StepPhases:
             with self.timing("tensor work"):
                 return execute(*args)
 
-        def timed_forward(rows):
-            self.forwards += 1
-            start = end = None
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            with self.timing("forward host"):
-                output = forward(rows)
-            if self.cuda:
-                end.record()
-                self.events.append((start, end))
-            return output
+        def timed(run_forward):
+            def timed_forward(*args):
+                self.forwards += 1
+                start = end = None
+                if self.cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                with self.timing("forward host"):
+                    output = run_forward(*args)
+                if self.cuda:
+                    end.record()
+                    self.events.append((start, end))
+                return output
+            return timed_forward
 
-        engine.step, engine.drafts.collect, engine.runner.forward = timed_step, timed_collect, timed_forward
+        engine.step, engine.drafts.collect, engine.runner.forward = timed_step, timed_collect, timed(forward)
+        if hasattr(engine.runner, "forward_with_tail"):  # a decode step with its verification in the graph
+            engine.runner.forward_with_tail = timed(engine.runner.forward_with_tail)
         self._execute, self._timed_execute = execute, timed_execute
 
     def __enter__(self) -> StepPhases:

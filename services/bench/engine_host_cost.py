@@ -78,7 +78,7 @@ class ScriptedRunner:
     def reserve(self, seq_id: Hashable, length: int) -> None:
         pass
 
-    def capture_graphs(self, max_width: int) -> int:
+    def capture_graphs(self, max_width: int, tails: Sequence = ()) -> int:
         return 0
 
     @property

@@ -73,7 +73,7 @@ class GenericRunner:
     def kv_usage(self) -> KVUsage:
         return KVUsage(0, 0, 0, 1, self._prefix_stats)
 
-    def capture_graphs(self, max_width: int) -> int:
+    def capture_graphs(self, max_width: int, tails: Sequence = ()) -> int:
         return 0  # transformers' own forward, eagerly
 
     @torch.inference_mode()

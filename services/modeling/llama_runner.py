@@ -27,7 +27,7 @@ from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
 from services.modeling.runner import ForwardOutput, KVUsage, RowInput
-from services.modeling.step_graphs import GraphSettings, StepGraphs
+from services.modeling.step_graphs import GraphSettings, GraphTail, StepGraphs
 from services.modeling.weight_release import release_mapped
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -154,7 +154,7 @@ class LlamaFamilyRunner:
             kv_cache.enable_prefix_caching,
         )
         self.graphs = StepGraphs.for_runner(self._body, self.device, max_num_seqs, max_model_len,
-                                            graphs or GraphSettings())
+                                            graphs or GraphSettings(), head=self._head)
         self.invariant = InvariantShape.for_runner(max_num_seqs, max_model_len, kv_cache.block_size) \
             if batch_invariant else None
         # forward takes RowInput.parents and keep_path keeps one path of a fed tree; not in waves, which split rows
@@ -271,16 +271,20 @@ class LlamaFamilyRunner:
         self.cache.keep_hidden_states(len(self.hidden_layers) * self.model.config.hidden_size, self.dtype)
 
     @torch.inference_mode()
-    def capture_graphs(self, max_width: int) -> int:
+    def capture_graphs(self, max_width: int, tails: Sequence[GraphTail] = ()) -> int:
         """Capture the step graphs of short sequences up to `max_width` tokens a row now, before any request
-        (step_graphs.shapes_to_capture), each from a batch of padding alone: its writes go to the sink slot, its
-        reads to the null block. Returns how many were captured; 0 where forwards run eagerly."""
+        (step_graphs.shapes_to_capture), plain and with each of `tails` (forward_with_tail), each from a batch of
+        padding alone: its writes go to the sink slot, its reads to the null block. Returns how many were captured;
+        0 where forwards run eagerly."""
         if self.graphs is None or self.invariant is not None:
             return 0
-        shapes = self.graphs.shapes_to_capture(max_width)
-        for shape in shapes:
-            self.graphs.run(build_forward_batch(self.cache, [], [], torch.device("cpu"), shape=shape))
-        return len(shapes)
+        captured = 0
+        for tail in (None, *tails):
+            shapes = self.graphs.shapes_to_capture(max_width, None if tail is None else tail.key)
+            for shape in shapes:
+                self.graphs.run(build_forward_batch(self.cache, [], [], torch.device("cpu"), shape=shape), tail)
+            captured += len(shapes)
+        return captured
 
     def _forget_graphs(self) -> None:
         """The forward now computes something else (other served layers, kept states): capture it again."""
@@ -302,8 +306,8 @@ class LlamaFamilyRunner:
                        pool.block_size, pool.stats)
 
     # -- forward --------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
+    def _checked(self, rows: Sequence[RowInput]) -> tuple[list[int], list[int]]:
+        """Each row's cached length and tokens fed, after checking the rows fit."""
         if not rows:
             raise ValueError("forward needs at least one row")
         starts = [self.cache.length(r.seq_id) for r in rows]
@@ -315,6 +319,39 @@ class LlamaFamilyRunner:
                 raise ValueError(f"row {row.seq_id!r} would exceed max_model_len={self.max_model_len}")
             if row.parents is not None and len(row.parents) != n:
                 raise ValueError(f"row {row.seq_id!r}: {len(row.parents)} parents for {n} tokens")
+        return starts, lengths
+
+    @torch.inference_mode()
+    def forward_with_tail(self, rows: Sequence[RowInput], tail: GraphTail) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The forward of chain rows (every fed position's logits) with `tail` run on its logits [B, L, V] inside
+        the step's captured graph, where no logits leave the device and nothing is launched but the replay. Returns
+        (the tail's output, its rows padded to the graph's; the served states [B, L, layers * H]), both the graph's
+        own, which the next forward overwrites; None, with nothing done, where no captured graph takes this forward
+        (CPU, --enforce-eager, the batch-invariant mode, a shape beyond the graphs, a capture that failed): the
+        caller then runs forward()."""
+        starts, lengths = self._checked(rows)
+        span = max(s + n for s, n in zip(starts, lengths, strict=True))
+        shape = None if self.graphs is None or self.invariant is not None else \
+            self.graphs.shape_for(len(rows), max(lengths), span)
+        if shape is None or not self.graphs.takes(shape, tail) or any(r.parents is not None for r in rows):
+            return None
+        for row, start, n in zip(rows, starts, lengths, strict=True):
+            self.cache.reserve(row.seq_id, start + n)
+        batch = build_forward_batch(self.cache, rows, starts, torch.device("cpu"), shape=shape)
+        replayed = self.graphs.run(batch, tail)
+        if replayed is None:  # the capture failed just now: the caller's forward() writes the same K/V again
+            return None
+        _, _, served, out = replayed
+        for row in rows:
+            self.cache.append_tokens(row.seq_id, row.token_ids)
+        served = served[: len(rows)]
+        if served.device.type == "cpu":  # graphs on CPU are tests' rerun backends; a host copy would be served itself
+            served = served.clone()
+        return out, served
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
+        starts, lengths = self._checked(rows)
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.cache.reserve(row.seq_id, start + n)
         if self.invariant is not None:
@@ -333,9 +370,16 @@ class LlamaFamilyRunner:
         for row in rows:
             self.cache.append_tokens(row.seq_id, row.token_ids, publish=row.parents is None)
         select = batch.select[: len(rows), : max(r.num_logits for r in rows)]  # [B, M]
+        return ForwardOutput(logits=self._selected_logits(select, hidden), hidden_states=served)
+
+    def _head(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [B, L, V] of every column the batch selects: what a graph with a tail computes (step_graphs.py)."""
+        return self._selected_logits(batch.select, hidden)
+
+    def _selected_logits(self, select: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, M, V] of the hidden states [B, L, H] at columns `select` [B, M]."""
         selected = hidden.gather(1, select[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, M, H]
-        logits = self._lm_head(selected).float()  # [B, M, V]
-        return ForwardOutput(logits=logits, hidden_states=served)
+        return self._lm_head(selected).float()
 
     def _forward_in_waves(self, rows: Sequence[RowInput]) -> ForwardOutput:
         """The batch-invariant forward: waves of the one fixed shape (batch_invariance.py), logits computed for the

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from services.modeling.block_pool import PrefixCacheStats
+
+if TYPE_CHECKING:  # step_graphs imports this module's RowInput (through forward_batch)
+    from services.modeling.step_graphs import GraphTail
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class ModelRunner(Protocol):
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         """Feed each row's tokens at its current length and advance it; rows must name distinct sequences."""
 
-    def capture_graphs(self, max_width: int) -> int:
+    def capture_graphs(self, max_width: int, tails: Sequence[GraphTail] = ()) -> int:
         """On an accelerator, capture the forwards of short sequences of up to `max_width` tokens a row before the
-        first request (step_graphs.py); returns how many graphs were captured (0: forwards run eagerly)."""
+        first request (step_graphs.py), plain and with each of `tails`; returns how many graphs were captured (0:
+        forwards run eagerly). A runner whose graphs take tails also has `forward_with_tail` (llama_runner.py)."""

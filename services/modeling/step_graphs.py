@@ -11,10 +11,11 @@ serves its sequence from the first token to a long context. The forward reads it
 (forward_batch.py packs them), so a replay costs one host-to-device copy and one launch. The engine captures the
 shapes of short sequences before its first step (shapes_to_capture: every capture size, every width bucket up to
 its widest verify, the size's span floor); any other shape is captured the first time a step has it (the capture
-runs the forward it captures, so nothing is computed twice). Prefill chunks are captured too, as vLLM's piecewise
-graphs take any token count up to 512: an eager chunk cost an H100 as long as an eager decode step (45 ms), ten
-times a captured one, however few its tokens. Chunks wider than max_width, rows beyond the largest size and CPU
-forwards run eagerly as before.
+runs the forward it captures, so nothing is computed twice). A graph may carry a tail (GraphTail): work on the
+forward's logits, the verification of a plain decode step, keyed beside the shape. Prefill chunks are captured
+too, as vLLM's piecewise graphs take any token count up to 512: an eager chunk cost an H100 as long as an eager
+decode step (45 ms), ten times a captured one, however few its tokens. Chunks wider than max_width, rows beyond
+the largest size and CPU forwards run eagerly as before.
 
 Why capture ahead and bucket widths: on an H100, capturing shapes as steps first met them made speculation slower
 than none (ngram at 8 concurrent chats: 0.43x), because adaptive speculation varies K, and so the width, from step
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,8 +75,27 @@ class GraphSettings:
     capture_sizes: tuple[int, ...] | None = None
 
 
-Outputs = tuple[torch.Tensor, torch.Tensor]  # a forward's (hidden [B, L, H], served states [B, L, layers * H])
+Outputs = tuple[torch.Tensor, ...]  # a forward's (hidden [B, L, H], served states [B, L, layers * H]), then a tail's
 Body = Callable[[ForwardBatch], Outputs]
+Head = Callable[[ForwardBatch, torch.Tensor], torch.Tensor]  # (batch, hidden) -> logits [B, L, V] of its selected
+
+
+class GraphTail(Protocol):
+    """Work a step does after its forward, on the forward's logits, captured in the same graph: the verification of
+    a plain decode step (services/verifier/captured_verify.py). Launched eagerly after the graph it was about 20
+    kernels and host-to-device copies a step (issue 29 counted 21 launches a replayed step; the target is 2), each
+    a few microseconds of host time in a step that is launch-bound. Its inputs are one int64 tensor whose size
+    depends on the graph's (rows, width) alone, appended to the forward's static buffer, so a replay still costs one
+    copy in and one launch. `key` names what `run` computes; it is part of the graph's key."""
+
+    key: Hashable
+
+    def inputs(self, rows: int, width: int) -> torch.Tensor:
+        """This step's inputs as a host int64 tensor, its rows padded to `rows` and its drafts to `width` - 1."""
+
+    def run(self, logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The tail's output from the logits [rows, width, V] and the inputs (on the device): tensor work alone,
+        which may depend on `key` but not on any other attribute (the graph replays what its capture ran)."""
 
 
 class GraphBackend(Protocol):
@@ -116,6 +136,9 @@ class TorchGraphs:
         return graph.replay, outputs
 
 
+GraphKey = tuple[int, int, int, Hashable | None]  # (rows, width, span, the tail's key or None)
+
+
 @dataclass
 class _Captured:
     replay: Callable[[], None]
@@ -127,28 +150,30 @@ class _Captured:
 class StepGraphs:
     def __init__(self, body: Body, backend: GraphBackend, capture_sizes: Sequence[int], device: torch.device,
                  max_width: int = MAX_WIDTH, max_span: int | None = None,
-                 gather_positions: int = GATHER_POSITIONS) -> None:
-        """max_span: the longest sequence (max_model_len), which no span floor exceeds."""
+                 gather_positions: int = GATHER_POSITIONS, head: Head | None = None) -> None:
+        """max_span: the longest sequence (max_model_len), which no span floor exceeds. head: the logits of a
+        forward's selected positions, which a GraphTail reads (without it, graphs take no tail)."""
         self._body = body
+        self._head = head
         self._backend = backend
         self.capture_sizes = tuple(sorted(capture_sizes))
         self.device = device
         self.max_width = max_width
         self.max_span = power_of_two_at_least(max_span) if max_span else None
         self.gather_positions = gather_positions
-        self._graphs: dict[tuple[int, int, int], _Captured] = {}
-        self._uncapturable: set[tuple[int, int, int]] = set()
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._uncapturable: set[GraphKey] = set()
         self.capture_seconds = 0.0
 
     @classmethod
     def for_runner(cls, body: Body, device: torch.device, max_num_seqs: int, max_model_len: int,
-                   settings: GraphSettings) -> StepGraphs | None:
+                   settings: GraphSettings, head: Head | None = None) -> StepGraphs | None:
         """None where forwards run eagerly: on CPU, without a graph API, or with enforce_eager."""
         backend = TorchGraphs.for_device(device)
         if settings.enforce_eager or backend is None:
             return None
         sizes = settings.capture_sizes or default_capture_sizes(max_num_seqs)
-        return cls(body, backend, sizes, device, max_span=max_model_len)
+        return cls(body, backend, sizes, device, max_span=max_model_len, head=head)
 
     def span_floor(self, rows: int) -> int:
         """The shortest span a graph of `rows` (padded) rows reads: rows x span about GATHER_POSITIONS, a power
@@ -164,47 +189,65 @@ class StepGraphs:
         padded = next(size for size in self.capture_sizes if size >= rows)
         return padded, bucket, max(self.span_floor(padded), power_of_two_at_least(span))
 
-    def shapes_to_capture(self, max_width: int) -> list[tuple[int, int, int]]:
+    def shapes_to_capture(self, max_width: int, tail: Hashable | None = None) -> list[tuple[int, int, int]]:
         """What the engine captures before its first step: every capture size by every width bucket a row of up
         to `max_width` tokens needs, over the size's span floor (shorter sequences; longer ones capture as they
-        come), the graphs not yet captured."""
+        come), the graphs (with the tail of key `tail`) not yet captured."""
         widths = {bucket for width in range(1, min(max_width, self.max_width) + 1)
                   if (bucket := width_bucket(width)) is not None}
         shapes = [(rows, width, self.span_floor(rows)) for rows in self.capture_sizes for width in sorted(widths)]
-        return [shape for shape in shapes if shape not in self._graphs and shape not in self._uncapturable]
+        return [shape for shape in shapes if (*shape, tail) not in self._graphs and (*shape, tail) not in
+                self._uncapturable]
 
-    def run(self, batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor] | None:
-        """Replay (capturing first, for a new shape) the forward of a host batch padded to a graph's shape;
-        returns the graph's static batch and its outputs, which the next replay of that shape overwrites. None
-        when this shape could not be captured (logged once): the caller runs the forward eagerly."""
-        key = (*batch.input_ids.shape, batch.span)
-        if key in self._uncapturable:
+    def takes(self, shape: tuple[int, int, int], tail: GraphTail | None = None) -> bool:
+        """Whether run() replays a graph for this shape (and tail), rather than returning None: not one whose
+        capture failed, and a tail only where the graphs have a head to give it logits."""
+        key = (*shape, None if tail is None else tail.key)
+        return (tail is None or self._head is not None) and key not in self._uncapturable
+
+    def run(self, batch: ForwardBatch, tail: GraphTail | None = None) -> tuple[torch.Tensor, ...] | None:
+        """Replay (capturing first, for a new shape) the forward of a host batch padded to a graph's shape, and
+        `tail` on its logits; returns the graph's static batch and its outputs: (batch, hidden, served states) and,
+        with a tail, the tail's output. The next replay of that graph overwrites them. None when this shape could
+        not be captured (logged once): the caller runs the forward eagerly."""
+        rows, width = batch.input_ids.shape
+        key = (rows, width, batch.span, None if tail is None else tail.key)
+        if not self.takes(key[:3], tail):
             return None
-        packed = batch.packed()
+        packed = batch.packed() if tail is None else torch.cat([batch.packed(), tail.inputs(rows, width)])
         captured = self._graphs.get(key)
         if captured is None:
             try:
-                return self._capture(key, batch, packed)
+                return self._capture(key, batch, packed, tail)
             except Exception:  # noqa: BLE001 - a capture the platform refuses costs speed, never a request
-                logger.exception("capturing the forward of %d rows x %d tokens over %d positions failed; that "
-                                 "shape runs eagerly", *key)
+                logger.exception("capturing the forward of %d rows x %d tokens over %d positions (tail %s) failed; "
+                                 "that shape runs eagerly", *key)
                 self._uncapturable.add(key)
                 return None
         captured.buffer.copy_(pinned(packed), non_blocking=True)  # queued before the replay, no host wait
         captured.replay()
         return captured.batch, *captured.outputs
 
-    def _capture(self, key: tuple[int, int, int], batch: ForwardBatch, packed: torch.Tensor):
+    def _capture(self, key: GraphKey, batch: ForwardBatch, packed: torch.Tensor, tail: GraphTail | None):
         """Every run of the forward while capturing computes this very step (its K/V writes are the same each
         time), so the capture's own replay gives the step's outputs."""
         started = time.perf_counter()
         buffer = packed.to(self.device)
         static = batch.views_of(buffer)
-        replay, outputs = self._backend.capture(lambda: self._body(static))
+        if tail is None:
+            replay, outputs = self._backend.capture(lambda: self._body(static))
+        else:
+            tail_inputs = buffer[sum(t.numel() for t in batch.tensors.values()):]
+
+            def forward_and_tail() -> Outputs:
+                hidden, served = self._body(static)
+                return hidden, served, tail.run(self._head(static, hidden), tail_inputs)
+
+            replay, outputs = self._backend.capture(forward_and_tail)
         self._graphs[key] = _Captured(replay, buffer, static, outputs)
         seconds = time.perf_counter() - started
         self.capture_seconds += seconds
-        logger.info("captured the forward of %d rows x %d tokens over %d positions in %.2f s (%d graphs)",
+        logger.info("captured the forward of %d rows x %d tokens over %d positions (tail %s) in %.2f s (%d graphs)",
                     *key, seconds, len(self._graphs))
         return static, *outputs
 

@@ -35,7 +35,7 @@ from services.common.proposer import Proposer, capabilities_known, capabilities_
 from services.modeling.hidden_layers import FINAL_ONLY
 from services.modeling.host_copies import to_device
 from services.modeling.runner import ModelRunner
-from services.verifier import kv_scheduling
+from services.verifier import captured_verify, kv_scheduling
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.engine_config import EngineConfig
 from services.verifier.hidden_state_files import write_request_states
@@ -137,7 +137,7 @@ class Engine:
             self._graphs_captured = True
             started = time.perf_counter()
             captured = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.runner.capture_graphs, PROFILE_MAX_WIDTH)
+                self._executor, self.runner.capture_graphs, PROFILE_MAX_WIDTH, captured_verify.PROTOTYPES)
             if captured:
                 logger.info("captured %d step graphs in %.1f s", captured, time.perf_counter() - started)
         await self._profile_step_cost()

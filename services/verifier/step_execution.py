@@ -14,6 +14,7 @@ import torch
 
 from services.modeling.host_copies import DeviceToHost, to_device
 from services.modeling.runner import ModelRunner, RowInput
+from services.verifier import captured_verify
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
 from services.verifier.draft_trees import best_lines, fed_parents, fed_rows, line_through, verify_lines
 from services.verifier.outputs import TokenLogprob
@@ -149,6 +150,10 @@ def execute(
     if not states:
         to_host.wait()
         return []
+    if not first_token_logits:
+        rows = verified_in_graph(runner, decode, drafts, to_host, timing)
+        if rows is not None:
+            return rows
     # A tree's first path only, where the runner cannot feed trees or one grammar matcher would walk its paths
     trees_ok = getattr(runner, "supports_trees", False)
     drafts = [d if trees_ok and s.constraint is None else d.first_path() for s, d in zip(decode, drafts, strict=True)]
@@ -268,6 +273,39 @@ def execute(
     for b, kept_fed in kept_states:
         rows_out[b] = replace(rows_out[b], hidden=states_on_host[host_row[b], kept_fed])
     return rows_out
+
+
+def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft],
+                      to_host: DeviceToHost, timing: list[tuple[StepShape, float]] | None) -> list[SampledRow] | None:
+    """The decode rows' forward and verification as one captured graph (captured_verify.py), where the runner has
+    one for this step and the rows need nothing beyond it; None, with nothing done, otherwise."""
+    forward_with_tail = getattr(runner, "forward_with_tail", None)
+    if forward_with_tail is None or not captured_verify.takes(decode, drafts, runner.vocab_size):
+        return None
+    started = time.perf_counter()
+    rows = [RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens))
+            for s, d in zip(decode, drafts, strict=True)]
+    replayed = forward_with_tail(rows, captured_verify.VerifyTail.of(decode, drafts))
+    if replayed is None:
+        return None
+    results, served = replayed
+    rows_with_states = [b for b, state in enumerate(decode) if state.hidden is not None]
+    states_on_host = to_host.queue(rows_of(served, rows_with_states)) if rows_with_states else None
+    results = to_host.queue(results[: len(decode)])
+    to_host.wait()  # the step's one wait
+    results = results.tolist()
+    if timing is not None:
+        width = max(len(d.tokens) for d in drafts) + 1
+        timing.append((StepShape(len(decode), width, max(len(s.token_ids) for s in decode) + width),
+                       time.perf_counter() - started))
+    host_row = {b: i for i, b in enumerate(rows_with_states)}
+    out = []
+    for b, (state, draft, result) in enumerate(zip(decode, drafts, results, strict=True)):
+        n_acc = result[-1]
+        runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
+        hidden = None if state.hidden is None else states_on_host[host_row[b], : n_acc + 1]
+        out.append(SampledRow(state, result[: n_acc + 1], len(draft.tokens), n_acc, None, hidden))
+    return out
 
 
 def draft_probabilities(

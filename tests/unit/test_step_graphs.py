@@ -125,8 +125,8 @@ def test_graph_shaped_forwards_match_eager_ones(make_model, max_width):
     assert len(prefill_graphs) == (2 if max_width == 512 else 0)  # (1, 256, 256) for 240 and 250, (1, 64, 256)
     assert not graphed.cache.keys[:, :, : graphed.cache.block_size].any()  # the padding went to the sink, not here
     if max_width == 512:  # the 256-token prefill graph left the ancestor table out; the verify graphs have one
-        assert graphed.graphs._graphs[(1, 256, 256)].batch.ancestors.numel() == 0
-        assert graphed.graphs._graphs[(4, 5, 256)].batch.ancestors.shape == (4, 5, 5)
+        assert graphed.graphs._graphs[(1, 256, 256, None)].batch.ancestors.numel() == 0
+        assert graphed.graphs._graphs[(4, 5, 256, None)].batch.ancestors.shape == (4, 5, 5)
 
 
 def test_every_width_a_token_tree_can_have_is_one_whose_graph_takes_trees():

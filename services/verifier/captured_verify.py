@@ -1,0 +1,96 @@
+"""Verification inside the step's captured graph, for the plain decode steps that most traffic makes.
+
+On an accelerator a decode step replays one captured graph for its forward (step_graphs.py), but its verification
+ran after it kernel by kernel: the LM head, the log-softmax, the noise, the acceptance rule, the packing of the
+results, and the host-to-device copies of the drafts and sampling parameters. On an H100 that was 21 launches and
+copies a replayed step (issue 29; the target is 2), each a few microseconds of host time in a step the host holds
+up. VerifyTail is that same verification (rejection.verify, the same function, so the same tokens) as a GraphTail:
+its inputs ride in the forward's static buffer and its output is the step's accepted tokens, so a step is one
+copy in, one replay and one copy out.
+
+It takes the common case only, where verify needs nothing but the logits, the drafts and each row's temperature
+and seed: chains (no token trees), no grammar or token rules, no penalties, top-k, top-p or min-p, no logprobs,
+and no sampled row with a drafter's q. Any other step takes the eager tail in step_execution.py, as before.
+Greedy and sampled steps are two graphs (`sampled` is the key), so that a greedy step does not draw noise over
+its whole vocabulary for nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.verifier.draft_collection import ProposedDraft
+from services.verifier.rejection import verify
+from services.verifier.request_state import RequestState
+from services.verifier.sampling_batch import SamplingBatch
+
+
+def takes(states: Sequence[RequestState], drafts: Sequence[ProposedDraft], vocab_size: int) -> bool:
+    """Whether these decode rows verify with nothing but VerifyTail's inputs."""
+    for state, draft in zip(states, drafts, strict=True):
+        sampling = state.request.sampling
+        if (draft.parents is not None or state.constraint is not None or sampling.uses_penalties
+                or (sampling.top_k_enabled and sampling.top_k < vocab_size) or sampling.top_p < 1.0
+                or sampling.min_p > 0.0 or sampling.logprobs is not None
+                or (draft.probs is not None and not sampling.greedy)):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class VerifyTail:
+    """One step's verification as a GraphTail: per row its drafts, the position its first emitted token takes,
+    its seed, whether it is greedy and its temperature (1 for greedy rows, as SamplingBatch holds them)."""
+
+    sampled: bool
+    drafts: tuple[tuple[int, ...], ...] = ()
+    positions: tuple[int, ...] = ()
+    seeds: tuple[int, ...] = ()
+    greedy: tuple[bool, ...] = ()
+    temperatures: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, states: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> VerifyTail:
+        sampling = [state.request.sampling for state in states]
+        return cls(sampled=any(not s.greedy for s in sampling), drafts=tuple(tuple(d.tokens) for d in drafts),
+                   positions=tuple(len(state.token_ids) for state in states), seeds=tuple(s.seed for s in states),
+                   greedy=tuple(s.greedy for s in sampling),
+                   temperatures=tuple(1.0 if s.greedy else s.temperature for s in sampling))
+
+    @property
+    def key(self) -> tuple[str, bool]:
+        return ("verify", self.sampled)
+
+    def inputs(self, rows: int, width: int) -> torch.Tensor:
+        """[rows, width + 3] int64 (drafts padded with 0, their number, position, seed, greedy) then the rows'
+        temperatures as float64 bits; padding rows draft nothing, greedily."""
+        k, pad = width - 1, rows - len(self.drafts)
+        ints = torch.tensor([[*d, *[0] * (k - len(d)), len(d), p, s, g] for d, p, s, g in
+                             zip(self.drafts, self.positions, self.seeds, self.greedy, strict=True)]
+                            + [[0] * k + [0, 0, 0, 1]] * pad, dtype=torch.int64).reshape(rows, k + 4)
+        temperatures = torch.tensor([*self.temperatures, *[1.0] * pad], dtype=torch.float64)
+        return torch.cat([ints.reshape(-1), temperatures.view(torch.int64)])
+
+    def run(self, logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """[rows, width + 1] int64: each row's tokens (it emits the first num_accepted + 1) then num_accepted."""
+        rows, width, vocab = logits.shape
+        k = width - 1
+        ints = inputs[: rows * (k + 4)].view(rows, k + 4)
+        temperature = inputs[rows * (k + 4) :].view(torch.float64).float()
+        greedy = ints[:, k + 3].bool()
+        ones = torch.ones_like(temperature)
+        batch = SamplingBatch(
+            temperature=temperature, greedy=greedy, top_k=torch.full_like(ints[:, k], vocab), top_p=ones,
+            min_p=torch.zeros_like(temperature), presence_penalty=torch.zeros_like(temperature),
+            frequency_penalty=torch.zeros_like(temperature), repetition_penalty=ones, seeds=ints[:, k + 2],
+            output_counts=None, prompt_mask=None, any_sampled=self.sampled, any_top_k=False, any_top_p=False,
+            any_min_p=False, any_penalties=False, num_logprobs=0)
+        result = verify(logits, ints[:, :k], ints[:, k], ints[:, k + 1], batch)
+        return torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)
+
+
+# What the engine captures ahead for verify widths, beside the plain graphs: a greedy and a sampled step
+PROTOTYPES = (VerifyTail(sampled=False), VerifyTail(sampled=True))
