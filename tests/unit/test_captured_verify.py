@@ -16,7 +16,7 @@ import torch
 
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.runner import RowInput
-from services.modeling.step_graphs import StepGraphs
+from services.modeling.step_graphs import GraphSettings, StepGraphs
 from services.verifier import captured_verify
 from services.verifier.captured_verify import VerifyTail
 from services.verifier.draft_collection import ProposedDraft
@@ -180,3 +180,46 @@ async def test_through_the_engine_greedy_and_sampled_output_is_unchanged():
     tails = {key[3] for key in runner.graphs._graphs}
     assert {("verify", False), ("verify", True), None} <= tails, tails
     assert tail_steps[0] >= 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures real CUDA graphs")
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_cuda_graph_tails_emit_what_the_eager_tail_emits(sampled):
+    """A real CUDA graph with the verification in it, against the eager forward and verify on the same GPU (float32,
+    so that the padded LM head cannot flip a pick), over steps that accept, reject and draft nothing."""
+    model = tiny_llama(seed=3).to("cuda")
+    eager = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160, graphs=GraphSettings(enforce_eager=True))
+    graphed = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160)
+    assert graphed.capture_graphs(5, captured_verify.PROTOTYPES) > 0
+    rng = random.Random(5)
+    prompt = [rng.randrange(VOCAB) for _ in range(30)]
+    for runner in (eager, graphed):
+        for seq in "ab":
+            runner.add_sequence(seq)
+            runner.forward([RowInput(seq, prompt)])
+    tokens = {"a": prompt[-1], "b": prompt[-1]}
+    params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.9 if sampled else 0.0)}
+    for step in range(8):
+        drafts = {"a": [rng.randrange(VOCAB) for _ in range(step % 4)], "b": [rng.randrange(VOCAB)]}
+        rows = [RowInput(s, [tokens[s], *drafts[s]], num_logits=1 + len(drafts[s])) for s in "ab"]
+        position = {s: eager.length(s) + 1 for s in "ab"}
+        tail = VerifyTail(sampled=sampled, drafts=tuple(tuple(drafts[s]) for s in "ab"),
+                          positions=tuple(position[s] for s in "ab"), seeds=(1, 2),
+                          greedy=tuple(params[s].greedy for s in "ab"),
+                          temperatures=tuple(1.0 if params[s].greedy else params[s].temperature for s in "ab"))
+        replayed = graphed.forward_with_tail(rows, tail)
+        assert replayed is not None
+        results = replayed[0][:2].tolist()
+        logits = eager.forward(rows).logits
+        k = logits.shape[1] - 1
+        batch = SamplingBatch.build([params[s] for s in "ab"], [1, 2], VOCAB, torch.device("cuda"))
+        padded = torch.tensor([drafts[s] + [0] * (k - len(drafts[s])) for s in "ab"], device="cuda")
+        expected = verify(logits, padded, torch.tensor([len(drafts[s]) for s in "ab"], device="cuda"),
+                          torch.tensor([position[s] for s in "ab"], device="cuda"), batch)
+        for b, seq in enumerate("ab"):
+            accepted = int(expected.num_accepted[b])
+            assert results[b][-1] == accepted
+            assert results[b][: accepted + 1] == expected.tokens[b, : accepted + 1].tolist()
+            for runner in (eager, graphed):
+                runner.truncate(seq, position[seq] + accepted)
+            tokens[seq] = results[b][accepted]

@@ -15,11 +15,13 @@ import torch
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.modeling.generic_runner import GenericRunner
 from services.modeling.llama_runner import LlamaFamilyRunner
+from services.modeling.step_graphs import StepGraphs
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
 from tests.tiny_models import tiny_llama
+from tests.unit.test_step_graphs import RerunOnReplay
 
 
 class RecordingProposer:
@@ -50,8 +52,10 @@ class RecordingProposer:
 
 @pytest.mark.parametrize("needs,layers", [(True, (-1,)), (False, (-1,)), (True, (1, 0, -1)), (True, (1,))],
                          ids=["final", "none", "three-layers", "one-inner-layer"])
-@pytest.mark.parametrize("runner_kind", ["llama", "generic"])
+@pytest.mark.parametrize("runner_kind", ["llama", "generic", "llama-graphed"])
 async def test_drafters_receive_the_targets_own_hidden_states(needs, layers, runner_kind):
+    """llama-graphed: the llama runner with graphs replayed by rerunning them on CPU (test_step_graphs.py), where a
+    plain step verifies inside its graph (captured_verify.py) and the states come from the graph's own output."""
     model = tiny_llama(seed=5)
     prompts = {"a": list(range(3, 40)), "b": [7, 8, 9, 10, 11], "c": list(range(50, 20, -1))}
     continuation = {}
@@ -60,7 +64,10 @@ async def test_drafters_receive_the_targets_own_hidden_states(needs, layers, run
             continuation[rid] = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                                min_new_tokens=24)[0].tolist()
     proposer = RecordingProposer(needs, continuation, layers=layers)
-    runner = (LlamaFamilyRunner if runner_kind == "llama" else GenericRunner)(model, max_num_seqs=4, max_model_len=128)
+    runner = (GenericRunner if runner_kind == "generic" else LlamaFamilyRunner)(model, max_num_seqs=4, max_model_len=128)
+    if runner_kind == "llama-graphed":
+        runner.graphs = StepGraphs(runner._body, RerunOnReplay(), (1, 2, 4), runner.device, max_width=8,
+                                   head=runner._head)
     engine = Engine(runner, EngineConfig(max_num_batched_tokens=16, log_stats_interval_s=0, adaptive_speculation=False),
                     {"recorder": proposer})
     requests = [GenerationRequest(rid, tuple(p), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
