@@ -329,11 +329,11 @@ class LlamaFamilyRunner:
         own, which the next forward overwrites; None, with nothing done, where no captured graph takes this forward
         (CPU, --enforce-eager, the batch-invariant mode, a shape beyond the graphs, a capture that failed): the
         caller then runs forward()."""
+        if self.graphs is None or self.invariant is not None or any(r.parents is not None for r in rows):
+            return None
         starts, lengths = self._checked(rows)
-        span = max(s + n for s, n in zip(starts, lengths, strict=True))
-        shape = None if self.graphs is None or self.invariant is not None else \
-            self.graphs.shape_for(len(rows), max(lengths), span)
-        if shape is None or not self.graphs.takes(shape, tail) or any(r.parents is not None for r in rows):
+        shape = self.graphs.shape_for(len(rows), max(lengths), max(s + n for s, n in zip(starts, lengths, strict=True)))
+        if shape is None or not self.graphs.takes(shape, tail):
             return None
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.cache.reserve(row.seq_id, start + n)
