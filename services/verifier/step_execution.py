@@ -223,9 +223,7 @@ def execute(
     results, logprobs, top_lp, top_ids = (None if tensor is None else tensor.tolist() for tensor in on_host)
     tokens, accepted = [row[:-1] for row in results], [row[-1] for row in results]
     if timing is not None and decode:
-        width = max(len(d.tokens) for d in drafts) + 1
-        timing.append((StepShape(len(decode), width, max(len(s.token_ids) for s in decode) + width),
-                       time.perf_counter() - started))
+        timing.append((verify_shape(decode, drafts), time.perf_counter() - started))
     best = best_lines(lines, accepted, len(states))
     q_trees = [b for b, (state, draft) in enumerate(zip(decode, drafts, strict=True))
                if draft.parents is not None and draft.probs is not None and not state.request.sampling.greedy]
@@ -295,9 +293,7 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     to_host.wait()  # the step's one wait
     results = results.tolist()
     if timing is not None:
-        width = max(len(d.tokens) for d in drafts) + 1
-        timing.append((StepShape(len(decode), width, max(len(s.token_ids) for s in decode) + width),
-                       time.perf_counter() - started))
+        timing.append((verify_shape(decode, drafts), time.perf_counter() - started))
     host_row = {b: i for i, b in enumerate(rows_with_states)}
     out = []
     for b, (state, draft, result) in enumerate(zip(decode, drafts, results, strict=True)):
@@ -306,6 +302,12 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
         hidden = None if state.hidden is None else states_on_host[host_row[b], : n_acc + 1]
         out.append(SampledRow(state, result[: n_acc + 1], len(draft.tokens), n_acc, None, hidden))
     return out
+
+
+def verify_shape(decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> StepShape:
+    """The decode rows' forward as the step-cost model sees it: rows, width (1 + the most drafts) and span."""
+    width = max(len(d.tokens) for d in drafts) + 1
+    return StepShape(len(decode), width, max(len(s.token_ids) for s in decode) + width)
 
 
 def draft_probabilities(
