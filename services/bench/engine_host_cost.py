@@ -98,10 +98,13 @@ class ScriptedRunner:
         return ForwardOutput(logits=logits, hidden_states=torch.zeros(len(rows), max(len(r.token_ids) for r in rows), 1))
 
 
-async def run_case(rows: int, speculate: bool, tokens: int, vocab: int) -> dict[str, float]:
-    """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round."""
+async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True) -> dict[str, float]:
+    """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round. adaptive: the engine's
+    default adaptive speculation, whose K follows the step costs it measures (so the number of forwards depends on
+    the machine and its load); False: K = 4 at every step."""
     runner = ScriptedRunner(rows, vocab)
-    engine = Engine(runner, EngineConfig(), local_proposers(SpeculativeConfig(method="ngram", num_speculative_tokens=4)))
+    engine = Engine(runner, EngineConfig(adaptive_speculation=adaptive),
+                    local_proposers(SpeculativeConfig(method="ngram", num_speculative_tokens=4)))
     speculation = SpeculationParams("ngram", 4) if speculate else SpeculationParams()
 
     async def one(name: str, offset: int) -> list[int]:

@@ -7,7 +7,8 @@ from services.bench.engine_host_cost import run_case
 
 async def test_the_scripted_model_is_followed_and_ngram_drafts_it_in_fewer_forwards():
     plain = await run_case(rows=2, speculate=False, tokens=64, vocab=64)
-    drafted = await run_case(rows=2, speculate=True, tokens=64, vocab=64)
+    # K fixed at 4: adaptive K follows measured step costs, which on a loaded machine once gave 34 forwards, not < 32
+    drafted = await run_case(rows=2, speculate=True, tokens=64, vocab=64, adaptive=False)
     assert plain["follows_script"] and drafted["follows_script"]
     assert plain["tokens"] == drafted["tokens"] == 128
     assert drafted["forwards"] < plain["forwards"] / 2  # the script repeats: drafts from the context land
