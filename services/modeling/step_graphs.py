@@ -91,7 +91,8 @@ class GraphTail(Protocol):
     key: Hashable
 
     def inputs(self, rows: int, width: int) -> torch.Tensor:
-        """This step's inputs as a host int64 tensor, its rows padded to `rows` and its drafts to `width` - 1."""
+        """This step's inputs as a host int64 tensor, for a graph of `rows` rows of `width` tokens (its own rows
+        padded to that)."""
 
     def run(self, logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """The tail's output from the logits [rows, width, V] and the inputs (on the device): tensor work alone,
