@@ -97,7 +97,7 @@ class StepPhases:
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
-        self.steps = self.forwards = 0
+        self.steps = self.forwards = self.verified_in_graph = 0
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.cuda = engine.runner.device.type == "cuda"
         step, collect, forward = engine.step, engine.drafts.collect, engine.runner.forward
@@ -133,7 +133,15 @@ class StepPhases:
 
         engine.step, engine.drafts.collect, engine.runner.forward = timed_step, timed_collect, timed(forward)
         if hasattr(engine.runner, "forward_with_tail"):  # a decode step with its verification in the graph
-            engine.runner.forward_with_tail = timed(engine.runner.forward_with_tail)
+            with_tail = timed(engine.runner.forward_with_tail)
+
+            def counted_with_tail(*args):
+                output = with_tail(*args)
+                self.verified_in_graph += output is not None
+                self.forwards -= output is None  # the step then runs forward() too, which counts it
+                return output
+
+            engine.runner.forward_with_tail = counted_with_tail
         self._execute, self._timed_execute = execute, timed_execute
 
     def __enter__(self) -> StepPhases:
@@ -154,7 +162,7 @@ class StepPhases:
     def reset(self) -> None:
         self.seconds.clear()
         self.events.clear()
-        self.steps = self.forwards = 0
+        self.steps = self.forwards = self.verified_in_graph = 0
 
     def summary(self) -> str:
         """ms per step of each phase, over the steps since reset()."""
@@ -165,8 +173,8 @@ class StepPhases:
         loop = per_step.get("step", 0.0) - per_step.get("drafting", 0.0) - per_step.get("tensor work", 0.0)
         parts = ", ".join(f"{name} {per_step[name]:.2f}" for name in
                           ("drafting", "tensor work", "forward host", "forward on device") if name in per_step)
-        return (f"{self.steps} steps, {self.forwards} forwards; ms a step: {per_step.get('step', 0.0):.2f} = "
-                f"{parts}, loop {loop:.2f}")
+        return (f"{self.steps} steps, {self.forwards} forwards ({self.verified_in_graph} verified in their graph); "
+                f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}")
 
 
 def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load: dict[str, list],
