@@ -33,9 +33,8 @@ def takes(states: Sequence[RequestState], drafts: Sequence[ProposedDraft], vocab
     for state, draft in zip(states, drafts, strict=True):
         sampling = state.request.sampling
         if (draft.parents is not None or state.constraint is not None or sampling.uses_penalties
-                or (sampling.top_k_enabled and sampling.top_k < vocab_size) or sampling.top_p < 1.0
-                or sampling.min_p > 0.0 or sampling.logprobs is not None
-                or (draft.probs is not None and not sampling.greedy)):
+                or sampling.top_k_filters(vocab_size) or sampling.top_p_filters or sampling.min_p_filters
+                or sampling.logprobs is not None or (draft.probs is not None and not sampling.greedy)):
             return False
     return True
 
@@ -80,14 +79,8 @@ class VerifyTail:
         k = width - 1
         ints = inputs[: rows * (k + 4)].view(rows, k + 4)
         temperature = inputs[rows * (k + 4) :].view(torch.float64).float()
-        greedy = ints[:, k + 3].bool()
-        ones = torch.ones_like(temperature)
-        batch = SamplingBatch(
-            temperature=temperature, greedy=greedy, top_k=torch.full_like(ints[:, k], vocab), top_p=ones,
-            min_p=torch.zeros_like(temperature), presence_penalty=torch.zeros_like(temperature),
-            frequency_penalty=torch.zeros_like(temperature), repetition_penalty=ones, seeds=ints[:, k + 2],
-            output_counts=None, prompt_mask=None, any_sampled=self.sampled, any_top_k=False, any_top_p=False,
-            any_min_p=False, any_penalties=False, num_logprobs=0)
+        batch = SamplingBatch.temperature_only(temperature, ints[:, k + 3].bool(), ints[:, k + 2], vocab,
+                                               self.sampled)
         result = verify(logits, ints[:, :k], ints[:, k], ints[:, k + 1], batch)
         return torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)
 

@@ -74,9 +74,21 @@ class SamplingBatch:
             output_counts=counts,
             prompt_mask=masks,
             any_sampled=any(not p.greedy for p in params),
-            any_top_k=any(p.top_k_enabled and p.top_k < vocab_size for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0.0 for p in params),
+            any_top_k=any(p.top_k_filters(vocab_size) for p in params),
+            any_top_p=any(p.top_p_filters for p in params),
+            any_min_p=any(p.min_p_filters for p in params),
             any_penalties=any_penalties,
             num_logprobs=min(vocab_size, max((p.logprobs or 0 for p in params), default=0)),
         )
+
+    @staticmethod
+    def temperature_only(temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor, vocab_size: int,
+                         any_sampled: bool) -> SamplingBatch:
+        """Rows sampled by temperature and seed alone, from tensors already on the device (a captured verification,
+        captured_verify.py): every filter and penalty off, their tensors neutral."""
+        ones, zeros = torch.ones_like(temperature), torch.zeros_like(temperature)
+        return SamplingBatch(
+            temperature=temperature, greedy=greedy, top_k=torch.full_like(seeds, vocab_size), top_p=ones, min_p=zeros,
+            presence_penalty=zeros, frequency_penalty=zeros, repetition_penalty=ones, seeds=seeds, output_counts=None,
+            prompt_mask=None, any_sampled=any_sampled, any_top_k=False, any_top_p=False, any_min_p=False,
+            any_penalties=False, num_logprobs=0)

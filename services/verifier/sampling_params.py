@@ -136,6 +136,18 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def top_k_filters(self, vocab_size: int) -> bool:
+        """top-k removes tokens from a vocabulary of this size (it is on and smaller than the vocabulary)."""
+        return self.top_k_enabled and self.top_k < vocab_size
+
+    @property
+    def top_p_filters(self) -> bool:
+        return self.top_p < 1.0
+
+    @property
+    def min_p_filters(self) -> bool:
+        return self.min_p > 0.0
+
 
 @dataclass(frozen=True)
 class SpeculationParams:
