@@ -32,8 +32,9 @@ def smollm2_bf16():
 def runner_for(loaded, batch_invariant: bool) -> LlamaFamilyRunner:
     """Three sequences, the most any test here runs at once: the invariant shape is then 3 rows of 8 tokens, each
     wave a quarter cheaper than 4 rows (bf16 on a CPU without bf16 instructions is slow: an AVX2-only EPYC took
-    0.9 s a wave of 4 rows)."""
-    return LlamaFamilyRunner(loaded.model, max_num_seqs=3, max_model_len=320, batch_invariant=batch_invariant,
+    0.9 s a wave of 4 rows). 192 positions hold the longest request here (133 prompt tokens, 16 generated, 9
+    drafts); every wave reads them all, so a longer context costs every wave."""
+    return LlamaFamilyRunner(loaded.model, max_num_seqs=3, max_model_len=192, batch_invariant=batch_invariant,
                              kv_cache=KVCacheConfig(memory_bytes=64 << 20, block_size=16))
 
 
@@ -47,9 +48,11 @@ def test_waves_feed_each_row_in_order_within_the_fixed_shape():
 def first_logits(loaded, batch_invariant: bool, batched: bool) -> torch.Tensor:
     """The same token at the same position: decoded alone, or as the first of 5 fed tokens beside two other rows."""
     runner = runner_for(loaded, batch_invariant)
-    for seq, n in (("a", 62), ("b", 63), ("c", 64)):  # prompts that share their start (prefix-cache hits)
-        runner.add_sequence(seq)
-        runner.forward([RowInput(seq, list(range(3, n)), 1)])
+    for seq, n in (("a", 62), ("b", 63), ("c", 64)):  # prompts that share their start: b and c hit a's blocks
+        prompt = list(range(3, n))
+        cached = runner.add_sequence(seq, prompt)
+        assert cached == (0 if seq == "a" else 48)  # whole blocks of 16
+        runner.forward([RowInput(seq, prompt[cached:], 1)])
     if batched:
         rows = [RowInput("a", [5, 6, 7, 8, 9], 5), RowInput("b", [1, 2, 3], 3), RowInput("c", [4], 1)]
     else:
@@ -97,8 +100,9 @@ async def test_in_bf16_speculative_greedy_output_is_the_non_speculative_one_toke
                      "random": RandomProposer(smollm2_bf16.model.config.vocab_size, seed=0)}
         engine = Engine(runner, EngineConfig(max_num_batched_tokens=48, log_stats_interval_s=0,
                                              adaptive_speculation=False), proposers, [tokenizer.eos_token_id])
-        # ignore_eos: every request runs its 20 tokens, whichever token the CPU's numerics make it reach first
-        requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        # ignore_eos: every request runs its 16 tokens, whichever token the CPU's numerics make it reach first (a
+        # decode wave costs about a second on an AVX2-only CPU: 4 runs x 16 tokens are most of this module's time)
+        requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                                       spec) for i, p in enumerate(prompts)]
         return await run_schedule(engine, {0: requests[:2], 2: requests[2:]})
 
@@ -107,4 +111,4 @@ async def test_in_bf16_speculative_greedy_output_is_the_non_speculative_one_toke
         result = await run(spec)
         for request_id, collected in baseline.items():
             assert result[request_id].tokens == collected.tokens, (spec, request_id)
-    assert sum(len(c.tokens) for c in baseline.values()) == 60
+    assert sum(len(c.tokens) for c in baseline.values()) == 48
