@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.common.proposer import DraftInput
 from services.drafter.methods.ngram import NgramProposer, NgramSettings, propose_ngram
@@ -28,6 +30,33 @@ def test_respects_min_and_k():
 
 def test_continuation_may_be_shorter_than_k():
     assert lookup([4, 4, 4], 5) == [4]
+
+
+def reference_continuations(tokens: list[int], lo: int, hi: int) -> list[int]:
+    """The rule spelled out: for n from hi down to lo, the earlier occurrences of the last n tokens (they may overlap
+    them, not be them); where what followed each starts, most recent first."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        starts = [j + n for j in range(len(tokens) - n) if tokens[j : j + n] == suffix]
+        if starts:
+            return starts[::-1]
+    return []
+
+
+def reference_lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    starts = reference_continuations(tokens, lo, hi)
+    return tokens[starts[0] : starts[0] + k] if starts and k > 0 else []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(0, 6), st.integers(1, 5), st.integers(0, 4))
+def test_the_lookup_follows_the_rule_on_any_sequence(tokens, k, lo, extra):
+    """Small alphabets, so that matches of every length, overlapping ones and ties between lengths are common."""
+    from services.drafter.methods.ngram import _longest_match_starts
+
+    assert lookup(tokens, k, lo, lo + extra) == reference_lookup(tokens, k, lo, lo + extra)
+    starts = _longest_match_starts(np.array(tokens, dtype=np.int64), NgramSettings(lo, lo + extra))
+    assert starts.tolist() == reference_continuations(tokens, lo, lo + extra)  # the trees' continuations
 
 
 def test_settings_are_validated():

@@ -13,7 +13,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.common.speculative_config import SpeculativeConfig
@@ -32,20 +31,39 @@ class NgramSettings:
             )
 
 
+def _longest_match_ends(tokens: np.ndarray, settings: NgramSettings) -> np.ndarray:
+    """Where the earlier occurrences of the longest matching suffix n-gram (n from prompt_lookup_max down to
+    prompt_lookup_min) end, in order (empty: none); what followed an occurrence starts one past its end.
+
+    One scan, then narrowing: the occurrences of the last token before it, then of those the ones whose previous
+    token continues the suffix, and so on while any is left. A scan of the whole sequence per n, as this was,
+    cost 0.2-0.8 ms a sequence at 300-4,000 tokens on a 2-core EPYC, paid every step for every row (20 ms a step
+    at 64 rows); this is one comparison over the sequence and a few on a shrinking handful of positions."""
+    length = len(tokens)
+    if length < 2 or settings.prompt_lookup_max < 1:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # occurrences of the 1-gram, not itself
+    n, found = 1, ends
+    while ends.size and n < settings.prompt_lookup_max:
+        ends = ends[ends >= n]  # an (n + 1)-gram ending at i starts at i - n
+        ends = ends[tokens[ends - n] == tokens[length - 1 - n]]
+        if ends.size:
+            n, found = n + 1, ends
+    if not found.size or n < settings.prompt_lookup_min:
+        return np.zeros(0, dtype=np.int64)
+    return found
+
+
 def propose_ngram(tokens: np.ndarray, k: int, settings: NgramSettings) -> list[int]:
     """Up to k tokens following the most recent earlier occurrence of the longest matching suffix n-gram
     (n from prompt_lookup_max down to prompt_lookup_min)."""
-    length = len(tokens)
     if k <= 0:
         return []
-    for n in range(min(settings.prompt_lookup_max, length - 1), settings.prompt_lookup_min - 1, -1):
-        suffix = tokens[length - n :]
-        windows = sliding_window_view(tokens[: length - 1], n)  # every earlier n-gram start, excluding the suffix
-        matches = np.flatnonzero((windows == suffix).all(axis=1))
-        if matches.size:
-            start = int(matches[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    ends = _longest_match_ends(tokens, settings)
+    if not ends.size:
+        return []
+    start = int(ends[-1]) + 1
+    return tokens[start : start + k].tolist()
 
 
 MAX_TREE_MATCHES = 64  # the most recent occurrences a tree reads: enough to fill any tree, bounded per step
@@ -53,13 +71,7 @@ MAX_TREE_MATCHES = 64  # the most recent occurrences a tree reads: enough to fil
 
 def _longest_match_starts(tokens: np.ndarray, settings: NgramSettings) -> np.ndarray:
     """Where the continuations of the longest matching suffix n-gram start, most recent first (empty: none)."""
-    length = len(tokens)
-    for n in range(min(settings.prompt_lookup_max, length - 1), settings.prompt_lookup_min - 1, -1):
-        windows = sliding_window_view(tokens[: length - 1], n)  # every earlier n-gram start, excluding the suffix
-        matches = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if matches.size:
-            return matches[::-1] + n
-    return np.zeros(0, dtype=np.int64)
+    return _longest_match_ends(tokens, settings)[::-1] + 1
 
 
 def propose_ngram_tree(tokens: np.ndarray, max_nodes: int, depth: int, settings: NgramSettings) -> Draft:
