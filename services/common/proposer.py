@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # only drafters that sample carry tensors: ngram and suffix d
 @dataclass(frozen=True)
 class DraftInput:
     seq_id: Hashable
-    token_ids: Sequence[int]  # committed tokens, prompt first; read-only
+    # committed tokens, prompt first; read-only (from the drafter service a TokenView: np.asarray reads it uncopied)
+    token_ids: Sequence[int]
     # K wanted now (the engine already clamped it to the room left): a chain's length, or the most tokens a tree may
     # hold (Draft.parents; its depth is the drafter's own num_speculative_tokens)
     num_speculative_tokens: int

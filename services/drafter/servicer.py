@@ -4,7 +4,8 @@ Sequence state belongs to the Draft stream that opened it: each verifier link ha
 takes its sequences with it (released from the proposer), and two verifiers using the same sequence id do not
 collide, because the proposer sees ids namespaced by link. The servicer keeps the committed tokens of every
 open sequence so that proposers keep receiving whole sequences (the Proposer protocol's contract), exactly as
-they do in-process.
+they do in-process; it keeps them in numpy buffers and hands them over as read-only views (token_history.py), so
+that a drafter reading them with numpy copies nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from services.common.drafter_wire import (
 )
 from services.common.growing_rows import GrowingRows
 from services.common.proposer import DraftInput, Proposer
+from services.common.token_history import TokenHistory
 from services.drafter.metrics import DrafterMetrics, StepObservation
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class LinkState:
     """What one Draft stream has told the drafter: the committed tokens of each open sequence."""
 
     link_id: int
-    sequences: dict[str, list[int]] = field(default_factory=dict)
+    sequences: dict[str, TokenHistory] = field(default_factory=dict)
     # The target's hidden states of each sequence's committed tokens but the last, as received (float16 rows;
     # growing_rows.py: a step appends its rows without copying the history); kept only for a drafter that needs them.
     hidden: dict[str, GrowingRows] = field(default_factory=dict)
@@ -68,7 +70,7 @@ def apply_step(link: LinkState, step: DraftStep) -> tuple[list[SequenceDraft | N
         if update.base_length == 0:
             if known is not None:
                 dropped.append(update.seq_id)  # re-opened: the proposer starts afresh
-            link.sequences[update.seq_id] = list(update.new_token_ids)
+            link.sequences[update.seq_id] = TokenHistory(update.new_token_ids)
             link.hidden[update.seq_id] = GrowingRows(update.hidden_states)
         elif known is None or len(known) != update.base_length:
             if known is not None:
@@ -138,7 +140,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             limit = self.description.capabilities.max_speculative_tokens
             if limit:  # a verifier asks for no more (DrafterInfo); this guards the link against one that does
                 k = min(k, limit)
-            inputs.append(DraftInput(link.key(update.seq_id), link.sequences[update.seq_id], k,
+            inputs.append(DraftInput(link.key(update.seq_id), link.sequences[update.seq_id].view(), k,
                                      self._hidden_states(link, update.seq_id), update.draft_pipelining,
                                      update.temperature))
         wanted = [j for j, item in enumerate(inputs) if item.num_speculative_tokens > 0]

@@ -1,0 +1,88 @@
+"""A sequence's committed tokens as the drafter service keeps them: appended in place, read without a copy.
+
+Why: the service hands every proposer the whole committed sequence each step (the Proposer protocol), and kept it
+as a Python list, which an n-gram or suffix drafter converted to a numpy array every step: 28 us a sequence at
+1,000 tokens and 170 us at 4,000 on a 2-core EPYC, for every row of every step (1.8 ms a step at 64 rows of 1,000
+tokens), where the lookup itself takes 15 us. Here the tokens live in an int64 buffer that doubles when full
+(growing_rows.py), and a step reads them as a TokenView: a read-only Sequence of ints that `np.asarray` turns into
+the buffer's own rows, without a copy.
+
+A view is a snapshot: later appends write past its rows or into a new buffer, so a proposer that keeps it (a
+pre-draft) reads the tokens of its own step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+import numpy as np
+
+from services.common.growing_rows import GrowingRows
+
+
+class TokenView(Sequence[int]):
+    """Read-only int64 tokens; items are Python ints, slices are views too, numpy reads them as they are."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        array = array.view()
+        array.flags.writeable = False
+        self._array = array
+
+    def __len__(self) -> int:
+        return len(self._array)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> TokenView: ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return TokenView(self._array[index])
+        return int(self._array[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._array.tolist())
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if copy or (dtype is not None and np.dtype(dtype) != self._array.dtype):
+            return self._array.astype(dtype or self._array.dtype)
+        return self._array
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenView | list | tuple | np.ndarray):
+            return len(self) == len(other) and bool(np.array_equal(self._array, np.asarray(other)))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment] - equal to lists, which are not hashable
+
+    def __repr__(self) -> str:
+        return f"TokenView({self._array.tolist()!r})"
+
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class TokenHistory:
+    """The committed tokens of one sequence, extended as steps commit more."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self._rows = GrowingRows()
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._rows.append(np.asarray(tokens, dtype=np.int64).reshape(-1))
+
+    def view(self) -> TokenView:
+        """The tokens so far (a snapshot: see the module docstring)."""
+        rows = self._rows.view()
+        return TokenView(EMPTY if rows is None else rows)
