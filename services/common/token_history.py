@@ -27,8 +27,9 @@ class TokenView(Sequence[int]):
     __slots__ = ("_array",)
 
     def __init__(self, array: np.ndarray) -> None:
-        array = array.view()
-        array.flags.writeable = False
+        if array.flags.writeable:  # the history's buffer: a view that cannot write to it (a slice of one is already)
+            array = array.view()
+            array.flags.writeable = False
         self._array = array
 
     def __len__(self) -> int:
