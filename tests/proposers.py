@@ -30,6 +30,23 @@ class RandomProposer:
         pass
 
 
+class EmptyProposer:
+    """Never has a draft, as an n-gram drafter on new text; counts the calls it gets."""
+
+    method = "empty"
+
+    def __init__(self) -> None:
+        self.capabilities = ProposerCapabilities()
+        self.calls = 0
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        self.calls += 1
+        return [Draft(()) for _ in inputs]
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
 class OracleProposer:
     """Proposes the continuation of a known reference sequence: 100% acceptance when the reference is the
     target's own greedy output."""

@@ -29,9 +29,10 @@ cheap one, and which of the tree's nodes are worth verifying is decided once it 
 
 A request whose drafts are never verified teaches nothing, so it could stay at K = 0 after its estimate fell,
 even when its text turns repetitive later. Such a row is re-probed: after `interval` steps without a verified
-draft, it verifies one position; a rejected probe doubles the interval, an accepted one resets it. A probe that
-widens the step costs a column for the whole batch, so probe columns are rationed to 1% of step time, and rows
-that are due probe together (row_speculation.py).
+draft, it verifies one position; a rejected probe, or one the drafter had no draft for, doubles the interval, an
+accepted one resets it. A probe that widens the step costs a column for the whole batch, and one that makes the
+step call its drafter costs the call, so probes are rationed to 1% of step time, and rows that are due probe
+together (row_speculation.py).
 
 Lossless for any schedule: which positions are verified depends on past outcomes and on the drafts, never on the
 target's randomness for the positions being verified (see rejection.py).
@@ -109,7 +110,9 @@ class SpeculationPlanner:
         width = best_width(survivals, span, self.cost, self.overhead_s, self.draft_cost.predict)
         narrow = self.cost.predict(StepShape(len(decode), 1, span + 1))
         self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
-        can_probe = self.probes.earn(narrow + self.overhead_s, self._probe_column_s)
+        # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
+        probe_call_s = self.draft_cost.predict(1) if width == 1 else 0.0
+        can_probe = self.probes.earn(narrow + self.overhead_s, self._probe_column_s + probe_call_s)
         asks = []
         for state, cap in zip(decode, caps, strict=True):
             row = state.speculation
@@ -119,6 +122,8 @@ class SpeculationPlanner:
                 ask = 1 if row.probing else ask
                 row.asked = ask > 0
             asks.append(ask)
+        if any(state.speculation is not None and state.speculation.probing for state in decode):
+            self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
         return asks
 
     def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> list[ProposedDraft]:
@@ -148,6 +153,8 @@ class SpeculationPlanner:
         if num_draft:
             row.acceptance.observe(num_draft, num_accepted)
             row.probe.verified(row.probing, num_accepted)
+        elif row.probing:
+            row.probe.unanswered()
         else:
             row.probe.idle()
         row.probing = False

@@ -12,7 +12,7 @@ from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
 from tests.prompts import repetitive_prompt
-from tests.proposers import OracleProposer, RandomProposer
+from tests.proposers import EmptyProposer, OracleProposer, RandomProposer
 from tests.schedules import RandomSchedulePlanner
 from tests.step_costs import FixedCost
 from tests.tiny_models import VOCAB, tiny_llama
@@ -68,6 +68,25 @@ async def test_poor_drafts_in_a_batch_run_at_k0_with_rare_probes_and_the_same_ou
     row_steps = 8 * 59  # every row decodes 59 steps after its prefill
     assert 0 < stats.num_drafts < row_steps / 4  # re-probed now and then, mostly K = 0
     assert stats.num_draft_tokens < 2 * stats.num_drafts  # probes verify one position
+
+
+async def test_a_drafter_that_has_nothing_is_rarely_asked_where_columns_cost_nothing_or_something():
+    """Every ask is a drafting call (a gRPC round trip, a large share of an accelerator's step). Once its drafter
+    has been seen to have nothing, a request is asked only by its probes, and a probe that comes back empty backs
+    off as a rejected one does: it used to stay due and ask every step (98 calls in 99 steps, with either cost)."""
+    model = tiny_llama(seed=3)
+    rng = random.Random(6)
+    prompt = repetitive_prompt(rng, 20)
+    baseline = await baseline_for(model, [prompt], max_tokens=100)
+    accelerator_like = FixedCost(base=0.0034, per_row=0.0, per_token=0.0)  # a wider step costs nothing more
+    for cost in (FixedCost(), accelerator_like):
+        proposer = EmptyProposer()
+        engine = engine_with(model, {"empty": proposer}, cost=cost)
+        out = await run_schedule(engine, {0: [greedy("r0", prompt, SpeculationParams("empty", 4), 100)]})
+        assert out["r0"].tokens == baseline["r0"]
+        # 99 decode steps: the first asks (until its measured rate of drafts falls: 8-16 calls, with the timings),
+        # then probes 8, 16, 32 and 64 steps apart
+        assert proposer.calls < 30, proposer.calls
 
 
 async def test_good_drafts_keep_their_k_alone_and_in_a_batch():

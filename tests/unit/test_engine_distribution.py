@@ -132,7 +132,9 @@ async def test_seeded_sampling_is_identical_with_speculation_on_and_off(target):
     prompt = (3, 4, 5, 3, 4, 5, 6, 3, 4)
 
     async def run(spec, neighbours: int):
-        engine = Engine(LlamaFamilyRunner(model, 8, 96), EngineConfig(log_stats_interval_s=0), {"ngram": NgramProposer()})
+        # every draft verified (no adaptive speculation): which steps the planner asks for drafts depends on timings
+        config = EngineConfig(log_stats_interval_s=0, adaptive_speculation=False)
+        engine = Engine(LlamaFamilyRunner(model, 8, 96), config, {"ngram": NgramProposer()})
         requests = [GenerationRequest("main", prompt, params, spec)] + [
             GenerationRequest(f"n{i}", prompt[i:], SamplingParams(max_tokens=10 + i, temperature=1.0), spec)
             for i in range(neighbours)
