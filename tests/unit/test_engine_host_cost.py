@@ -13,3 +13,14 @@ async def test_the_scripted_model_is_followed_and_ngram_drafts_it_in_fewer_forwa
     assert plain["tokens"] == drafted["tokens"] == 128
     assert drafted["forwards"] < plain["forwards"] / 2  # the script repeats: drafts from the context land
     assert plain["host_ms_per_forward"] > 0 and drafted["host_ms_per_forward"] > 0
+
+
+async def test_on_novel_text_over_the_link_the_script_is_followed_and_the_drafter_rarely_asked():
+    """The bench's --text novel --link rows: a real ngram drafter process that never has a draft costs a round trip
+    per call, so adaptive speculation stops asking it (it was asked every step: 191 calls in 200)."""
+    from services.bench.drafter_process import drafter_process
+
+    with drafter_process(["--method", "ngram", "--num-speculative-tokens", "4"], lambda message: None) as (address, _):
+        drafted = await run_case(rows=2, speculate=True, tokens=100, vocab=512, novel=True, drafter=address)
+    assert drafted["follows_script"] and drafted["tokens"] == 200
+    assert drafted["drafter_calls"] < 30  # the first asks and a few probes in 100 steps
