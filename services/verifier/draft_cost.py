@@ -8,6 +8,12 @@ Measured, never configured: each step that asked for drafts reports how long col
 draft it asked for (k); the model keeps a moving average per k and predicts with a line through them (a fixed part
 for the round trip and the catch-up, a part per drafted token), or, while only one k has been seen, proportionally
 to k (the draft-model case: the per-token forwards dominate). k = 0 costs nothing.
+
+Forgotten unless measured again: a figure is only ever refreshed by asking, and a high one stops the asking, so a
+call that was slow once (a pause, a drafter restarting, the link opening) would stop speculation for good. So the
+planner ages the model once a step (`age`): a figure not measured for HALF_LIFE_STEPS steps counts half, then a
+quarter, until asking pays again and measures it afresh; a figure that old is replaced by the new measurement,
+not averaged with it. A drafter that really is that slow is then asked once every few hundred steps.
 """
 
 from __future__ import annotations
@@ -15,27 +21,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of the newest observation in each k's moving average
+HALF_LIFE_STEPS = 100  # steps after which a figure not measured again counts half
 
 
 @dataclass
 class DraftCostModel:
     seconds_by_k: dict[int, float] = field(default_factory=dict)  # moving average of collection seconds per k
+    age_by_k: dict[int, int] = field(default_factory=dict)  # steps since each figure was last measured
 
     def observe(self, k: int, seconds: float) -> None:
         """Collecting drafts of at most `k` tokens took `seconds` (a missed deadline reports the deadline)."""
         if k <= 0 or seconds < 0:
             return
         previous = self.seconds_by_k.get(k)
-        self.seconds_by_k[k] = seconds if previous is None else previous + SMOOTHING * (seconds - previous)
+        fresh = previous is None or self.age_by_k.get(k, 0) >= HALF_LIFE_STEPS
+        self.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
+        self.age_by_k[k] = 0
+
+    def age(self) -> None:
+        """One more step has passed (see the module docstring)."""
+        for k in self.seconds_by_k:
+            self.age_by_k[k] = self.age_by_k.get(k, 0) + 1
 
     def predict(self, k: int) -> float:
         """Expected seconds to collect drafts of at most `k` tokens; 0 for k = 0 or before any observation."""
         if k <= 0 or not self.seconds_by_k:
             return 0.0
-        if len(self.seconds_by_k) == 1:
-            (seen, seconds), = self.seconds_by_k.items()
+        figures = {seen: seconds * 0.5 ** (self.age_by_k.get(seen, 0) / HALF_LIFE_STEPS)
+                   for seen, seconds in self.seconds_by_k.items()}
+        if len(figures) == 1:
+            (seen, seconds), = figures.items()
             return seconds * k / seen
-        fixed, per_token = _line(self.seconds_by_k)
+        fixed, per_token = _line(figures)
         return max(0.0, fixed + per_token * k)
 
 

@@ -66,4 +66,5 @@ class RowSpeculation:
     probe: ProbeSchedule = field(default_factory=ProbeSchedule)
     drafts: DraftRate = field(default_factory=DraftRate)
     asked: bool = False  # this step asked the proposer for a draft
+    asked_before: bool = False  # an earlier step did (the first call opens the sequence on the drafter)
     probing: bool = False  # ... as a probe

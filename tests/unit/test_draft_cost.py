@@ -83,3 +83,66 @@ def test_an_expensive_draft_model_is_not_asked_and_a_cheap_one_is():
     assert best_width([good] * 4, 256, cost, draft_s=lambda k: 0.002 * k) == 6
     assert best_width([good] * 4, 256, cost, draft_s=lambda k: 0.2 * k) == 1  # 200 ms a token: not worth it
     assert best_width([good] * 4, 256, cost, draft_s=None) == 6  # drafting already paid (after the drafts came)
+
+
+def test_a_figure_not_measured_again_fades_and_a_stale_one_is_replaced():
+    """A high figure stops the asking that would refresh it, so it must fade: half after HALF_LIFE_STEPS steps."""
+    from services.verifier.draft_cost import HALF_LIFE_STEPS
+
+    model = DraftCostModel()
+    model.observe(2, 0.016)  # one slow call (a pause, the link opening)
+    for _ in range(HALF_LIFE_STEPS):
+        model.age()
+    assert model.predict(2) == pytest.approx(0.008)
+    model.observe(2, 0.0005)  # asked again: the stale figure is replaced, not averaged
+    assert model.predict(2) == pytest.approx(0.0005)
+    model.age()
+    model.observe(2, 0.0015)  # a fresh one is averaged
+    assert model.predict(2) == pytest.approx(0.0005 + 0.2 * 0.001, rel=0.02)
+
+
+class OpeningProposer:
+    """Drafts a reference text exactly; its first call for a sequence takes `opening_s` (as a drafter service's first
+    call does: the link, the whole prompt, the head's prefill), later ones nothing. Counts its calls."""
+
+    method = "opening"
+
+    def __init__(self, references, opening_s: float) -> None:
+        from tests.proposers import OracleProposer
+
+        self.oracle = OracleProposer(references)
+        self.opening_s, self.seen, self.calls = opening_s, set(), 0
+
+    async def propose(self, inputs):
+        self.calls += 1
+        if any(item.seq_id not in self.seen for item in inputs):
+            self.seen.update(item.seq_id for item in inputs)
+            await asyncio.sleep(self.opening_s)
+        return await self.oracle.propose(inputs)
+
+    def release(self, seq_id) -> None:
+        pass
+
+
+async def test_a_slow_first_call_does_not_stop_the_asking():
+    """On an accelerator a step takes a few ms and a drafter's first call for a request tens: measured as what a step's
+    drafting costs, it made the planner stop asking for good (issue 29's EAGLE and code-edit shortfalls)."""
+    from services.modeling.llama_runner import LlamaFamilyRunner
+    from services.verifier.engine import Engine
+    from services.verifier.engine_config import EngineConfig
+    from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+    from tests.engine_harness import run_schedule
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama(seed=3)
+    prompt = (5, 6, 7, 8, 9, 10, 11, 12)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    plain = Engine(LlamaFamilyRunner(model, 2, 96), EngineConfig(log_stats_interval_s=0, profile_step_cost=False), {})
+    reference = (await run_schedule(plain, {0: [GenerationRequest("r", prompt, greedy)]}))["r"].tokens
+    proposer = OpeningProposer({"r": prompt + tuple(reference)}, opening_s=0.05)
+    config = EngineConfig(log_stats_interval_s=0, profile_step_cost=False)
+    engine = Engine(LlamaFamilyRunner(model, 2, 96), config, {"opening": proposer})
+    engine.planner.cost = FixedCost(base=0.0034, per_row=0.0, per_token=0.0)  # an accelerator's step: 3.4 ms, any width
+    out = await run_schedule(engine, {0: [GenerationRequest("r", prompt, greedy, SpeculationParams("opening", 2))]})
+    assert out["r"].tokens == reference
+    assert proposer.calls >= 10  # about one call a step for 40 tokens at 3 a step (the first call measured: 1 or 2)
