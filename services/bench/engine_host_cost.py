@@ -103,7 +103,8 @@ class ScriptedRunner:
         for b, row in enumerate(rows):
             start, fed = self._lengths[row.seq_id], len(row.token_ids)
             for i in range(row.num_logits):  # logits i belong to fed position fed - num_logits + i
-                logits[b, i, script_token(start + fed - row.num_logits + i + 1, self.vocab_size, self.period)] = CONFIDENT
+                position = start + fed - row.num_logits + i + 1
+                logits[b, i, script_token(position, self.vocab_size, self.period)] = CONFIDENT
             self._lengths[row.seq_id] = start + fed
         self.forward_s += time.perf_counter() - started
         return ForwardOutput(logits=logits, hidden_states=torch.zeros(len(rows), max(len(r.token_ids) for r in rows), 1))
@@ -144,7 +145,8 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     if drafter is not None:
         await proposers["ngram"].close()
     steps = runner.forwards - forwards
-    return {"tokens": sum(map(len, outputs)), "seconds": seconds, "forwards": steps, "drafter_calls": calls.count - asked,
+    return {"tokens": sum(map(len, outputs)), "seconds": seconds, "forwards": steps,
+            "drafter_calls": calls.count - asked,
             "host_ms_per_forward": 1000 * (seconds - (runner.forward_s - forward_s)) / max(steps, 1),
             "follows_script": all(out == [script_token(prompt_length + i + j, vocab, period) for j in range(len(out))]
                                   for i, out in enumerate(outputs))}
