@@ -1,9 +1,9 @@
 """A sequence's committed tokens as the drafter service keeps them: appended in place, read without a copy.
 
 Why: the service hands every proposer the whole committed sequence each step (the Proposer protocol), and kept it
-as a Python list, which an n-gram or suffix drafter converted to a numpy array every step: 28 us a sequence at
-1,000 tokens and 170 us at 4,000 on a 2-core EPYC, for every row of every step (1.8 ms a step at 64 rows of 1,000
-tokens), where the lookup itself takes 15 us. Here the tokens live in an int64 buffer that doubles when full
+as a Python list, which the n-gram drafter converted to a numpy array every step: 28-46 us a sequence at 1,000
+tokens and 170 us at 4,000 on a 2-core EPYC, for every row of every step (2-3 ms a step at 64 rows of 1,000
+tokens), where its lookup takes 15 us. Here the tokens live in an int64 buffer that doubles when full
 (growing_rows.py), and a step reads them as a TokenView: a read-only Sequence of ints that `np.asarray` turns into
 the buffer's own rows, without a copy.
 
