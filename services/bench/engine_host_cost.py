@@ -1,9 +1,8 @@
 """What the engine's own host work costs a step, with the model taken out: the ceiling a fast accelerator meets.
 
-Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel] [--link]`. On an H100
-SmolLM2's captured
-step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the host, committing,
-the asyncio loop) decides the throughput at high concurrency. Here the engine drives a ScriptedRunner: a "model"
+Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel] [--link]`. On an
+H100 SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on
+the host, committing, the asyncio loop) decides the throughput at high concurrency. Here the engine drives a ScriptedRunner: a "model"
 that answers instantly with logits that continue a fixed token script, so that the time measured is the engine's
 own, and n-gram drafts from the context are accepted. Printed per row count, without speculation and with ngram
 (K = 4): tokens/s, forwards, and host ms per forward.
@@ -153,7 +152,8 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
 
 
 class CountedCalls:
-    """A proposer's propose(), counting the calls the engine makes."""
+    """A proposer's propose(), counting the calls the engine makes (set as the proposer's own `propose`, so that
+    everything else the engine reads of the proposer is the proposer's)."""
 
     def __init__(self, proposer) -> None:
         self.propose = proposer.propose
