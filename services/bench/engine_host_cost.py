@@ -1,11 +1,11 @@
 """What the engine's own host work costs a step, with the model taken out: the ceiling a fast accelerator meets.
 
-Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel] [--link]`. On an
-H100 SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on
-the host, committing, the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
+Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel] [--link]`. On an H100
+SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the
+host, committing, the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
 ScriptedRunner: a "model" that answers instantly with logits that continue a fixed token script, so that the time
-measured is the engine's own, and n-gram drafts from the context are accepted. Printed per row count, without speculation and with ngram
-(K = 4): tokens/s, forwards, and host ms per forward.
+measured is the engine's own, and n-gram drafts from the context are accepted. Printed per row count, without
+speculation and with ngram (K = 4): tokens/s, forwards, and host ms per forward.
 
 `--text novel` scripts text that never repeats, so the n-gram drafter never has a draft (new chat text, where it
 mostly has none): what speculation costs where it cannot pay, which adaptive speculation should keep near nothing.
