@@ -66,6 +66,7 @@ class TokenView(Sequence[int]):
 
 
 EMPTY = np.zeros(0, dtype=np.int64)
+EMPTY.flags.writeable = False  # shared by every empty view: nothing may write to it
 
 
 class TokenHistory:

@@ -27,27 +27,30 @@ HALF_LIFE_STEPS = 100  # steps after which a figure not measured again counts ha
 @dataclass
 class DraftCostModel:
     seconds_by_k: dict[int, float] = field(default_factory=dict)  # moving average of collection seconds per k
-    age_by_k: dict[int, int] = field(default_factory=dict)  # steps since each figure was last measured
+    measured_at: dict[int, int] = field(default_factory=dict)  # the step each figure was last measured at
+    steps: int = 0  # steps aged so far
 
     def observe(self, k: int, seconds: float) -> None:
         """Collecting drafts of at most `k` tokens took `seconds` (a missed deadline reports the deadline)."""
         if k <= 0 or seconds < 0:
             return
         previous = self.seconds_by_k.get(k)
-        fresh = previous is None or self.age_by_k.get(k, 0) >= HALF_LIFE_STEPS
+        fresh = previous is None or self._age(k) >= HALF_LIFE_STEPS
         self.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
-        self.age_by_k[k] = 0
+        self.measured_at[k] = self.steps
 
     def age(self) -> None:
         """One more step has passed (see the module docstring)."""
-        for k in self.seconds_by_k:
-            self.age_by_k[k] = self.age_by_k.get(k, 0) + 1
+        self.steps += 1
+
+    def _age(self, k: int) -> int:
+        return self.steps - self.measured_at.get(k, self.steps)
 
     def predict(self, k: int) -> float:
         """Expected seconds to collect drafts of at most `k` tokens; 0 for k = 0 or before any observation."""
         if k <= 0 or not self.seconds_by_k:
             return 0.0
-        figures = {seen: seconds * 0.5 ** (self.age_by_k.get(seen, 0) / HALF_LIFE_STEPS)
+        figures = {seen: seconds * 0.5 ** (self._age(seen) / HALF_LIFE_STEPS)
                    for seen, seconds in self.seconds_by_k.items()}
         if len(figures) == 1:
             (seen, seconds), = figures.items()

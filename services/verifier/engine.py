@@ -358,7 +358,7 @@ class Engine:
         drafting_started = time.perf_counter()
         proposed = await self.drafts.collect(decode, asks)
         drafting_s = time.perf_counter() - drafting_started
-        self.planner.observe_drafting(decode, max(asks, default=0), drafting_s)
+        self.planner.observe_drafting(max(asks, default=0), drafting_s)
         drafts = self.planner.choose_drafts(decode, proposed)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(

@@ -93,6 +93,7 @@ class SpeculationPlanner:
         self.draft_cost = DraftCostModel()
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
+        self._opening = False  # this step asks a row for the first time (its drafting is not measured)
 
     def start(self, method: str) -> RowSpeculation:
         """The speculation state of a newly admitted request using `method`."""
@@ -113,7 +114,7 @@ class SpeculationPlanner:
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
         probe_call_s = self.draft_cost.predict(1) if width == 1 else 0.0
         can_probe = self.probes.earn(narrow + self.overhead_s, self._probe_column_s + probe_call_s)
-        asks = []
+        asks, probed, self._opening = [], False, False
         for state, cap in zip(decode, caps, strict=True):
             row = state.speculation
             ask = min(cap, width - 1)
@@ -121,8 +122,11 @@ class SpeculationPlanner:
                 row.probing = can_probe and cap > 0 and ask == 0 and row.probe.due
                 ask = 1 if row.probing else ask
                 row.asked = ask > 0
+                probed = probed or row.probing
+                self._opening = self._opening or (row.asked and not row.asked_before)
+                row.asked_before = row.asked_before or row.asked
             asks.append(ask)
-        if any(state.speculation is not None and state.speculation.probing for state in decode):
+        if probed:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
         return asks
 
@@ -162,19 +166,13 @@ class SpeculationPlanner:
     def observe_forward(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape, seconds)
 
-    def observe_drafting(self, decode: Sequence[RequestState], k: int, seconds: float) -> None:
+    def observe_drafting(self, k: int, seconds: float) -> None:
         """Collecting the step's drafts, at most `k` tokens each (0: none asked), took `seconds`. A step that asked a
         row for the first time is not measured: a first call opens the sequence on the drafter (the whole prompt,
         for EAGLE its target states and the head's prefill; the link itself, for the first request), once per
         request, and measured as a step's cost it made the planner stop asking (16 ms over gRPC against 0.5 ms a
         call after it)."""
-        opening = False
-        for state in decode:
-            row = state.speculation
-            if row is not None and row.asked:
-                opening = opening or not row.asked_before
-                row.asked_before = True
-        if k > 0 and not opening:
+        if k > 0 and not self._opening:  # set by draft_requests, which asked
             self.draft_cost.observe(k, seconds)
         self.draft_cost.age()
 
