@@ -54,20 +54,25 @@ def mode_runner(loaded: LoadedModel, mode: str):
 
 
 def step_counts(loaded: LoadedModel, mode: str, prompt: Sequence[int], tokens: int) -> dict[str, float]:
-    """Launches, syncs and copies per decode step of one request (torch.profiler over its steps, prefill and
-    first steps excluded by profiling a second request)."""
+    """Launches, syncs and copies per decode step of one request, and ms of GPU kernels: torch.profiler over a
+    request of `tokens` tokens and over one of 2 x `tokens`, the difference divided by `tokens`, so that what every
+    request does once (its prefill, its first steps, taking its slot) counts in neither."""
     runner = mode_runner(loaded, mode)
 
-    async def run() -> dict[str, float]:
-        await profile_runner(runner, prompt, tokens, 1)  # captures what it needs first
+    async def profiled(length: int) -> dict[str, float]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as profiler:
-            await profile_runner(runner, prompt, tokens, 1)
+            await profile_runner(runner, prompt, length, 1)
         events = {e.key: e.count for e in profiler.key_averages()}
-        counts = {name: sum(events.get(key, 0) for key in keys) / tokens for name, keys in PROFILED_COUNTS.items()}
+        counts = {name: float(sum(events.get(key, 0) for key in keys)) for name, keys in PROFILED_COUNTS.items()}
         kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        counts["ms of GPU kernels"] = sum(e.time_range.elapsed_us() for e in kernels) / 1000 / tokens
+        counts["ms of GPU kernels"] = sum(e.time_range.elapsed_us() for e in kernels) / 1000
         return counts
+
+    async def run() -> dict[str, float]:
+        await profile_runner(runner, prompt, 2 * tokens, 1)  # captures what it needs first
+        short, long = await profiled(tokens), await profiled(2 * tokens)
+        return {name: (long[name] - short[name]) / tokens for name in short}
 
     return asyncio.run(run())
 
@@ -216,7 +221,8 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
                 results[load] = (plain, spec, same, len(prompts), steps)
         graphs = getattr(engine.runner, "graphs", None)
         if graphs is not None:
-            print(f"  ({len(graphs)} step graphs, captured in {graphs.capture_seconds:.1f} s)", flush=True)
+            print(f"  ({len(graphs)} step graphs, captured in {graphs.capture_seconds:.1f} s; attention "
+                  f"{getattr(engine.runner, 'attention_forms', 'not measured')})", flush=True)
         chains = getattr(engine.proposers.get(method), "chain_graphs", None)
         if chains is not None:
             print(f"  ({len(chains)} {method} chain graphs, captured in {chains.capture_seconds:.1f} s)", flush=True)

@@ -29,7 +29,9 @@ from services.bench.hardware import describe_hardware
 from services.bench.prompts import chat_token_ids
 from services.eagle.chat_prompts import chat_prompt_messages
 from services.inprocess import LocalEngineOptions, build_local_engine
-from services.modeling.attention import additive_mask, grouped_attention, sdpa_attention
+from services.modeling.attention import grouped_attention
+from services.modeling.attention_choice import FORMS, choose_attention, probe_inputs
+from services.modeling.device_timing import graph_time_us
 from services.modeling.forward_batch import build_forward_batch
 from services.modeling.fused_norm import fused_rms_norm, module_norm
 from services.modeling.loading import LoadedModel, load_model
@@ -131,31 +133,11 @@ def replay_costs(loaded: LoadedModel, rows: Sequence[int], widths: Sequence[int]
     return "\n".join(lines)
 
 
-def graph_time_us(fn, repeats: int = 50) -> float:
-    """Microseconds per call of `fn` replayed from a CUDA graph of `repeats` calls (launch cost taken out)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (5 * repeats)
-
-
 def alternatives(loaded: LoadedModel) -> str:
-    """Device time of a layer's pieces, the plain way against a fused one, at SmolLM2's shapes (1 and 8 rows of
-    1 and 5 tokens over 512 positions); with how many outputs differ bit for bit."""
+    """Device time of a layer's pieces, the plain way against a fused one, at SmolLM2's shapes; the norm at 1 and 8
+    rows of 1 and 5 tokens, with how many outputs differ bit for bit; attention in each form attention_choice.py
+    measures, at 1, 8 and 64 rows of 1 and 5 tokens over 512 and 4,096 positions, with the kernel each form ran
+    longest in (SDPA's choice); and the forms the runner's start-up measurement chose."""
     model = loaded.model
     layer, config = model.model.layers[0], model.config
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
@@ -169,20 +151,31 @@ def alternatives(loaded: LoadedModel) -> str:
         lines.append(f"  rms norm [{rows},{width},{hidden_size}]: transformers "
                      f"{graph_time_us(lambda: module_norm(norm, x)):.1f} us, F.rms_norm "
                      f"{graph_time_us(lambda: fused_rms_norm(norm, x)):.1f} us; {100 * same:.2f}% of outputs identical")
-        span = 512
-        q = torch.randn(rows, width, heads, head_dim, device=device, dtype=dtype)
-        keys = torch.randn(kv_heads, rows, span, head_dim, device=device, dtype=dtype)
-        values = torch.randn(kv_heads, rows, span, head_dim, device=device, dtype=dtype)
-        fed = 300 + torch.arange(width, device=device)
-        allowed = torch.arange(span, device=device)[None, None, :] <= fed[None, :, None]
-        mask = additive_mask(allowed.expand(rows, width, span), dtype)
-        timed = {name: graph_time_us(lambda fn=fn: fn(q, keys, values, mask, head_dim ** -0.5))
-                 for name, fn in (("matmuls", grouped_attention), ("SDPA", sdpa_attention))}
-        diff = (grouped_attention(q, keys, values, mask, head_dim ** -0.5).float()
-                - sdpa_attention(q, keys, values, mask, head_dim ** -0.5).float()).abs().max().item()
-        lines.append(f"  attention [{rows}x{width} over {span}]: matmuls {timed['matmuls']:.1f} us, "
-                     f"SDPA {timed['SDPA']:.1f} us; max difference {diff:.2e}")
+    for span in (512, 4096):
+        for rows, width in ((1, 1), (1, 5), (8, 1), (8, 5), (64, 1), (64, 5)):
+            inputs = probe_inputs(rows, width, span, heads, kv_heads, head_dim, device, dtype)
+            reference = grouped_attention(*inputs).float()
+            cells = []
+            for name, form in FORMS.items():
+                difference = (form(*inputs).float() - reference).abs().max().item()
+                cells.append(f"{name} {graph_time_us(lambda form=form: form(*inputs)):.1f} us "
+                             f"[{longest_kernel(lambda form=form: form(*inputs))[:48]}; {difference:.1e}]")
+            lines.append(f"  attention [{rows}x{width} over {span}]: " + ", ".join(cells))
+    chosen = choose_attention(device, dtype, heads, kv_heads, head_dim)
+    lines.append(f"  the runner's start-up choice: {getattr(chosen, 'description', chosen)}")
     return "\n".join(lines)
+
+
+def longest_kernel(fn) -> str:
+    """The name of the CUDA kernel one eager call of `fn` spends the most device time in (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] = kernels.get(event.name, 0.0) + event.time_range.elapsed_us()
+    return max(kernels, key=kernels.__getitem__) if kernels else "no kernel"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

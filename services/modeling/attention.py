@@ -59,6 +59,26 @@ def sdpa_attention(
     return out.transpose(1, 2).reshape(batch, length, num_heads * head_dim)
 
 
+def folded_sdpa_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """grouped_attention's contract through scaled_dot_product_attention without enable_gqa: each KV head's query
+    group is folded into the query length ([B, Hkv, G * L, D] against [B, Hkv, T, D]), as the matmuls fold it, so
+    the call is plain multi-head attention with an additive mask, which more of SDPA's fused kernels take than
+    take a grouped call with a mask (attention_choice.py measures which is faster where it runs)."""
+    batch, length, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[0]
+    groups = num_heads // num_kv_heads
+    folded = q.view(batch, length, num_kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, L, D]
+    folded = folded.reshape(batch, num_kv_heads, groups * length, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        folded, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask.repeat(1, 1, groups, 1), scale=scale
+    )  # [B, Hkv, G * L, D]; the mask's query index g * L + l is mask[l], as the fold's
+    out = out.view(batch, num_kv_heads, groups, length, head_dim).permute(0, 3, 1, 2, 4)  # [B, L, Hkv, G, D]
+    return out.reshape(batch, length, num_heads * head_dim)
+
+
 def attention_for(device: torch.device) -> Attention:
-    """The faster form where it was measured: SDPA on CUDA, the matmuls elsewhere."""
+    """The form used until one is measured: SDPA on CUDA, the matmuls elsewhere (an NPU keeps the matmuls until
+    measured). A CUDA runner measures its forms at start-up instead (attention_choice.py)."""
     return sdpa_attention if device.type == "cuda" else grouped_attention

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, rotate_half
 
-from services.modeling.attention import attention_for
+from services.modeling.attention_choice import choose_attention
 from services.modeling.attention_paths import AttentionPaths
 from services.modeling.batch_invariance import InvariantShape, waves
 from services.modeling.cpu_linear import LinearFn
@@ -142,7 +142,7 @@ class LlamaFamilyRunner:
         self._norm = norm_for(self.device, [n for layer in layers for n in (layer.input_layernorm,
                                                                             layer.post_attention_layernorm)]
                               + [model.model.norm])
-        self._attention = attention_for(self.device)
+        self._attention = choose_attention(self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim)
         self._windows = [self._sliding_window(layer.self_attn, config) for layer in layers]
         self.hidden_layers = FINAL_ONLY  # the states forward returns (hidden_layers.py); serve_hidden_layers sets them
         self.attention_paths = AttentionPaths.for_device(self.device)
@@ -175,6 +175,11 @@ class LlamaFamilyRunner:
         if layers < len(self._kernels):
             text += f"; plain torch modules in {len(self._kernels) - layers} of {len(self._kernels)} layers"
         return text
+
+    @property
+    def attention_forms(self) -> str:
+        """Which attention form runs for which query width, and the start-up times that chose them (on CUDA)."""
+        return getattr(self._attention, "description", None) or getattr(self._attention, "__name__", "?")
 
     @staticmethod
     def _sliding_window(attention: torch.nn.Module, config) -> int | None:

@@ -3,7 +3,8 @@ and are chosen only where they apply. Checked on CPU, where both forms run."""
 
 import torch
 
-from services.modeling.attention import attention_for, grouped_attention, sdpa_attention
+from services.modeling.attention import attention_for, folded_sdpa_attention, grouped_attention, sdpa_attention
+from services.modeling.attention_choice import FORMS, choose_attention, measured_choice, probe_inputs
 from services.modeling.fused_norm import fused_rms_norm, module_norm, norm_for
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.runner import RowInput
@@ -37,16 +38,19 @@ def test_the_fused_norm_runs_on_cuda_only_and_only_for_plain_rms_norms():
     assert norm_for(torch.device("cuda"), [torch.nn.LayerNorm(4)]) is module_norm
 
 
-def test_sdpa_attention_is_grouped_attention():
+def test_the_sdpa_forms_are_grouped_attention():
     torch.manual_seed(0)
-    rows, width, heads, kv_heads, head_dim, span = 3, 5, 8, 2, 16, 40
-    q = torch.randn(rows, width, heads, head_dim)
-    keys, values = torch.randn(kv_heads, rows, span, head_dim), torch.randn(kv_heads, rows, span, head_dim)
-    ends = torch.tensor([40, 17, 5])
-    allowed = torch.arange(span)[None, None, :] <= (ends[:, None, None] - width + torch.arange(width)[None, :, None])
-    mask = torch.zeros(rows, 1, width, span).masked_fill_(~allowed[:, None], float("-inf"))
-    torch.testing.assert_close(sdpa_attention(q, keys, values, mask, 0.25),
-                               grouped_attention(q, keys, values, mask, 0.25), rtol=1e-5, atol=1e-5)
+    for width in (1, 5):
+        rows, heads, kv_heads, head_dim, span = 3, 8, 2, 16, 40
+        q = torch.randn(rows, width, heads, head_dim)
+        keys, values = torch.randn(kv_heads, rows, span, head_dim), torch.randn(kv_heads, rows, span, head_dim)
+        ends = torch.tensor([40, 17, 5])
+        fed = ends[:, None, None] - width + torch.arange(width)[None, :, None]
+        allowed = torch.arange(span)[None, None, :] <= fed
+        mask = torch.zeros(rows, 1, width, span).masked_fill_(~allowed[:, None], float("-inf"))
+        expected = grouped_attention(q, keys, values, mask, 0.25)
+        for form in (sdpa_attention, folded_sdpa_attention):
+            torch.testing.assert_close(form(q, keys, values, mask, 0.25), expected, rtol=1e-5, atol=1e-5)
     assert attention_for(torch.device("cuda")) is sdpa_attention
     assert attention_for(torch.device("cpu")) is grouped_attention
     assert attention_for(torch.device("meta")) is grouped_attention  # another accelerator: not measured there
@@ -67,3 +71,27 @@ def test_a_forward_with_the_cuda_kernels_matches_the_plain_one():
         step = runner.forward([RowInput(i, [20 + i, 21, 22], 3) for i in range(3)])
         logits.append(step.logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_measured_attention_form_is_the_fastest_for_each_query_width():
+    """measured_choice keeps, for one-token and for wider queries, the form whose probes took least; a form that
+    fails there is no candidate. Fake timings: the choice, not the clock, is under test."""
+    inputs = {width_class: [probe_inputs(rows, width, 64, 8, 2, 16, torch.device("cpu"), torch.float32)
+                            for rows, width in ((1, width), (4, width))]
+              for width_class, width in (("one token", 1), ("wider", 5))}
+    fast = {1: sdpa_attention, 5: folded_sdpa_attention}
+
+    def measure(form, probe):
+        if form is grouped_attention:
+            raise RuntimeError("not capturable here")
+        return 1.0 if form is fast[probe[0].shape[1]] else 2.0
+
+    chosen = measured_choice(inputs, measure)
+    assert (chosen.single, chosen.wide) == (sdpa_attention, folded_sdpa_attention)
+    assert "one token: SDPA" in chosen.description and "wider: folded SDPA" in chosen.description
+    for probes in inputs.values():  # whatever it dispatches to computes the same attention
+        for probe in probes:
+            torch.testing.assert_close(chosen(*probe), grouped_attention(*probe), rtol=1e-5, atol=1e-5)
+    nothing_runs = measured_choice(inputs, lambda form, probe: (_ for _ in ()).throw(RuntimeError("no")))
+    assert nothing_runs.single is FORMS["SDPA"] and nothing_runs.wide is FORMS["SDPA"]
+    assert choose_attention(torch.device("cpu"), torch.float32, 8, 2, 16) is grouped_attention  # measured on CUDA

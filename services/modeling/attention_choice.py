@@ -1,0 +1,107 @@
+"""Which attention form a CUDA runner runs, measured at start-up: one for queries of one token a row (decode),
+one for wider queries (verification, prefill chunks).
+
+Why: on an H100 (torch 2.11, bf16, SmolLM2-135M; `python -m services.bench.step_host_profile`) a replayed step
+graph of 2-9 tokens a row cost more than one of 1 token by an amount that grew with the span, not with the
+width: one row, 2.00 against 3.01 ms over 2,048 positions and 2.25 against 4.10 over 4,096. A verify step paid
+for its width in attention, and speculation lost there what its drafts won (ngram at 0.86-0.91x no
+speculation on chat requests). scaled_dot_product_attention picks its kernel by what a call allows (a mask,
+grouped heads, the query length), and which is fastest for which shape depends on the GPU and the torch build.
+So the runner times the forms of attention.py (SDPA with grouped heads, SDPA with each KV head's query group folded
+into the query length, the two matmuls) on its own head shapes, in CUDA graphs as its steps run, and keeps the
+fastest for each query width. The forms compute the same attention up to the order of float additions; the
+batch-invariant mode's fixed shape always has the same width, so it always runs the same form. Not yet measured on
+a GPU: built after the lent one had gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from services.modeling.attention import (
+    Attention,
+    additive_mask,
+    attention_for,
+    folded_sdpa_attention,
+    grouped_attention,
+    sdpa_attention,
+)
+from services.modeling.device_timing import graph_time_us
+
+logger = logging.getLogger(__name__)
+
+FORMS: Mapping[str, Attention] = {"SDPA": sdpa_attention, "folded SDPA": folded_sdpa_attention,
+                                  "matmuls": grouped_attention}
+DEFAULT_FORM = "SDPA"  # the form used before this was measured, where nothing else runs
+# (rows, tokens a row, span) timed for each query width: a small and a wider batch over a chat's span
+PROBES: Mapping[str, tuple[tuple[int, int, int], ...]] = {
+    "one token": ((1, 1, 1024), (16, 1, 1024)),
+    "wider": ((1, 5, 1024), (16, 5, 1024)),
+}
+AttentionInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
+Measure = Callable[[Attention, AttentionInputs], float]  # seconds or microseconds: only compared
+
+
+@dataclass(frozen=True)
+class AttentionByWidth:
+    """Attention that runs `single` where queries are one token a row and `wide` where they are more. A graph's
+    query width is a static shape, so the choice is made once at capture, not on the device."""
+
+    single: Attention
+    wide: Attention
+    description: str = ""
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        return (self.single if q.shape[1] == 1 else self.wide)(q, keys, values, mask, scale)
+
+
+def probe_inputs(rows: int, width: int, span: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype) -> AttentionInputs:
+    """Inputs laid out as the runner's forward lays them out: K/V gathered into one [Hkv, rows * span, D] buffer
+    seen as [Hkv, rows, span, D], each row's last `width` positions its queries, causal among themselves."""
+    q = torch.randn(rows, width, num_heads, head_dim, device=device, dtype=dtype)
+    keys, values = (torch.randn(num_kv_heads, rows * span, head_dim, device=device, dtype=dtype)
+                    .view(num_kv_heads, rows, span, head_dim) for _ in range(2))
+    fed = span - width + torch.arange(width, device=device)
+    allowed = torch.arange(span, device=device)[None, :] <= fed[:, None]  # [width, span]
+    return q, keys, values, additive_mask(allowed.expand(rows, width, span), dtype), head_dim ** -0.5
+
+
+def measured_choice(inputs: Mapping[str, list[AttentionInputs]], measure: Measure) -> AttentionByWidth:
+    """The fastest form for each query width (inputs: PROBES' keys to their probes), by the sum of its times over
+    the probes. A form that fails to run or to be captured there is no candidate; DEFAULT_FORM where none ran."""
+    chosen, reports = {}, []
+    for width_class, probes in inputs.items():
+        times = {}
+        for name, form in FORMS.items():
+            try:
+                times[name] = sum(measure(form, probe) for probe in probes)
+            except RuntimeError as error:
+                logger.info("attention form %s did not run for %s queries: %s", name, width_class, error)
+        chosen[width_class] = min(times, key=times.__getitem__) if times else DEFAULT_FORM
+        reports.append(f"{width_class}: {chosen[width_class]} ("
+                       + ", ".join(f"{name} {value:.1f}" for name, value in times.items()) + ")")
+    description = "; ".join(reports)
+    logger.info("attention forms chosen by measurement (us over the probes): %s", description)
+    return AttentionByWidth(FORMS[chosen["one token"]], FORMS[chosen["wider"]], description)
+
+
+def graph_measure(form: Attention, inputs: AttentionInputs) -> float:
+    """Microseconds per call of `form` on `inputs`, replayed from a CUDA graph."""
+    return graph_time_us(lambda: form(*inputs), repeats=20, replays=3)
+
+
+@torch.inference_mode()
+def choose_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                     measure: Measure = graph_measure) -> Attention:
+    """On CUDA, the forms measured on these head shapes (a few ms at start-up); elsewhere attention_for's."""
+    if device.type != "cuda":
+        return attention_for(device)
+    inputs = {width_class: [probe_inputs(*probe, num_heads, num_kv_heads, head_dim, device, dtype)
+                            for probe in probes] for width_class, probes in PROBES.items()}
+    return measured_choice(inputs, measure)
