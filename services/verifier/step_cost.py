@@ -4,16 +4,24 @@ with every step the engine times.
 The decode rows of a step run as one padded forward: `rows` rows of `width` positions each (the last committed
 token plus up to width - 1 drafts), attending to at most `span` positions of context. Its time is modelled as
 
-    seconds = c0 + c1 * rows + c2 * tokens + c3 * tokens * span / 1024,    tokens = rows * width
+    seconds = c0 + c1 * rows + c2 * tokens + c3 * rows * span / 1024 + c4 * tokens * span / 1024
+              + verify * (c5 + c6 * rows * span / 1024),    tokens = rows * width, verify = 1 if width > 1
 
-(weights read once per forward; per-row work; per-token matmuls; attention over the context). The model is
-fitted by non-negative least squares over the *median* time of each observed shape, so a noisy spell on a
-shared machine moves one sample of a shape, not the fit, and a cost never falls as a forward grows.
+(weights read once per forward; per-row work; per-token matmuls; each row's context read once; attention over
+the context per token; and what a forward of more than one token a row costs at all). The model is fitted by
+non-negative least squares over the *median* time of each observed shape, so a noisy spell on a shared machine
+moves one sample of a shape, not the fit, and a cost never falls as a forward grows.
 
 Why not a constant per token: on a CPU the weights are read once per forward whatever its width (verifying 9
 positions costs ~1.2x one position for a single row), while a batch of 8 rows pays ~0.9 ms per extra token
-(SmolLM2-135M, 2 cores); on a GPU the per-token slope is flatter still. The planner needs the slope at the
-shape it is about to run, on this machine.
+(SmolLM2-135M, 2 cores). Why the verify terms: on an H100 a captured step of 2 to 9 tokens a row cost about the
+same, and all more than one of 1 token (one row over 512 positions: 1.84 ms at width 1, 2.20-2.25 at widths 2-9;
+over 4,096: 2.25 against 4.10-4.15): the extra grew with the span, not the width, so attention. The four terms alone
+fitted that table (step_host_profile's, 75 shapes) with a median error of 26% and predicted a first draft column
+free (width 2 at 1.00x width 1, against 1.20x measured), so the planner asked for one- and two-token drafts that
+cost a fifth of a step each; with the row-span and verify terms the median error is 4%
+(tests/unit/test_step_cost.py holds the fit to that table). The planner needs the slope at the shape it is about
+to run, on this machine.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ logger = logging.getLogger(__name__)
 SAMPLES_PER_SHAPE = 9  # the median of the last this many timings of a shape stands for it
 SPAN_BUCKET = 64  # context spans within one bucket count as one shape
 REFIT_EVERY = 16  # observations between fits
-MIN_SHAPES = 4  # distinct shapes before the fit is trusted (four coefficients)
+MIN_SHAPES = 7  # distinct shapes before the fit is trusted (seven coefficients)
 PROFILE_REPEATS = 3
 PROFILE_CONTEXT = 128
 # Seconds the start-up profile may take: past it (with MIN_SHAPES shapes timed), no further shape is profiled (a
@@ -55,12 +63,14 @@ class StepShape:
         return self.rows * self.width
 
     def features(self) -> list[float]:
-        return [1.0, float(self.rows), float(self.tokens), self.tokens * self.span / 1024.0]
+        row_context, verify = self.rows * self.span / 1024.0, float(self.width > 1)
+        return [1.0, float(self.rows), float(self.tokens), row_context, self.tokens * self.span / 1024.0,
+                verify, verify * row_context]
 
 
 def non_negative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0 (an active set: drop the most negative feature and refit),
-    enough for four features; numpy has no NNLS and scipy is not a dependency."""
+    enough for seven features; numpy has no NNLS and scipy is not a dependency."""
     active = list(range(x.shape[1]))
     coefficients = np.zeros(x.shape[1])
     while active:
@@ -128,13 +138,15 @@ class StepCostModel:
     def describe(self) -> str:
         if self._coefficients is None:
             return "no step-cost observations yet"
-        c0, c1, c2, c3 = (1e3 * c for c in self._coefficients)
-        return (f"verify forward ~ {c0:.2f} ms + {c1:.3f} ms/row + {c2:.3f} ms/token + {c3:.4f} ms/token per 1024 "
-                f"context positions ({len(self._samples)} shapes)")
+        c0, c1, c2, c3, c4, c5, c6 = (1e3 * c for c in self._coefficients)
+        return (f"verify forward ~ {c0:.2f} ms + {c1:.3f} ms/row + {c2:.3f} ms/token + per 1024 context positions "
+                f"{c3:.4f} ms/row and {c4:.4f} ms/token; more than one token a row: + {c5:.3f} ms + {c6:.4f} ms/row "
+                f"per 1024 context positions ({len(self._samples)} shapes)")
 
 
 def profile_shapes(max_rows: int, max_width: int) -> list[tuple[int, int]]:
-    """(rows, width) pairs that pin down all four coefficients: one, a few and many rows, each narrow and wide."""
+    """(rows, width) pairs that pin down the coefficients: one, a few and many rows, each narrow and wide (at two
+    context lengths, profile_step_cost's; the steps served add the rest)."""
     rows = sorted({1, max(1, max_rows // 2), max_rows})
     widths = sorted({1, min(2, max_width), max_width})
     return [(r, w) for r in rows for w in widths]

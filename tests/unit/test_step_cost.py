@@ -1,0 +1,58 @@
+"""The step-cost model against a real accelerator's costs: the device time of one replayed step graph by rows,
+width and span, measured on an NVIDIA H100 80GB (torch 2.11, bf16, SmolLM2-135M-Instruct; `python -m
+services.bench.step_host_profile --only-device`, stop 49). There a step of 2 to 9 tokens a row costs about the same,
+and more than a step of 1 token, by an amount that grows with the span: the model has to see that first column's
+price, or the planner takes a one-token draft for free."""
+
+from __future__ import annotations
+
+import statistics
+
+from services.verifier.speculation_planner import best_width
+from services.verifier.step_cost import StepCostModel, StepShape
+
+SPANS = (256, 512, 1024, 2048, 4096)
+H100_MS = {  # (rows, width): ms at each of SPANS
+    (1, 1): (1.813, 1.840, 1.866, 2.000, 2.248), (1, 2): (2.070, 2.204, 2.483, 3.014, 4.097),
+    (1, 3): (2.097, 2.231, 2.515, 3.054, 4.145), (1, 5): (2.101, 2.244, 2.507, 3.068, 4.154),
+    (1, 9): (2.092, 2.251, 2.528, 3.107, 4.135), (8, 1): (2.184, 2.428, 2.890, 3.827, 5.720),
+    (8, 2): (2.353, 2.687, 3.402, 4.661, 7.343), (8, 3): (2.377, 2.707, 3.368, 4.704, 7.390),
+    (8, 5): (2.417, 2.753, 3.412, 4.731, 7.429), (8, 9): (2.435, 2.776, 3.425, 4.755, 7.457),
+    (64, 1): (3.862, 5.763, 9.698, 17.415, 32.653), (64, 2): (4.652, 7.002, 11.626, 20.863, 39.382),
+    (64, 3): (4.684, 7.043, 11.668, 20.916, 39.430), (64, 5): (4.787, 7.138, 11.761, 21.011, 39.528),
+    (64, 9): (5.069, 7.393, 12.017, 21.256, 39.748),
+}
+
+
+def fitted(costs_ms: dict[tuple[int, int], tuple[float, ...]]) -> StepCostModel:
+    model = StepCostModel()
+    for (rows, width), row in costs_ms.items():
+        for span, ms in zip(SPANS, row, strict=True):
+            model.observe(StepShape(rows, width, span + width), ms / 1000)
+    model.fit()
+    return model
+
+
+def test_the_model_fits_an_accelerator_whose_first_draft_column_costs_most():
+    model = fitted(H100_MS)
+    errors = [abs(model.predict(StepShape(rows, width, span + width)) * 1000 - ms) / ms
+              for (rows, width), row in H100_MS.items() for span, ms in zip(SPANS, row, strict=True)]
+    assert statistics.median(errors) < 0.08 and max(errors) < 0.35
+    for rows in (1, 8, 64):  # the first draft column's price: measured 1.20x, 1.11x and 1.21x at 512 positions
+        ratio = model.predict(StepShape(rows, 2, 514)) / model.predict(StepShape(rows, 1, 513))
+        measured = H100_MS[(rows, 2)][1] / H100_MS[(rows, 1)][1]
+        assert abs(ratio - measured) < 0.2 and ratio > 1.08
+    # and so one request's poor drafts (15% acceptance) are not worth their column; good ones (60%) are
+    assert best_width([[0.15, 0.02, 0.0, 0.0]], 512, model) == 1
+    assert best_width([[0.6, 0.4, 0.25, 0.15]], 512, model) > 1
+
+
+def test_a_cost_linear_in_the_tokens_is_still_fitted_exactly():
+    """The CPU's shape (SmolLM2 on 2 cores: weights read once per forward, then per row and per token)."""
+    cpu_ms = {(rows, width): tuple(16 + rows + 0.9 * rows * width + 0.002 * rows * width * span for span in SPANS)
+              for rows in (1, 4, 8, 16) for width in (1, 2, 5, 9)}
+    model = fitted(cpu_ms)
+    for (rows, width), row in cpu_ms.items():
+        for span, ms in zip(SPANS, row, strict=True):
+            predicted = model.predict(StepShape(rows, width, span + width)) * 1000
+            assert abs(predicted - ms) / ms < 0.02
