@@ -4,10 +4,11 @@ Run: `python -m services.bench.accelerator_step --device cuda --dtype bfloat16` 
 CPU too, where both modes are the same eager path). One model is loaded once; for each mode (eager: --enforce-eager,
 captured: step graphs, invariant: captured and --batch-invariant) an in-process engine measures
 - the decode step at batch 1: ms per step (step_profile's timers), and, on CUDA, kernel launches, stream syncs and
-  host-to-device copies per step from torch.profiler;
+  host-to-device copies per step from torch.profiler (a request of 64 tokens less one of 32, so no prefill);
 - tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
-  code edit at 1 request (the answer is nearly the prompt: n-gram drafts land); captured, also with the shipped
-  EAGLE head (K = 4) on the same device;
+  code edit at 1 request (the answer is nearly the prompt: n-gram drafts land), once more with ngram at K = 8;
+  captured, also with the shipped EAGLE head (K = 4) on the same device; with each run's steps split into phases,
+  and how many steps and rows asked for drafts and how many rows had one;
 - whether each speculative greedy output equals the non-speculative one token for token;
 and first, on an accelerator, whether captured and eager forwards give the same greedy outputs in float32.
 Then transformers' own `generate` at batch 1 as the peer row. Medians and ratios, measured in this one run; exit 1
@@ -43,6 +44,9 @@ from services.verifier.spec_stats import SpecDecodeStats
 
 MODES = ("eager", "captured", "invariant")  # invariant: captured and batch-invariant (--batch-invariant)
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+# The code edit once more with ngram asking for 8 tokens a step: on a captured step a width of 9 costs what 5 does
+# (step_host_profile), and on the edit 8 tokens a step commit 4.1 tokens a step against K = 4's 3.1 (greedy, CPU)
+LONG_K, EDIT_LONG = 8, "edit, K = 8"
 PROFILED_COUNTS = {"launches": ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"),
                    "syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
                    "copies": ("cudaMemcpyAsync", "cudaMemcpy")}
@@ -95,14 +99,16 @@ async def generate_all(engine, prompts: Sequence[Sequence[int]], max_tokens: int
 
 class StepPhases:
     """Where an engine's steps spend their time, timed around the engine's own calls: drafting (the proposers'
-    collection), the step's tensor work on the compute thread (forward, verification, the transfer that waits for
-    the device), the forward's host part (launching or replaying, with the verification where a graph runs it) and,
-    on CUDA, its device time from events, and the loop's own work (planning, committing, emitting). Events are read
-    after the run, so timing adds no sync."""
+    collection, and how many steps and rows asked and how many rows had a draft), the step's tensor work on the
+    compute thread (forward, verification, the transfer that waits for the device), the forward's host part
+    (launching or replaying, with the verification where a graph runs it) and, on CUDA, its device time from
+    events, and the loop's own work (planning, committing, emitting). Events are read after the run, so timing
+    adds no sync."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
         self.steps = self.forwards = self.verified_in_graph = 0
+        self.calls = self.rows_asked = self.rows_drafted = 0  # steps that asked, rows asked, rows answered a draft
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.cuda = engine.runner.device.type == "cuda"
         step, collect, forward = engine.step, engine.drafts.collect, engine.runner.forward
@@ -113,9 +119,14 @@ class StepPhases:
             with self.timing("step"):
                 await step()
 
-        async def timed_collect(*args):
+        async def timed_collect(decode, lengths):
             with self.timing("drafting"):
-                return await collect(*args)
+                drafts = await collect(decode, lengths)
+            asked = sum(k > 0 for k in lengths)
+            self.calls += asked > 0
+            self.rows_asked += asked
+            self.rows_drafted += sum(bool(draft.tokens) for draft in drafts)
+            return drafts
 
         def timed_execute(*args):
             with self.timing("tensor work"):
@@ -168,6 +179,7 @@ class StepPhases:
         self.seconds.clear()
         self.events.clear()
         self.steps = self.forwards = self.verified_in_graph = 0
+        self.calls = self.rows_asked = self.rows_drafted = 0
 
     def summary(self) -> str:
         """ms per step of each phase, over the steps since reset()."""
@@ -178,16 +190,22 @@ class StepPhases:
         loop = per_step.get("step", 0.0) - per_step.get("drafting", 0.0) - per_step.get("tensor work", 0.0)
         parts = ", ".join(f"{name} {per_step[name]:.2f}" for name in
                           ("drafting", "tensor work", "forward host", "forward on device") if name in per_step)
+        asks = (f"; {self.calls} steps asked drafts of {self.rows_asked} rows, {self.rows_drafted} had one"
+                if self.calls else "")
         return (f"{self.steps} steps, {self.forwards} forwards ({self.verified_in_graph} verified in their graph); "
-                f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}")
+                f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}{asks}")
 
 
 def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load: dict[str, list],
-               max_tokens: int) -> dict[str, tuple[float, float, int, int, str]]:
+               max_tokens: int, k_by_load: dict[str, int] | None = None
+               ) -> dict[str, tuple[float, float, int, int, str]]:
     """Per load: (tok/s none, tok/s with options' speculative method, outputs identical, outputs, what the steps
-    did: forwards and ms per forward of each run; with speculation, the drafts verified and accepted)."""
+    did: forwards and ms per forward of each run; with speculation, the drafts verified and accepted). A load in
+    `k_by_load` asks for that many draft tokens a step instead of the options' K (a request may ask for any)."""
     method = options.speculative_config.method
-    speculation = SpeculationParams(method, options.speculative_config.num_speculative_tokens)
+    k_by_load = k_by_load or {}
+    default_k = options.speculative_config.num_speculative_tokens
+    speculation_by_load = {load: SpeculationParams(method, k_by_load.get(load, default_k)) for load in prompts_by_load}
     engine, _ = build_local_engine(options, loaded)
     phases = StepPhases(engine)
 
@@ -202,13 +220,13 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
             # every run once untimed first, both ways: a path's first steps pay one-time costs (a new shape's matmul
             # heuristics, pinned buffers, and the graphs of spans longer than the floor, captured as sequences
             # reach them), which would otherwise fall on whichever timed run met them first, mostly speculation's
-            for prompts in prompts_by_load.values():
-                for params in (SpeculationParams(), speculation):
+            for load, prompts in prompts_by_load.items():
+                for params in (SpeculationParams(), speculation_by_load[load]):
                     await generate_all(engine, prompts, max_tokens, params)
             for load, prompts in prompts_by_load.items():
                 plain, plain_out, plain_steps = await timed_run(prompts, SpeculationParams())
                 drafted = copy.deepcopy(engine.stats_by_method.get(method))
-                spec, spec_out, spec_steps = await timed_run(prompts, speculation)
+                spec, spec_out, spec_steps = await timed_run(prompts, speculation_by_load[load])
                 stats, before = engine.stats_by_method.get(method), drafted or SpecDecodeStats()
                 rows = stats.num_drafts - before.num_drafts if stats else 0
                 drafts = "; no drafts verified"
@@ -262,7 +280,7 @@ def transformers_row(loaded: LoadedModel, prompt: Sequence[int], max_tokens: int
 
 def print_throughput(method: str, results: dict[str, tuple[float, float, int, int, str]]) -> None:
     for load, (plain, spec, same, total, steps) in results.items():
-        label = "code edit, 1 request" if load == "edit" else f"{load} concurrent chat"
+        label = f"code edit, 1 request{load[4:]}" if load.startswith("edit") else f"{load} concurrent chat"
         print(f"  {label:>22}: none {plain:7.1f} tok/s, {method} {spec:7.1f} tok/s ({spec / plain:.2f}x); "
               f"greedy identical {same}/{total}\n  {'':>22}  ({steps})", flush=True)
 
@@ -288,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chats = [chat_token_ids(loaded.tokenizer, m) for m in chat_prompt_messages()]  # 48; more loads repeat them
     prompts_by_load = {str(n): [chats[i % len(chats)] for i in range(n)] for n in args.loads}
     prompts_by_load["edit"] = [chat_token_ids(loaded.tokenizer, code_edit_message())]
+    prompts_by_load[EDIT_LONG] = prompts_by_load["edit"]
     if device.type != "cpu":
         same, total = captured_matches_eager(args.model, device, chats[:8], args.max_tokens)
         print(f"captured vs eager forwards, float32, 8 chats: greedy outputs identical {same}/{total}")
@@ -310,14 +329,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      max_num_seqs=max(args.loads), enable_prefix_caching=False,
                                      enforce_eager=mode == "eager",
                                      batch_invariant=mode == "invariant", speculative_config=NGRAM)
-        rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens))
+        rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens,
+                                                              {EDIT_LONG: LONG_K}))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
               + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""), flush=True)
         print_throughput("ngram", rows[mode][3])
         if mode == "captured" and args.eagle:
             eagle = replace(options, speculative_config=SpeculativeConfig(
                 method="eagle", num_speculative_tokens=4, draft_device=str(device), draft_dtype=args.dtype))
-            print_throughput("eagle", throughput(loaded, eagle, prompts_by_load, args.max_tokens))
+            chains = {load: prompts for load, prompts in prompts_by_load.items() if load != EDIT_LONG}
+            print_throughput("eagle", throughput(loaded, eagle, chains, args.max_tokens))
     if "eager" in rows and "captured" in rows:
         eager, captured = rows["eager"], rows["captured"]
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "

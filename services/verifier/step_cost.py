@@ -15,13 +15,13 @@ moves one sample of a shape, not the fit, and a cost never falls as a forward gr
 Why not a constant per token: on a CPU the weights are read once per forward whatever its width (verifying 9
 positions costs ~1.2x one position for a single row), while a batch of 8 rows pays ~0.9 ms per extra token
 (SmolLM2-135M, 2 cores). Why the verify terms: on an H100 a captured step of 2 to 9 tokens a row cost about the
-same, and all more than one of 1 token (one row over 512 positions: 1.84 ms at width 1, 2.20-2.25 at widths 2-9;
-over 4,096: 2.25 against 4.10-4.15): the extra grew with the span, not the width, so attention. The four terms alone
-fitted that table (step_host_profile's, 75 shapes) with a median error of 26% and predicted a first draft column
-free (width 2 at 1.00x width 1, against 1.20x measured), so the planner asked for one- and two-token drafts that
-cost a fifth of a step each; with the row-span and verify terms the median error is 4%
-(tests/unit/test_step_cost.py holds the fit to that table). The planner needs the slope at the shape it is about
-to run, on this machine.
+same, and all more than one of 1 token (one row over 512 positions: 1.84 ms at width 1, 2.20-2.25 at widths
+2-9; over 4,096: 2.25 against 4.10-4.15): the extra grew with the span, not the width, so attention. The four
+terms of before (c0, c1, c2, c4) fitted that table (step_host_profile's, 75 shapes) with a median error of 26% and
+priced a first draft column at nothing (width 2 at 1.00x width 1, against 1.20x measured), so the planner bought
+one- and two-token drafts that cost a fifth of a step each; with the row-span and verify terms the median error
+is 4% (tests/unit/test_step_cost.py holds the fit to that table). The planner needs the slope at the shape it is
+about to run, on this machine.
 """
 
 from __future__ import annotations
