@@ -7,8 +7,8 @@ captured: step graphs, invariant: captured and --batch-invariant) an in-process 
   host-to-device copies per step from torch.profiler (a request of 64 tokens less one of 32, so no prefill);
 - tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
   code edit at 1 request (the answer is nearly the prompt: n-gram drafts land), once more with ngram at K = 8;
-  captured, also with the shipped EAGLE head (K = 4) on the same device; with each run's steps split into phases,
-  and how many steps and rows asked for drafts and how many rows had one;
+  captured, also with each shipped EAGLE head (EAGLE-1 and EAGLE-3, K = 4) on the same device; with each run's
+  steps split into phases, and how many steps and rows asked for drafts and how many rows had one;
 - whether each speculative greedy output equals the non-speculative one token for token;
 and first, on an accelerator, whether captured and eager forwards give the same greedy outputs in float32.
 Then transformers' own `generate` at batch 1 as the peer row. Medians and ratios, measured in this one run; exit 1
@@ -294,8 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--loads", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--no-eagle", dest="eagle", action="store_false",
-                        help="skip the captured mode's EAGLE row (the shipped head, K = 4)")
+    parser.add_argument("--eagle", nargs="*", choices=("eagle", "eagle3"), default=["eagle", "eagle3"],
+                        help="the captured mode's EAGLE rows, one per shipped head (K = 4); none: --eagle alone")
+    parser.add_argument("--no-eagle", dest="eagle", action="store_const", const=[], help="no EAGLE rows")
     args = parser.parse_args(argv)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     device = next(loaded.model.parameters()).device
@@ -334,11 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
               + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""), flush=True)
         print_throughput("ngram", rows[mode][3])
-        if mode == "captured" and args.eagle:
+        for method in args.eagle if mode == "captured" else ():
             eagle = replace(options, speculative_config=SpeculativeConfig(
-                method="eagle", num_speculative_tokens=4, draft_device=str(device), draft_dtype=args.dtype))
+                method=method, num_speculative_tokens=4, draft_device=str(device), draft_dtype=args.dtype))
             chains = {load: prompts for load, prompts in prompts_by_load.items() if load != EDIT_LONG}
-            print_throughput("eagle", throughput(loaded, eagle, chains, args.max_tokens))
+            print_throughput(method, throughput(loaded, eagle, chains, args.max_tokens))
     if "eager" in rows and "captured" in rows:
         eager, captured = rows["eager"], rows["captured"]
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "

@@ -64,8 +64,8 @@ def folded_sdpa_attention(
 ) -> torch.Tensor:
     """grouped_attention's contract through scaled_dot_product_attention without enable_gqa: each KV head's query
     group is folded into the query length ([B, Hkv, G * L, D] against [B, Hkv, T, D]), as the matmuls fold it, so
-    the call is plain multi-head attention with an additive mask, which more of SDPA's fused kernels take than
-    take a grouped call with a mask (attention_choice.py measures which is faster where it runs)."""
+    the call is plain multi-head attention with an additive mask, which SDPA may serve with other fused kernels
+    than a grouped call with a mask (attention_choice.py measures which is faster where it runs)."""
     batch, length, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[0]
     groups = num_heads // num_kv_heads

@@ -1,5 +1,5 @@
 """Which attention form a CUDA runner runs, measured at start-up: one for queries of one token a row (decode),
-one for wider queries (verification, prefill chunks).
+one for a few (verification), one for many (prefill chunks, wide token trees).
 
 Why: on an H100 (torch 2.11, bf16, SmolLM2-135M; `python -m services.bench.step_host_profile`) a replayed step
 graph of 2-9 tokens a row cost more than one of 1 token by an amount that grew with the span, not with the
@@ -9,7 +9,7 @@ speculation on chat requests). scaled_dot_product_attention picks its kernel by 
 grouped heads, the query length), and which is fastest for which shape depends on the GPU and the torch build.
 So the runner times the forms of attention.py (SDPA with grouped heads, SDPA with each KV head's query group folded
 into the query length, the two matmuls) on its own head shapes, in CUDA graphs as its steps run, and keeps the
-fastest for each query width. The forms compute the same attention up to the order of float additions; the
+fastest for each class of query width. The forms compute the same attention up to the order of float additions; the
 batch-invariant mode's fixed shape always has the same width, so it always runs the same form. Not yet measured on
 a GPU: built after the lent one had gone.
 """
@@ -37,10 +37,12 @@ logger = logging.getLogger(__name__)
 FORMS: Mapping[str, Attention] = {"SDPA": sdpa_attention, "folded SDPA": folded_sdpa_attention,
                                   "matmuls": grouped_attention}
 DEFAULT_FORM = "SDPA"  # the form used before this was measured, where nothing else runs
-# (rows, tokens a row, span) timed for each query width: a small and a wider batch over a chat's span
+VERIFY_WIDTH = 16  # queries of 2 to this many tokens a row are a verify's; wider ones a prefill chunk's
+# (rows, tokens a row, span) timed for each class of query width: a small and a larger batch over a chat's span
 PROBES: Mapping[str, tuple[tuple[int, int, int], ...]] = {
     "one token": ((1, 1, 1024), (16, 1, 1024)),
-    "wider": ((1, 5, 1024), (16, 5, 1024)),
+    "verify": ((1, 5, 1024), (16, 5, 1024)),
+    "prefill": ((1, 256, 1024),),
 }
 AttentionInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
 Measure = Callable[[Attention, AttentionInputs], float]  # seconds or microseconds: only compared
@@ -48,16 +50,20 @@ Measure = Callable[[Attention, AttentionInputs], float]  # seconds or microsecon
 
 @dataclass(frozen=True)
 class AttentionByWidth:
-    """Attention that runs `single` where queries are one token a row and `wide` where they are more. A graph's
-    query width is a static shape, so the choice is made once at capture, not on the device."""
+    """Attention that runs `single` where queries are one token a row, `verify` where they are up to
+    VERIFY_WIDTH, `prefill` where more. A graph's query width is a static shape, so the choice is made once at
+    capture, not on the device."""
 
     single: Attention
-    wide: Attention
+    verify: Attention
+    prefill: Attention
     description: str = ""
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                  scale: float) -> torch.Tensor:
-        return (self.single if q.shape[1] == 1 else self.wide)(q, keys, values, mask, scale)
+        width = q.shape[1]
+        form = self.single if width == 1 else self.verify if width <= VERIFY_WIDTH else self.prefill
+        return form(q, keys, values, mask, scale)
 
 
 def probe_inputs(rows: int, width: int, span: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -73,8 +79,9 @@ def probe_inputs(rows: int, width: int, span: int, num_heads: int, num_kv_heads:
 
 
 def measured_choice(inputs: Mapping[str, list[AttentionInputs]], measure: Measure) -> AttentionByWidth:
-    """The fastest form for each query width (inputs: PROBES' keys to their probes), by the sum of its times over
-    the probes. A form that fails to run or to be captured there is no candidate; DEFAULT_FORM where none ran."""
+    """The fastest form for each class of query width (inputs: PROBES' keys to their probes), by the sum of its
+    times over the probes. A form that fails to run or to be captured there is no candidate; DEFAULT_FORM where
+    none ran."""
     chosen, reports = {}, []
     for width_class, probes in inputs.items():
         times = {}
@@ -88,7 +95,7 @@ def measured_choice(inputs: Mapping[str, list[AttentionInputs]], measure: Measur
                        + ", ".join(f"{name} {value:.1f}" for name, value in times.items()) + ")")
     description = "; ".join(reports)
     logger.info("attention forms chosen by measurement (us over the probes): %s", description)
-    return AttentionByWidth(FORMS[chosen["one token"]], FORMS[chosen["wider"]], description)
+    return AttentionByWidth(*(FORMS[chosen[width_class]] for width_class in PROBES), description)
 
 
 def graph_measure(form: Attention, inputs: AttentionInputs) -> float:

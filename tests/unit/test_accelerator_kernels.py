@@ -4,7 +4,14 @@ and are chosen only where they apply. Checked on CPU, where both forms run."""
 import torch
 
 from services.modeling.attention import attention_for, folded_sdpa_attention, grouped_attention, sdpa_attention
-from services.modeling.attention_choice import FORMS, choose_attention, measured_choice, probe_inputs
+from services.modeling.attention_choice import (
+    FORMS,
+    VERIFY_WIDTH,
+    AttentionByWidth,
+    choose_attention,
+    measured_choice,
+    probe_inputs,
+)
 from services.modeling.fused_norm import fused_rms_norm, module_norm, norm_for
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.runner import RowInput
@@ -74,12 +81,12 @@ def test_a_forward_with_the_cuda_kernels_matches_the_plain_one():
 
 
 def test_the_measured_attention_form_is_the_fastest_for_each_query_width():
-    """measured_choice keeps, for one-token and for wider queries, the form whose probes took least; a form that
-    fails there is no candidate. Fake timings: the choice, not the clock, is under test."""
+    """measured_choice keeps, for one-token, verify-wide and prefill-wide queries, the form whose probes took
+    least; a form that fails there is no candidate. Fake timings: the choice, not the clock, is under test."""
+    widths = {"one token": 1, "verify": 5, "prefill": 24}
     inputs = {width_class: [probe_inputs(rows, width, 64, 8, 2, 16, torch.device("cpu"), torch.float32)
-                            for rows, width in ((1, width), (4, width))]
-              for width_class, width in (("one token", 1), ("wider", 5))}
-    fast = {1: sdpa_attention, 5: folded_sdpa_attention}
+                            for rows in (1, 4)] for width_class, width in widths.items()}
+    fast = {1: sdpa_attention, 5: folded_sdpa_attention, 24: sdpa_attention}
 
     def measure(form, probe):
         if form is grouped_attention:
@@ -87,11 +94,20 @@ def test_the_measured_attention_form_is_the_fastest_for_each_query_width():
         return 1.0 if form is fast[probe[0].shape[1]] else 2.0
 
     chosen = measured_choice(inputs, measure)
-    assert (chosen.single, chosen.wide) == (sdpa_attention, folded_sdpa_attention)
-    assert "one token: SDPA" in chosen.description and "wider: folded SDPA" in chosen.description
+    assert (chosen.single, chosen.verify, chosen.prefill) == (sdpa_attention, folded_sdpa_attention, sdpa_attention)
+    assert "one token: SDPA" in chosen.description and "verify: folded SDPA" in chosen.description
     for probes in inputs.values():  # whatever it dispatches to computes the same attention
         for probe in probes:
             torch.testing.assert_close(chosen(*probe), grouped_attention(*probe), rtol=1e-5, atol=1e-5)
     nothing_runs = measured_choice(inputs, lambda form, probe: (_ for _ in ()).throw(RuntimeError("no")))
-    assert nothing_runs.single is FORMS["SDPA"] and nothing_runs.wide is FORMS["SDPA"]
+    assert {nothing_runs.single, nothing_runs.verify, nothing_runs.prefill} == {FORMS["SDPA"]}
     assert choose_attention(torch.device("cpu"), torch.float32, 8, 2, 16) is grouped_attention  # measured on CUDA
+
+
+def test_attention_by_width_dispatches_on_the_query_length():
+    def form(name):
+        return lambda q, *rest: name
+
+    by_width = AttentionByWidth(form("single"), form("verify"), form("prefill"))
+    for width, expected in ((1, "single"), (2, "verify"), (VERIFY_WIDTH, "verify"), (VERIFY_WIDTH + 1, "prefill")):
+        assert by_width(torch.zeros(3, width, 8, 16), None, None, None, 1.0) == expected
