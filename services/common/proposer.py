@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # only drafters that sample carry tensors: ngram and suffix d
 @dataclass(frozen=True)
 class DraftInput:
     seq_id: Hashable
-    # committed tokens, prompt first; read-only (from the drafter service a TokenView: np.asarray reads it uncopied)
+    # committed tokens, prompt first; read-only (a TokenView from the engine and the drafter service alike:
+    # np.asarray reads it uncopied, and it does not change when the sequence grows)
     token_ids: Sequence[int]
     # K wanted now (the engine already clamped it to the room left): a chain's length, or the most tokens a tree may
     # hold (Draft.parents; its depth is the drafter's own num_speculative_tokens)

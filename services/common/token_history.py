@@ -1,4 +1,5 @@
-"""A sequence's committed tokens as the drafter service keeps them: appended in place, read without a copy.
+"""A sequence's committed tokens as the drafter service keeps them (and the engine, for in-process proposers:
+RequestState.committed_view): appended in place, read without a copy.
 
 Why: the service hands every proposer the whole committed sequence each step (the Proposer protocol), and kept it
 as a Python list, which the n-gram drafter converted to a numpy array every step: 28-46 us a sequence at 1,000

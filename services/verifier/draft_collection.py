@@ -86,7 +86,7 @@ class DraftCollector:
                 breaker.skip()
                 self._fall_back(method, "not asked while its circuit breaker is open")
                 if breaker.probe_due(self._clock()):
-                    self._start_probe(method, [self._input(decode[i], k, snapshot=True) for i, k in members])
+                    self._start_probe(method, [self._input(decode[i], k) for i, k in members])
                 return
             inputs = [self._input(decode[i], k) for i, k in members]
             proposed = await self._call(method, inputs)
@@ -144,11 +144,11 @@ class DraftCollector:
         await asyncio.gather(*probes, return_exceptions=True)
 
     @staticmethod
-    def _input(state: RequestState, k: int, snapshot: bool = False) -> DraftInput:
-        """`snapshot`: a copy of the token ids, for a call that outlives the step (the engine appends to them)."""
-        token_ids = list(state.token_ids) if snapshot else state.token_ids
+    def _input(state: RequestState, k: int) -> DraftInput:
+        """The proposer's view of a row: its tokens as a snapshot, so a call that outlives the step (a probe of an
+        open breaker) reads the tokens of its own step while the engine appends more."""
         sampling = state.request.sampling
-        return DraftInput(state.request_id, token_ids, k, state.hidden_states(),
+        return DraftInput(state.request_id, state.committed_view(), k, state.hidden_states(),
                           state.request.speculation.draft_pipelining, 0.0 if sampling.greedy else sampling.temperature)
 
     def readmit(self, method: str) -> None:
