@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Packs the kit for a lent GPU machine (../shared/gpu/README.md) in parts that fit a transfer beside this checkout.
+# Run from the project root:  bash deploy/scripts/gpu-kit.sh      (writes .gpu/p0, p1, ...; .gpu/ is ignored by git)
+# Why not ../shared/gpu/prepare.sh's parts as they are: a call carries the checkout too (tracked files: 30 MiB with
+# the shipped EAGLE heads), and 50 MB parts beside it are over the 64 MiB a call takes. So this takes prepare.sh's
+# kit, leaves out the project's own wheel (the checkout is the project: run it from there, carrying the generated
+# gRPC code, `services/proto_gen`, in the last call), adds pytest for the CUDA-only tests, and splits the rest into
+# parts of what a call has room for. On the GPU machine, as before: each part but the last copied to /tmp/kit in
+# a call of its own (`mkdir -p /tmp/kit && cp .gpu/pI/* /tmp/kit/`), then, in the call that carries the last part
+# and services/proto_gen, deploy/scripts/gpu-bench.sh (which runs its setup.sh once).
+set -euo pipefail
+bash ../shared/gpu/prepare.sh > /dev/null
+work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+cat .gpu/p*/part.* | tar -C "$work" -xf -
+rm -f "$work"/whl/specserve-*.whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$work/whl" \
+    pytest pluggy iniconfig packaging pytest-asyncio pytest-timeout 2>&1 | grep -v "^WARNING" || true
+tar -C "$work" -cf "$work/kit.tar" whl model
+checkout=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+room=$(( 64 * 1048576 - checkout - 4 * 1048576 ))  # 4 MiB for the generated code and what is not tracked
+rm -rf .gpu && mkdir -p .gpu
+split -b "$room" -d -a 1 "$work/kit.tar" "$work/part."
+n=0
+for part in "$work"/part.*; do mkdir -p ".gpu/p$n"; mv "$part" ".gpu/p$n/part.$n"; last=".gpu/p$n"; n=$((n + 1)); done
+cp ../shared/gpu/setup.sh "$last/"
+for d in .gpu/p*; do du -sb "$d" | awk -v c="$checkout" '{printf "%s %.1f MiB + %.1f MiB of checkout\n", $2, $1/1048576, c/1048576}'; done
+echo "carry the parts in order, one call each; the last ($last) with services/proto_gen, then run gpu-bench.sh"
