@@ -52,7 +52,7 @@ CROSS_VALIDATION_FOLDS = 5
 # all seven terms are fitted only where they predict shapes left out of the fit clearly better than the base four
 # do (a held-out median error at most this share of the base's), and only from this many shapes
 ALL_TERMS_ERROR_SHARE = 0.8
-ALL_TERMS_MIN_SHAPES = 3 * len(ALL_TERMS)
+ALL_TERMS_MIN_SHAPES = 2 * len(ALL_TERMS)  # a GPU start-up profile has 18 (3 row counts x 3 widths x 2 contexts)
 PROFILE_REPEATS = 3
 PROFILE_CONTEXT = 128
 # Seconds the start-up profile may take: past it (with MIN_SHAPES shapes timed), no further shape is profiled (a

@@ -74,3 +74,11 @@ def test_a_start_up_profile_of_a_few_shapes_fits_the_four_base_terms_only():
         near, far = (model.predict(StepShape(rows, 5, span)) for span in (45, 1005))
         assert far < 2 * near
     assert "more than one token a row" in fitted(H100_MS).describe()  # a GPU's table earns the other terms
+    # and so do the 18 shapes of a start-up profile there (1, 8 and 64 rows of 1, 2 and 9 tokens, two contexts)
+    profile = StepCostModel()
+    for (rows, width), row in H100_MS.items():
+        for span, ms in zip(SPANS[:2], row[:2], strict=True):
+            if width in (1, 2, 9):
+                profile.observe(StepShape(rows, width, span + width), ms / 1000)
+    profile.fit()
+    assert profile.predict(StepShape(1, 2, 514)) > 1.08 * profile.predict(StepShape(1, 1, 513))
