@@ -52,6 +52,8 @@ CROSS_VALIDATION_FOLDS = 5
 # all seven terms are fitted only where they predict shapes left out of the fit clearly better than the base four
 # do (a held-out median error at most this share of the base's), and only from this many shapes
 ALL_TERMS_ERROR_SHARE = 0.8
+BASE_GOOD_ENOUGH = 0.02  # a held-out median error of the base terms below which they are kept
+TERMS_REGROWTH = 1.25  # the terms are chosen again once the shapes known grew by a quarter
 ALL_TERMS_MIN_SHAPES = 2 * len(ALL_TERMS)  # a GPU start-up profile has 18 (3 row counts x 3 widths x 2 contexts)
 PROFILE_REPEATS = 3
 PROFILE_CONTEXT = 128
@@ -131,15 +133,15 @@ class StepCostModel:
     def fit(self) -> None:
         """Refit on the median of each shape. Until MIN_SHAPES shapes are known (from the start-up profile or from
         steps), there is no fit and predictions are 0: the planner then keeps every row's full K. Which terms are
-        fitted is chosen again whenever more shapes are known (choose_terms)."""
+        fitted is chosen again (choose_terms) whenever the shapes known grew by a quarter."""
         self._pending = 0
         keys = list(self._samples)
         if len(keys) < MIN_SHAPES:
             return
         x = np.array([self._shapes[k].features() for k in keys])
         y = np.array([statistics.median(self._samples[k]) for k in keys])
-        if len(keys) != self._terms_chosen_at:
-            self._terms, self._terms_chosen_at = choose_terms(x, y), len(keys)
+        if len(keys) >= TERMS_REGROWTH * self._terms_chosen_at and len(keys) != self._terms_chosen_at:
+            self._terms, self._terms_chosen_at = choose_terms(x, y), len(keys)  # 10 small fits: not every refit
         coefficients = np.zeros(len(ALL_TERMS))
         coefficients[list(self._terms)] = non_negative_least_squares(x[:, self._terms], y)
         self._coefficients = tuple(float(c) for c in coefficients)
@@ -171,8 +173,10 @@ def choose_terms(x: np.ndarray, y: np.ndarray) -> tuple[int, ...]:
     tests/unit/test_step_cost.py), and such costs show as a lower held-out error once there are shapes enough."""
     if len(y) < ALL_TERMS_MIN_SHAPES:
         return BASE_TERMS
-    errors = {terms: held_out_error(x, y, terms) for terms in (BASE_TERMS, ALL_TERMS)}
-    return ALL_TERMS if errors[ALL_TERMS] <= ALL_TERMS_ERROR_SHARE * errors[BASE_TERMS] else BASE_TERMS
+    base = held_out_error(x, y, BASE_TERMS)
+    if base < BASE_GOOD_ENOUGH:  # nothing left to explain (and exact data would fit all seven as well, anyhow)
+        return BASE_TERMS
+    return ALL_TERMS if held_out_error(x, y, ALL_TERMS) <= ALL_TERMS_ERROR_SHARE * base else BASE_TERMS
 
 
 def held_out_error(x: np.ndarray, y: np.ndarray, terms: tuple[int, ...]) -> float:
