@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from services.common.proposer import Draft
+from services.common.token_history import TokenHistory
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.draft_cost import DraftCostModel
 from services.verifier.draft_deadline import DEADLINE_FACTOR, DraftDeadline
@@ -53,11 +54,11 @@ class SlowProposer:
 
 
 def decode_states(method: str, count: int) -> list[SimpleNamespace]:
-    """What the collector reads of a decoding request: its id, its tokens, its proposer's name, its sampling (greedy
-    here) and its kept target states (none here)."""
+    """What the collector reads of a decoding request: its id, its tokens (as RequestState.committed_view gives
+    them), its proposer's name, its sampling (greedy here) and its kept target states (none here)."""
     speculation = SimpleNamespace(method=method, draft_pipelining=None)
     sampling = SimpleNamespace(greedy=True, temperature=0.0)
-    return [SimpleNamespace(request_id=f"r{i}", token_ids=[1, 2, 3],
+    return [SimpleNamespace(request_id=f"r{i}", committed_view=TokenHistory([1, 2, 3]).view,
                             request=SimpleNamespace(speculation=speculation, sampling=sampling),
                             hidden_states=lambda: None)  # RequestState's: no target states kept
             for i in range(count)]
