@@ -64,20 +64,25 @@ def test_the_sdpa_forms_are_grouped_attention():
 
 
 def test_a_forward_with_the_cuda_kernels_matches_the_plain_one():
-    """The runner's body with CUDA's choices (fused norm, SDPA), run on CPU: the same logits as the plain body,
-    for a batch of rows at different offsets (prefill, then a verify-shaped step)."""
+    """The runner's body with CUDA's choices (fused norm, each SDPA form, or one form per query width as the
+    start-up measurement may choose), run on CPU: the same logits as the plain body, for a batch of rows at
+    different offsets (prefill, a verify-shaped step, then a decode)."""
     model = tiny_llama()
+    by_width = AttentionByWidth(sdpa_attention, folded_sdpa_attention, grouped_attention)
     logits = []
-    for cuda_kernels in (False, True):
+    for attention in (None, sdpa_attention, folded_sdpa_attention, by_width):
         runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128, pack_weights=False)
-        if cuda_kernels:
-            runner._norm, runner._attention = fused_rms_norm, sdpa_attention
+        if attention is not None:
+            runner._norm, runner._attention = fused_rms_norm, attention
         for i, prompt in enumerate(([3, 4, 5, 6, 7], [9, 10], [11, 12, 13])):
             runner.add_sequence(i)
             runner.forward([RowInput(i, prompt, 1)])
-        step = runner.forward([RowInput(i, [20 + i, 21, 22], 3) for i in range(3)])
-        logits.append(step.logits)
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+        verify = runner.forward([RowInput(i, [20 + i, 21, 22], 3) for i in range(3)])
+        decode = runner.forward([RowInput(i, [30 + i], 1) for i in range(3)])
+        logits.append((verify.logits, decode.logits))
+    for verify, decode in logits[1:]:
+        torch.testing.assert_close(verify, logits[0][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(decode, logits[0][1], rtol=1e-4, atol=1e-4)
 
 
 def test_the_measured_attention_form_is_the_fastest_for_each_query_width():
