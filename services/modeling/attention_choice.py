@@ -109,6 +109,7 @@ def choose_attention(device: torch.device, dtype: torch.dtype, num_heads: int, n
     """On CUDA, the forms measured on these head shapes (a few ms at start-up); elsewhere attention_for's."""
     if device.type != "cuda":
         return attention_for(device)
-    inputs = {width_class: [probe_inputs(*probe, num_heads, num_kv_heads, head_dim, device, dtype)
-                            for probe in probes] for width_class, probes in PROBES.items()}
-    return measured_choice(inputs, measure)
+    with torch.cuda.device(device):  # the timing's streams and graphs on the model's GPU, not the current one
+        inputs = {width_class: [probe_inputs(*probe, num_heads, num_kv_heads, head_dim, device, dtype)
+                                for probe in probes] for width_class, probes in PROBES.items()}
+        return measured_choice(inputs, measure)
