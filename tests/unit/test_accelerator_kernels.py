@@ -7,7 +7,7 @@ from services.modeling.attention import attention_for, folded_sdpa_attention, gr
 from services.modeling.attention_choice import (
     FORMS,
     VERIFY_WIDTH,
-    AttentionByWidth,
+    AttentionByShape,
     choose_attention,
     measured_choice,
     probe_inputs,
@@ -68,7 +68,9 @@ def test_a_forward_with_the_cuda_kernels_matches_the_plain_one():
     start-up measurement may choose), run on CPU: the same logits as the plain body, for a batch of rows at
     different offsets (prefill, a verify-shaped step, then a decode)."""
     model = tiny_llama()
-    by_width = AttentionByWidth(sdpa_attention, folded_sdpa_attention, grouped_attention)
+    by_width = AttentionByShape({"one token": (((1, 64), sdpa_attention),),
+                                 "verify": (((1, 64), folded_sdpa_attention),),
+                                 "prefill": (((1, 64), grouped_attention),)})
     logits = []
     for attention in (None, sdpa_attention, folded_sdpa_attention, by_width):
         runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128, pack_weights=False)
@@ -85,34 +87,46 @@ def test_a_forward_with_the_cuda_kernels_matches_the_plain_one():
         torch.testing.assert_close(decode, logits[0][1], rtol=1e-4, atol=1e-4)
 
 
-def test_the_measured_attention_form_is_the_fastest_for_each_query_width():
-    """measured_choice keeps, for one-token, verify-wide and prefill-wide queries, the form whose probes took
-    least; a form that fails there is no candidate. Fake timings: the choice, not the clock, is under test."""
+def test_the_measured_attention_form_is_the_fastest_for_each_query_width_rows_and_span():
+    """measured_choice keeps, at each probe of one-token, verify-wide and prefill-wide queries, the form that took
+    least there; a form that fails there is no candidate; a call takes the choice of the probe nearest its rows and
+    span. Fake timings: the choice, not the clock, is under test."""
     widths = {"one token": 1, "verify": 5, "prefill": 24}
-    inputs = {width_class: [probe_inputs(rows, width, 64, 8, 2, 16, torch.device("cpu"), torch.float32)
-                            for rows in (1, 4)] for width_class, width in widths.items()}
-    fast = {1: sdpa_attention, 5: folded_sdpa_attention, 24: sdpa_attention}
+    shapes = ((1, 32), (8, 32), (8, 128))
+    inputs = {width_class: [probe_inputs(rows, width, span, 8, 2, 16, torch.device("cpu"), torch.float32)
+                            for rows, span in shapes] for width_class, width in widths.items()}
+
+    def fast(width, rows, span):  # SDPA but for verifies of 8 rows, folded over 32 positions and matmuls over 128
+        if width != 5 or rows == 1:
+            return sdpa_attention
+        return folded_sdpa_attention if span == 32 else grouped_attention
 
     def measure(form, probe):
-        if form is grouped_attention:
+        q, keys = probe[0], probe[1]
+        if form is grouped_attention and q.shape[1] != 5:
             raise RuntimeError("not capturable here")
-        return 1.0 if form is fast[probe[0].shape[1]] else 2.0
+        return 1.0 if form is fast(q.shape[1], q.shape[0], keys.shape[2]) else 2.0
 
     chosen = measured_choice(inputs, measure)
-    assert (chosen.single, chosen.verify, chosen.prefill) == (sdpa_attention, folded_sdpa_attention, sdpa_attention)
-    assert "one token: SDPA" in chosen.description and "verify: folded SDPA" in chosen.description
+    for width in (1, 5, 24):
+        for rows, span in ((1, 20), (2, 40), (6, 30), (16, 100), (64, 4096)):  # each nearest one of the probes
+            near_rows = 1 if rows < 3 else 8
+            near_span = 32 if rows < 3 or span < 64 else 128
+            assert chosen.form_for(rows, width, span) is fast(width, near_rows, near_span)
+    assert "verify 8x5 over 32: folded SDPA" in chosen.description
+    assert "verify 8x5 over 128: matmuls" in chosen.description
     for probes in inputs.values():  # whatever it dispatches to computes the same attention
         for probe in probes:
             torch.testing.assert_close(chosen(*probe), grouped_attention(*probe), rtol=1e-5, atol=1e-5)
     nothing_runs = measured_choice(inputs, lambda form, probe: (_ for _ in ()).throw(RuntimeError("no")))
-    assert {nothing_runs.single, nothing_runs.verify, nothing_runs.prefill} == {FORMS["SDPA"]}
+    assert {form for entries in nothing_runs.chosen.values() for _, form in entries} == {FORMS["SDPA"]}
     assert choose_attention(torch.device("cpu"), torch.float32, 8, 2, 16) is grouped_attention  # measured on CUDA
 
 
-def test_attention_by_width_dispatches_on_the_query_length():
+def test_attention_by_shape_dispatches_on_the_query_length():
     def form(name):
         return lambda q, *rest: name
 
-    by_width = AttentionByWidth(form("single"), form("verify"), form("prefill"))
-    for width, expected in ((1, "single"), (2, "verify"), (VERIFY_WIDTH, "verify"), (VERIFY_WIDTH + 1, "prefill")):
-        assert by_width(torch.zeros(3, width, 8, 16), None, None, None, 1.0) == expected
+    by_shape = AttentionByShape({name: (((1, 64), form(name)),) for name in ("one token", "verify", "prefill")})
+    for width, expected in ((1, "one token"), (2, "verify"), (VERIFY_WIDTH, "verify"), (VERIFY_WIDTH + 1, "prefill")):
+        assert by_shape(torch.zeros(3, width, 8, 16), torch.zeros(2, 3, 64, 16), None, None, 1.0) == expected
