@@ -20,6 +20,12 @@ import numpy as np
 MIN_CAPACITY = 64
 
 
+def grown_capacity(length: int, needed: int) -> int:
+    """The capacity a buffer holding `length` rows grows to when `needed` do not fit: doubled, and at least
+    `needed` and MIN_CAPACITY (so a row is copied O(1) times on average). token_history.py's buffer grows so too."""
+    return max(needed, 2 * length, MIN_CAPACITY)
+
+
 class GrowingRows:
     """Rows [n, H] appended in chunks; `view()` is the first n rows of one buffer."""
 
@@ -39,7 +45,7 @@ class GrowingRows:
             return
         needed = self._length + count
         if self._buffer is None or needed > self._buffer.shape[0]:
-            self._grow(rows, max(needed, 2 * self._length, MIN_CAPACITY))
+            self._grow(rows, grown_capacity(self._length, needed))
         self._buffer[self._length : needed] = rows
         self._length = needed
 

@@ -19,7 +19,7 @@ from typing import overload
 
 import numpy as np
 
-from services.common.growing_rows import MIN_CAPACITY
+from services.common.growing_rows import grown_capacity
 
 
 class TokenView(Sequence[int]):
@@ -72,9 +72,10 @@ EMPTY.flags.writeable = False  # shared by every empty view: nothing may write t
 
 class TokenHistory:
     """The committed tokens of one sequence, extended as steps commit more: an int64 buffer whose capacity doubles
-    when full (as growing_rows.py's), with a read-only alias of it made once per buffer, so that a view is a slice
-    of the alias (a step takes one view a row: making each view read-only on its own cost it as much as the
-    append)."""
+    when full (growing_rows.grown_capacity), with a read-only alias of it made once per buffer, so that a view is
+    a slice of the alias (a step takes one view a row: making each view read-only on its own cost it as much as
+    the append). Not a GrowingRows: that keeps 2-D rows of numpy or torch alike, made like the first rows, and
+    appending one token through it cost a list-to-array conversion more."""
 
     __slots__ = ("_buffer", "_readonly", "_length")
 
@@ -92,7 +93,7 @@ class TokenHistory:
             return
         needed = self._length + count
         if needed > len(self._buffer):
-            self._grow(max(needed, 2 * self._length, MIN_CAPACITY))
+            self._grow(grown_capacity(self._length, needed))
         self._buffer[self._length : needed] = tokens
         self._length = needed
 
