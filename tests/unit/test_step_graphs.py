@@ -70,15 +70,19 @@ def test_capture_sizes_and_shapes_follow_vllm():
     assert StepGraphs.for_runner(lambda batch: None, torch.device("meta"), 8, 512, GraphSettings()) is None
 
 
-def test_small_batches_read_longer_spans_so_one_graph_serves_a_whole_sequence():
+def test_small_batches_read_longer_spans_so_one_graph_serves_a_sequence_a_while():
     graphs = StepGraphs(lambda batch: None, RerunOnReplay(), (1, 2, 4, 8, 16, 24, 32), torch.device("cpu"),
-                        max_span=3000, gather_positions=4096)
-    assert [graphs.span_floor(rows) for rows in (1, 2, 4, 8, 16, 24, 32)] == [4096, 2048, 1024, 512, 256, 256, 256]
-    assert graphs.shape_for(1, 1, 10) == (1, 1, 4096) and graphs.shape_for(1, 5, 2999) == (1, 5, 4096)
-    assert graphs.shape_for(7, 1, 600) == (8, 1, 1024) and graphs.shape_for(20, 1, 10) == (24, 1, 256)
-    capped = StepGraphs(lambda batch: None, RerunOnReplay(), (1, 2), torch.device("cpu"), max_span=1000)
-    assert capped.shape_for(1, 1, 10) == (1, 1, 1024)  # never past the longest sequence's bucket
-    assert capped.shapes_to_capture(2) == [(1, 1, 1024), (1, 2, 1024), (2, 1, 1024), (2, 2, 1024)]
+                        max_span=3000, gather_positions=1024)
+    assert [graphs.span_floor(rows) for rows in (1, 2, 4, 8, 16, 24, 32)] == [1024, 512, 256, 256, 256, 256, 256]
+    # a verify's tokens each read the span: wider rows take the floor of as many more rows (attention's work)
+    assert [graphs.span_floor(1, width) for width in (1, 2, 3, 5, 9)] == [1024, 512, 256, 256, 256]
+    assert graphs.shape_for(1, 1, 10) == (1, 1, 1024) and graphs.shape_for(1, 5, 10) == (1, 5, 256)
+    assert graphs.shape_for(1, 2, 300) == (1, 2, 512) and graphs.shape_for(1, 5, 2999) == (1, 5, 4096)
+    assert graphs.shape_for(2, 1, 600) == (2, 1, 1024) and graphs.shape_for(20, 1, 10) == (24, 1, 256)
+    assert graphs.shapes_to_capture(4)[:4] == [(1, 1, 1024), (1, 2, 512), (1, 3, 256), (1, 5, 256)]
+    capped = StepGraphs(lambda batch: None, RerunOnReplay(), (1, 2), torch.device("cpu"), max_span=500)
+    assert capped.shape_for(1, 1, 10) == (1, 1, 512)  # never past the longest sequence's bucket
+    assert capped.shapes_to_capture(2) == [(1, 1, 512), (1, 2, 512), (2, 1, 512), (2, 2, 256)]
 
 
 @pytest.mark.parametrize("max_width", [8, 512], ids=["prefill-eager", "prefill-graphed"])
