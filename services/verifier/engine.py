@@ -384,7 +384,8 @@ class Engine:
                 self._fail(row.state, error)
         self._reap()
         if result.verify_timing is not None and not prefill:
-            self.planner.observe_overhead(time.perf_counter() - started - result.verify_timing[1] - drafting_s)
+            shape, forward_s = result.verify_timing
+            self.planner.observe_overhead(time.perf_counter() - started - forward_s - drafting_s, shape.width > 1)
         if self._stats_logger.due():
             self._stats_logger.maybe_log(self.stats)
 

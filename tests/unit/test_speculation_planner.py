@@ -11,7 +11,7 @@ import pytest
 from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance, PositionCounts
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.row_speculation import PROBE_INTERVAL, PROBE_INTERVAL_MAX, ProbeSchedule
-from services.verifier.speculation_planner import best_width
+from services.verifier.speculation_planner import SpeculationPlanner, best_width
 from services.verifier.step_cost import StepCostModel, StepShape, non_negative_least_squares
 
 
@@ -91,6 +91,27 @@ def test_a_column_is_worth_what_all_rows_gain_from_it():
     one_good = [[0.95 ** j for j in range(1, 9)]] + [[]] * 7  # seven rows without a draft
     all_good = [[0.95 ** j for j in range(1, 9)]] * 8
     assert best_width(one_good, 256, cost) < best_width(all_good, 256, cost)
+
+
+def test_a_speculative_step_pays_its_own_bookkeeping():
+    """A step that verifies drafts costs more outside its forward than a plain one (H100, 64 chats: 2.04 against
+    1.57 ms); a planner that weighs widths > 1 by the plain figure asks where it loses."""
+    cost = cpu_like_cost()
+    fair = [[0.5 ** j for j in range(1, 5)]] * 16
+    assert best_width(fair, 256, cost, overhead_s=0.005) > 1
+    assert best_width(fair, 256, cost, overhead_s=0.005, speculative_overhead_s=0.005) > 1
+    assert best_width(fair, 256, cost, overhead_s=0.005, speculative_overhead_s=0.060) == 1
+    planner = SpeculationPlanner(cost, adaptive=True)
+    for _ in range(200):
+        planner.observe_overhead(0.005)
+    assert planner.speculative_overhead_s is None  # not seen yet: widths > 1 are weighed by the plain figure
+    planner.observe_overhead(0.060, speculative=True)  # one sample moves it from the plain figure, smoothed
+    assert planner.overhead_s == pytest.approx(0.005, rel=1e-3)
+    assert planner.speculative_overhead_s == pytest.approx(0.005 + 0.05 * 0.055, rel=1e-3)
+    for _ in range(200):
+        planner.observe_overhead(0.060, speculative=True)
+    assert planner.speculative_overhead_s == pytest.approx(0.060, rel=1e-3)
+    assert planner.overhead_s == pytest.approx(0.005, rel=1e-3)
 
 
 def test_a_rejected_probe_backs_off_and_an_accepted_one_resets():
