@@ -29,7 +29,6 @@ from typing import Self
 
 import torch
 
-from services.common.growing_rows import GrowingRows
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Proposer, capabilities_known, capabilities_of
 from services.modeling.hidden_layers import FINAL_ONLY
@@ -39,6 +38,7 @@ from services.verifier import captured_verify, kv_scheduling
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.engine_config import EngineConfig
 from services.verifier.hidden_state_files import write_request_states
+from services.verifier.kept_states import KeptStates
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.random_streams import seed_to_int64
 from services.verifier.request_state import RequestState
@@ -238,7 +238,7 @@ class Engine:
         if self.config.extract_hidden_states_dir is not None or (
             drafter is not None and capabilities_of(drafter).needs_hidden_states
         ):
-            state.hidden = GrowingRows()  # its drafter (EAGLE) reads the target's hidden states, or they are extracted
+            state.hidden = KeptStates()  # its drafter (EAGLE) reads the target's hidden states, or they are extracted
         if request.sampling.prompt_logprobs is not None:
             state.prompt_logprobs = []
         elif request.sampling.max_tokens == 0:  # nothing to generate or score: done without a slot or a forward

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from services.common.growing_rows import GrowingRows
+from services.verifier.kept_states import KeptStates
 from services.modeling.block_pool import KVCacheFullError
 from services.modeling.runner import ModelRunner
 from services.verifier.request_state import RequestState
@@ -42,7 +42,7 @@ def admit(runner: ModelRunner, state: RequestState, others_running: bool) -> boo
     if not state.num_output_tokens:
         state.num_cached_tokens = cached
         if cached and state.hidden is not None:
-            state.hidden = GrowingRows(runner.cached_hidden_states(state.request_id, cached).detach().cpu())
+            state.hidden = KeptStates(runner.cached_hidden_states(state.request_id, cached).detach().cpu())
     return True
 
 
@@ -81,6 +81,6 @@ def release_for_recompute(runner: ModelRunner, state: RequestState) -> None:
         if state.prompt_logprobs is not None:
             state.prompt_logprobs = []
         if state.hidden is not None:
-            state.hidden = GrowingRows()
+            state.hidden = KeptStates()
     logger.info("request %s preempted (KV cache full): %d tokens to recompute when it resumes",
                 state.request_id, state.prefill_target)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.growing_rows import GrowingRows
 from services.common.token_history import TokenHistory, TokenView
+from services.verifier.kept_states import KeptStates
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.row_speculation import RowSpeculation
 from services.verifier.sampling_params import GenerationRequest
@@ -37,7 +37,7 @@ class RequestState:
     constraint: OutputConstraint | None = None
     # The target's hidden states of committed tokens, in order, when a proposer needs them (rows [n, H] on the
     # host); None when none does.
-    hidden: GrowingRows | None = None
+    hidden: KeptStates | None = None
     # token_ids again as int64 rows, for proposers (committed_view); caught up with token_ids when read
     _history: TokenHistory | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -56,7 +56,7 @@ class RequestState:
 
     def hidden_states(self) -> torch.Tensor | None:
         """[n, H]: rows for token_ids[:n] (every committed token the target has run on), or None. A view: a step
-        appends only the rows it committed, never copying the history (growing_rows.py)."""
+        appends only the rows it committed, never copying the history (kept_states.py)."""
         return None if self.hidden is None else self.hidden.view()
 
     @property

@@ -17,6 +17,7 @@ from services.modeling.runner import ModelRunner, RowInput
 from services.verifier import captured_verify
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
 from services.verifier.draft_trees import best_lines, fed_parents, fed_rows, line_through, verify_lines
+from services.verifier.kept_states import RowStates, StepStates
 from services.verifier.outputs import TokenLogprob
 from services.verifier.prompt_scoring import score_positions
 from services.verifier.rejection import verify
@@ -39,7 +40,7 @@ class SampledRow:
     logprobs: list[TokenLogprob] | None
     # The target's hidden states of the committed tokens this step ran on ([last committed, accepted drafts]),
     # when the request keeps them (RequestState.hidden); None otherwise.
-    hidden: torch.Tensor | None = None
+    hidden: RowStates | None = None
 
 
 PromptScores = tuple[RequestState, list[TokenLogprob]]  # one prefill chunk's scored prompt tokens
@@ -267,9 +268,10 @@ def execute(
         if b < len(decode) and state.hidden is not None:  # [last committed, accepted drafts] ran through the target
             kept_states.append((b, kept_fed))
         rows_out.append(SampledRow(state, emitted, len(line.tokens), n_acc, entries))
-    host_row = {b: i for i, b in enumerate(rows_with_states)}
-    for b, kept_fed in kept_states:
-        rows_out[b] = replace(rows_out[b], hidden=states_on_host[host_row[b], kept_fed])
+    if kept_states:
+        step_states, host_row = StepStates(states_on_host), {b: i for i, b in enumerate(rows_with_states)}
+        for b, kept_fed in kept_states:
+            rows_out[b] = replace(rows_out[b], hidden=step_states.row(host_row[b], kept_fed))
     return rows_out
 
 
@@ -295,11 +297,12 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     if timing is not None:
         timing.append((verify_shape(decode, drafts), time.perf_counter() - started))
     host_row = {b: i for i, b in enumerate(rows_with_states)}
+    step_states = StepStates(states_on_host) if rows_with_states else None
     out = []
     for b, (state, draft, result) in enumerate(zip(decode, drafts, results, strict=True)):
         n_acc = result[-1]
         runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
-        hidden = None if state.hidden is None else states_on_host[host_row[b], : n_acc + 1]
+        hidden = None if state.hidden is None else step_states.row(host_row[b], slice(n_acc + 1))
         out.append(SampledRow(state, result[: n_acc + 1], len(draft.tokens), n_acc, None, hidden))
     return out
 
