@@ -93,6 +93,20 @@ def test_a_column_is_worth_what_all_rows_gain_from_it():
     assert best_width(one_good, 256, cost) < best_width(all_good, 256, cost)
 
 
+def test_a_survival_is_computed_again_whenever_its_counts_or_its_methods_change():
+    method = MethodAcceptance()
+    mine, other = AcceptanceEstimate(method), AcceptanceEstimate(method)
+    first = mine.survival(4)
+    assert mine.survival(4) == first and mine.survival(2) == first[:2]
+    mine.survival(4).append(0.5)  # a caller's list is its own
+    assert mine.survival(4) == first
+    other.observe(4, 0)  # another request of the method: this one's position 1 follows the method's figure
+    after_other = mine.survival(4)
+    assert after_other[0] < first[0]
+    mine.observe(4, 4)
+    assert mine.survival(4)[3] > after_other[3]
+
+
 def test_a_speculative_step_pays_its_own_bookkeeping():
     """A step that verifies drafts costs more outside its forward than a plain one (H100, 64 chats: 2.04 against
     1.57 ms); a planner that weighs widths > 1 by the plain figure asks where it loses."""
