@@ -95,7 +95,10 @@ class DraftCollector:
                 for (index, k), draft in zip(members, proposed, strict=True):
                     drafts[index] = self._sanitize(draft, k, trees)
 
-        await asyncio.gather(*(ask(method, members) for method, members in groups.items()))
+        if len(groups) == 1:  # the usual step: one method, asked without a task around it
+            await ask(*next(iter(groups.items())))
+        else:
+            await asyncio.gather(*(ask(method, members) for method, members in groups.items()))
         return drafts
 
     async def _call(self, method: str, inputs: list[DraftInput], probe: bool = False) -> Sequence[Draft] | None:
@@ -109,7 +112,10 @@ class DraftCollector:
         problem: BaseException | str | None = None
         late = False
         try:
-            proposed = await asyncio.wait_for(self.proposers[method].propose(inputs), timeout=timeout)
+            # a timeout scope rather than wait_for, which wraps the call in a task of its own: one more turn of the
+            # loop for every call, about 17 us against an in-process lookup of about 10 us a row
+            async with asyncio.timeout(timeout):
+                proposed = await self.proposers[method].propose(inputs)
         except TimeoutError as error:  # the engine's deadline, or a proposer's own just inside it
             problem, late = str(error) or f"missed the {timeout:.3f} s draft deadline", True
         except Exception as error:  # noqa: BLE001 - any proposer failure means K = 0, never a failed step
