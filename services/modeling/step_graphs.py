@@ -11,8 +11,9 @@ positions replayed in 1.87 ms on an H100, 3% more than over 256. The floor was 4
 width (one graph for a sequence's whole life) until the H100 measured what that cost: a row of 2-9 tokens replayed
 in 4.3 ms over 4,096 positions against 2.4 over 512 (attention, whose work is rows x width x span), so a verify
 step at one request cost 1.9x a decode step where over its own span it costs 1.3x, and a decode step 2.25 ms, 23%
-more than over 512. Longer spans are captured the first time a step reaches them (about 0.07 s each, once). The forward reads its inputs from one static buffer
-(forward_batch.py packs them), so a replay costs one host-to-device copy and one launch. The engine captures the
+more than over 512. Longer spans are captured the first time a step reaches them (about 0.07 s each, once).
+The forward reads its inputs from one static buffer (forward_batch.py packs them), so a replay costs one
+host-to-device copy and one launch. The engine captures the
 shapes of short sequences before its first step (shapes_to_capture: every capture size, every width bucket up to
 its widest verify, the size's span floor); any other shape is captured the first time a step has it (the capture
 runs the forward it captures, so nothing is computed twice). A graph may carry a tail (GraphTail): work on the

@@ -32,9 +32,6 @@ class RowStates(NamedTuple):
     bits: np.ndarray
     dtype: torch.dtype
 
-    def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(self.bits).view(self.dtype)
-
 
 class StepStates:
     """One step's states [rows, width, H] on the host, handed out a row at a time."""

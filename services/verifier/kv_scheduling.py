@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from services.verifier.kept_states import KeptStates
 from services.modeling.block_pool import KVCacheFullError
 from services.modeling.runner import ModelRunner
+from services.verifier.kept_states import KeptStates
 from services.verifier.request_state import RequestState
 
 logger = logging.getLogger(__name__)
