@@ -335,9 +335,14 @@ class Engine:
                         state.outputs.put_nowait(error)
                 self._reap()
 
-    def _speculation_cap(self, state: RequestState) -> int:
-        drafter = self.proposers.get(state.request.speculation.method)  # None: no speculation, no limit
-        return speculation_cap(state, self.runner.max_model_len, capabilities_of(drafter).max_speculative_tokens)
+    def _drafter_limits(self) -> dict[str | None, int]:
+        """Each method's declared limit on K (0: none), read once a step: a proposer's capabilities may be a
+        property built on each read (7 us for EAGLE's here), and every row's cap was read twice a step."""
+        return {method: capabilities_of(drafter).max_speculative_tokens for method, drafter in self.proposers.items()}
+
+    def _speculation_cap(self, state: RequestState, limits: dict[str | None, int]) -> int:
+        """`limits`: _drafter_limits of this step (a method without a proposer has none)."""
+        return speculation_cap(state, self.runner.max_model_len, limits.get(state.request.speculation.method, 0))
 
     async def step(self) -> None:
         """One engine step over every running request."""
@@ -345,11 +350,12 @@ class Engine:
         started = time.perf_counter()
         self._reap()
         self._admit()
+        limits = self._drafter_limits()
         kv_scheduling.reserve_decode(
-            self.runner, self._running, lambda s: len(s.token_ids) + self._speculation_cap(s), self._preempt
+            self.runner, self._running, lambda s: len(s.token_ids) + self._speculation_cap(s, limits), self._preempt
         )
         decode = [s for s in self._running if not s.prefilling]
-        caps = [self._speculation_cap(s) for s in decode]
+        caps = [self._speculation_cap(s, limits) for s in decode]
         asks = self.planner.draft_requests(decode, caps)
         decode_tokens = sum(1 + k for k in asks)
         prefill = plan_prefill(self._running, decode_tokens, self.config.max_num_batched_tokens)

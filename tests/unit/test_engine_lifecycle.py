@@ -187,3 +187,28 @@ async def test_concurrent_streams_through_the_background_loop(model):
         assert len(tokens) == last.num_output_tokens == 12
     solo = await run_schedule(engine_for(model), {0: [GenerationRequest("s", PROMPT[:3], GREEDY)]})
     assert results[0][0] == solo["s"].tokens
+
+
+async def test_a_drafter_is_never_asked_for_more_than_its_declared_limit(model):
+    from services.common.proposer import ProposerCapabilities
+    from tests.proposers import EmptyProposer
+
+    class Limited(EmptyProposer):
+        method = "limited"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.capabilities = ProposerCapabilities(max_speculative_tokens=2)
+            self.asked: list[int] = []
+
+        async def propose(self, inputs):
+            self.asked += [item.num_speculative_tokens for item in inputs]
+            return await super().propose(inputs)
+
+    drafter = Limited()
+    engine = engine_for(model, proposers={"limited": drafter}, adaptive=False)
+    request = GenerationRequest("r", PROMPT, GREEDY, SpeculationParams("limited", 6))
+    async with engine:
+        outputs = [o async for o in engine.generate(request)]
+    assert outputs[-1].num_output_tokens == 12
+    assert drafter.asked and max(drafter.asked) == 2
