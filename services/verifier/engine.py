@@ -337,7 +337,7 @@ class Engine:
 
     def _drafter_limits(self) -> dict[str | None, int]:
         """Each method's declared limit on K (0: none), read once a step: a proposer's capabilities may be a
-        property built on each read (7 us for EAGLE's here), and every row's cap was read twice a step."""
+        property built on each read (2.7 us for EAGLE's here), and every row's cap was read twice a step."""
         return {method: capabilities_of(drafter).max_speculative_tokens for method, drafter in self.proposers.items()}
 
     def _speculation_cap(self, state: RequestState, limits: dict[str | None, int]) -> int:
