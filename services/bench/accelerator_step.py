@@ -103,12 +103,16 @@ class StepPhases:
     compute thread (forward, verification, the transfer that waits for the device), the forward's host part
     (launching or replaying, with the verification where a graph runs it) and, on CUDA, its device time from
     events, and the loop's own work (planning, committing, emitting). Events are read after the run, so timing
-    adds no sync."""
+    adds no sync. Drafting calls that ask a request for the first time are also timed apart ("openings": the
+    drafter takes in the whole prompt, for EAGLE the head's prefill), so that an ask's cost after many steps
+    unasked shows apart from a request's first."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
         self.steps = self.forwards = self.verified_in_graph = 0
         self.calls = self.rows_asked = self.rows_drafted = 0  # steps that asked, rows asked, rows answered a draft
+        self.openings = 0  # drafting calls that asked some request for the first time
+        self._asked: set[str] = set()  # requests asked so far
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.cuda = engine.runner.device.type == "cuda"
         step, collect, forward = engine.step, engine.drafts.collect, engine.runner.forward
@@ -120,7 +124,10 @@ class StepPhases:
                 await step()
 
         async def timed_collect(decode, lengths):
-            with self.timing("drafting"):
+            first = {s.request_id for s, k in zip(decode, lengths, strict=True) if k > 0} - self._asked
+            self._asked |= first
+            self.openings += bool(first)
+            with self.timing("drafting"), self.timing("openings" if first else "later asks"):
                 drafts = await collect(decode, lengths)
             asked = sum(k > 0 for k in lengths)
             self.calls += asked > 0
@@ -179,7 +186,8 @@ class StepPhases:
         self.seconds.clear()
         self.events.clear()
         self.steps = self.forwards = self.verified_in_graph = 0
-        self.calls = self.rows_asked = self.rows_drafted = 0
+        self.calls = self.rows_asked = self.rows_drafted = self.openings = 0
+        self._asked.clear()
 
     def summary(self) -> str:
         """ms per step of each phase, over the steps since reset()."""
@@ -190,8 +198,13 @@ class StepPhases:
         loop = per_step.get("step", 0.0) - per_step.get("drafting", 0.0) - per_step.get("tensor work", 0.0)
         parts = ", ".join(f"{name} {per_step[name]:.2f}" for name in
                           ("drafting", "tensor work", "forward host", "forward on device") if name in per_step)
-        asks = (f"; {self.calls} steps asked drafts of {self.rows_asked} rows, {self.rows_drafted} had one"
-                if self.calls else "")
+        asks = ""
+        if self.calls:
+            later = self.calls - self.openings
+            asks = (f"; {self.calls} steps asked drafts of {self.rows_asked} rows, {self.rows_drafted} had one; "
+                    f"ms an ask: {self.openings} openings "
+                    f"{1000 * self.seconds.get('openings', 0.0) / max(self.openings, 1):.2f}, {later} later "
+                    f"{1000 * self.seconds.get('later asks', 0.0) / max(later, 1):.2f}")
         return (f"{self.steps} steps, {self.forwards} forwards ({self.verified_in_graph} verified in their graph); "
                 f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}{asks}")
 
