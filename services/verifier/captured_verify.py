@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.verifier.draft_collection import ProposedDraft
@@ -66,12 +67,16 @@ class VerifyTail:
     def inputs(self, rows: int, width: int) -> torch.Tensor:
         """[rows, width + 3] int64 (drafts padded with 0, their number, position, seed, greedy) then the rows'
         temperatures as float64 bits; padding rows draft nothing, greedily."""
-        k, pad = width - 1, rows - len(self.drafts)
-        ints = torch.tensor([[*d, *[0] * (k - len(d)), len(d), p, s, g] for d, p, s, g in
-                             zip(self.drafts, self.positions, self.seeds, self.greedy, strict=True)]
-                            + [[0] * k + [0, 0, 0, 1]] * pad, dtype=torch.int64).reshape(rows, k + 4)
-        temperatures = torch.tensor([*self.temperatures, *[1.0] * pad], dtype=torch.float64)
-        return torch.cat([ints.reshape(-1), temperatures.view(torch.int64)])
+        k, real = width - 1, len(self.drafts)
+        ints = np.zeros((rows, k + 4), dtype=np.int64)  # numpy: torch.tensor on nested lists cost about twice
+        for row, drafts in enumerate(self.drafts):
+            ints[row, : len(drafts)] = drafts
+        ints[:real, k] = [len(drafts) for drafts in self.drafts]
+        ints[:real, k + 1], ints[:real, k + 2], ints[:real, k + 3] = self.positions, self.seeds, self.greedy
+        ints[real:, k + 3] = 1
+        temperatures = np.ones(rows, dtype=np.float64)
+        temperatures[:real] = self.temperatures
+        return torch.from_numpy(np.concatenate([ints.reshape(-1), temperatures.view(np.int64)]))
 
     def run(self, logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """[rows, width + 1] int64: each row's tokens (it emits the first num_accepted + 1) then num_accepted."""
