@@ -50,7 +50,7 @@ class ForwardBatch:
 
     def packed(self) -> torch.Tensor:
         """All tensors, flattened into one int64 buffer, in field order. A host batch's go through numpy: eleven
-        reshapes, casts and a cat cost a one-row step 60 us of host time here, numpy's concatenate a tenth."""
+        reshapes, casts and a cat took 63-72 us of host time for a one-row batch here, numpy 37-43."""
         tensors = self.tensors.values()
         if all(t.device.type == "cpu" for t in tensors):
             return torch.from_numpy(np.concatenate([t.numpy().astype(np.int64, copy=False).reshape(-1)
