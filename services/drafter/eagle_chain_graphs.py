@@ -12,7 +12,7 @@ A chain of K steps over B rows whose committed head caches are padded to S posit
 a power of two) and replayed with its inputs copied into that graph's static buffers; rows past B are padding that
 attend only to their own new position, and columns past a row's cache are masked (the buffers start zeroed and
 only ever hold real K/V, so masked columns are finite). Asking fewer tokens than the graph drafts costs a few more
-head steps inside one launch. S has a floor of about GATHER_POSITIONS / rows: reading a few thousand masked
+head steps inside one launch. S has a floor of about HEAD_GATHER_POSITIONS / rows: reading a few thousand masked
 positions costs a small batch of the head's one layer next to nothing, and one graph then serves its sequences
 from their first token to a long context, so shapes are captured as calls first meet them, a handful in a server's
 life. (The verifier's step graphs, thirty layers of K + 1 query tokens a row, now take a lower floor: measured on
@@ -40,7 +40,7 @@ from services.modeling.step_graphs import GraphBackend, TorchGraphs, power_of_tw
 logger = logging.getLogger(__name__)
 
 MIN_SPAN = 64  # the fewest committed head positions a graph reads; longer caches round up to a power of two
-GATHER_POSITIONS = 4096  # a graph of r rows reads at least this / r head positions a row (span_floor)
+HEAD_GATHER_POSITIONS = 4096  # a graph of r rows reads at least this / r head positions a row (span_floor)
 MAX_ROWS = 256  # rows a graph takes at most; a larger call drafts eagerly
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -96,8 +96,9 @@ def draft_chains(head, embed: torch.nn.Module, draft_weight: torch.Tensor, input
 
 
 def span_floor(rows: int) -> int:
-    """The fewest positions a graph of `rows` (a power of two) reads a row: GATHER_POSITIONS / rows, from MIN_SPAN."""
-    return max(MIN_SPAN, GATHER_POSITIONS // rows)
+    """The fewest positions a graph of `rows` (a power of two) reads a row: HEAD_GATHER_POSITIONS / rows, from
+    MIN_SPAN."""
+    return max(MIN_SPAN, HEAD_GATHER_POSITIONS // rows)
 
 
 @dataclass

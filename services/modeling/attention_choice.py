@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,12 +65,18 @@ class AttentionByShape:
 
     chosen: Mapping[str, tuple[tuple[tuple[int, int], Attention], ...]]
     description: str = ""
+    # (rows, width, span) -> form, as found: an eager forward asks once a layer, thirty times for the same shape
+    _found: dict[tuple[int, int, int], Attention] = field(default_factory=dict, repr=False, compare=False)
 
     def form_for(self, rows: int, width: int, span: int) -> Attention:
-        def distance(probe: tuple[int, int]) -> float:
-            return abs(math.log2(rows / probe[0])) + abs(math.log2(max(span, 1) / probe[1]))
+        form = self._found.get((rows, width, span))
+        if form is None:
+            def distance(probe: tuple[int, int]) -> float:
+                return abs(math.log2(rows / probe[0])) + abs(math.log2(max(span, 1) / probe[1]))
 
-        return min(self.chosen[width_class(width)], key=lambda entry: distance(entry[0]))[1]
+            form = min(self.chosen[width_class(width)], key=lambda entry: distance(entry[0]))[1]
+            self._found[(rows, width, span)] = form
+        return form
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                  scale: float) -> torch.Tensor:

@@ -70,13 +70,13 @@ def best_width(
     widest = 1 + max((len(s) for s in survivals), default=0)
     best, best_rate = widest, -1.0
     expected_tokens = float(rows)
+    wide_overhead_s = overhead_s if speculative_overhead_s is None else speculative_overhead_s
     for width in range(1, widest + 1):
         if width > 1:
             expected_tokens += sum(s[width - 2] for s in survivals if len(s) >= width - 1)
         seconds = cost.predict(StepShape(rows, width, span + width))
         if seconds <= 0:
             return widest
-        wide_overhead_s = overhead_s if speculative_overhead_s is None else speculative_overhead_s
         seconds += (overhead_s if width == 1 else wide_overhead_s) + (draft_s(width - 1) if draft_s is not None
                                                                       else 0.0)
         rate = expected_tokens / seconds

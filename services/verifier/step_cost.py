@@ -140,7 +140,7 @@ class StepCostModel:
             return
         x = np.array([self._shapes[k].features() for k in keys])
         y = np.array([statistics.median(self._samples[k]) for k in keys])
-        if len(keys) >= TERMS_REGROWTH * self._terms_chosen_at and len(keys) != self._terms_chosen_at:
+        if len(keys) >= TERMS_REGROWTH * self._terms_chosen_at:  # at first 0: len(keys) >= MIN_SHAPES > 0
             self._terms, self._terms_chosen_at = choose_terms(x, y), len(keys)  # 10 small fits: not every refit
         coefficients = np.zeros(len(ALL_TERMS))
         coefficients[list(self._terms)] = non_negative_least_squares(x[:, self._terms], y)
