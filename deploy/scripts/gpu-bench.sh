@@ -9,6 +9,7 @@
 # (/tmp/site there) the parts need not be carried again. The bench's output is also written to $OUT/bench.log.
 # CUDA-only tests, after it: PYTHONPATH=/tmp/site python3 -m pytest -p no:cacheprovider -o addopts=-ra -k cuda
 #   tests/unit/test_captured_verify.py tests/unit/test_step_graphs.py tests/unit/test_host_copies.py
+#   tests/unit/test_eagle_head_graphs.py tests/unit/test_accelerator_kernels.py
 set -uo pipefail
 if [ ! -d /tmp/site/transformers ]; then
     setup=$(ls .gpu/p*/setup.sh 2>/dev/null | sort -V | tail -1)

@@ -2,13 +2,17 @@
 the product of the head's probabilities along the path) into their `topk` likeliest children, and after `depth`
 levels the likeliest nodes of everything seen are sent as the tree (Li et al. 2024, arXiv 2406.16858).
 
-A node is expanded as a chain step would be (EagleHead.step_rows): its token's embedding with its parent's head
-output as the feature, at head position root + depth + 1, attending to the sequence's committed head cache and
-the K/V its ancestors left when they were expanded, so each expansion sees exactly what the chain along its path
-would. All expansions of one depth, over every sequence, run as one batched head step. A path's probability only
-falls as it grows, so the best nodes are closed under ancestors (ties go to the shallower node); they are listed
-by depth, likelier first, so parents come before their children and each node's first child is its likeliest:
-the verifier's first path is the head's greedy chain, as far as it was kept.
+A node is expanded as a chain step would be: its token's embedding with its parent's head output as the feature,
+at head position root + depth + 1, attending to the sequence's committed head cache and the K/V its ancestors
+left when they were expanded, so each expansion sees exactly what the chain along its path would. The candidates
+of every sequence are drafted on the head's device as fixed-shape tensor work (eagle_tree_candidates.py, one
+captured graph on an accelerator); here the host keeps each tree's best. A path's probability only falls as it
+grows, so the best nodes are closed under ancestors (ties go to the shallower node); they are listed by depth,
+likelier first, so parents come before their children and each node's first child is its likeliest: the
+verifier's first path is the head's greedy chain, as far as it was kept.
+
+A sampled request's q-tree (sampled_trees) is still drafted level by level here: which node it expands and how
+many children it draws depend on draws read on the host.
 """
 
 from __future__ import annotations
@@ -89,42 +93,24 @@ class _Expansion:
     above: list[KV]
 
 
-def draft_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts: Sequence[TreeStart], topk: int,
-                depth: int, limits: Sequence[int], vocab_size: int) -> list[SentTree]:
-    """Each sequence's tree: at most limits[b] tokens, paths at most `depth` long. A tree of k tokens is at most k
-    deep and holds at most k children of any node, so neither more levels nor more expansions a level are drafted
-    than the largest limit needs (a 1-token probe costs one head step, not a whole tree's)."""
+def tree_shape(topk: int, depth: int, limits: Sequence[int], draft_rows: int) -> tuple[int, int]:
+    """(topk, depth) of the trees drafted for rows of at most `limits` tokens: a tree of k tokens is at most k deep
+    and holds at most k children of any node, so neither more levels nor more expansions a level are drafted than
+    the largest limit needs (a 1-token probe costs one head step, not a whole tree's)."""
     most = max(limits, default=0)
-    depth, topk = min(depth, most), min(topk, most)
-    trees = [_Tree(start) for start in starts]
-    pending = [_Expansion(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
-    for level in range(depth):
-        outputs, own = _expand(head, embed, pending)
-        log_probs = torch.log_softmax(head.draft_logits(outputs[:, -1], draft_weight), dim=-1)  # [R, Vd]
-        top = log_probs.topk(min(topk, log_probs.shape[-1]), dim=-1)
-        ids, values = head.token_ids(top.indices).tolist(), top.values.tolist()
-        for r, row in enumerate(pending):
-            tree, expanded = row.tree, _Expanded(own[r], outputs[r : r + 1], row.above)
-            if row.index < 0:
-                tree.root = expanded
-            else:
-                tree.nodes[row.index].expanded = expanded
-            base = 0.0 if row.index < 0 else tree.nodes[row.index].log_prob
-            for token, log_prob in zip(ids[r], values[r], strict=True):
-                if token < vocab_size:  # an id past the target's vocabulary is never sent
-                    tree.nodes.append(_Node(token, row.index, level, base + log_prob))
-        pending = []
-        if level + 1 < depth:
-            for tree in trees:
-                frontier = sorted((i for i, n in enumerate(tree.nodes) if n.depth == level),
-                                  key=lambda i: -tree.nodes[i].log_prob)[:topk]
-                for i in frontier:
-                    parent = tree.parent_of(tree.nodes[i])
-                    pending.append(_Expansion(tree, i, tree.nodes[i].token, parent.out,
-                                              tree.start.position + level + 1, parent.below()))
-        if not pending:
-            break
-    return [_best(tree.nodes, limit) for tree, limit in zip(trees, limits, strict=True)]
+    return min(topk, most, draft_rows), min(depth, most)
+
+
+def sent_trees(packed: torch.Tensor, limits: Sequence[int]) -> list[SentTree]:
+    """Each row's `limits[b]` likeliest valid nodes of what tree_candidates packed (one copy to the host)."""
+    trees = []
+    for (tokens, parents, log_probs, valid), limit in zip(packed.tolist(), limits, strict=True):
+        depths: list[int] = []
+        for parent in parents:  # a parent comes before its children
+            depths.append(0 if parent < 0 else depths[int(parent)] + 1)
+        nodes = [_Node(int(t), int(p), d, lp) for t, p, d, lp in zip(tokens, parents, depths, log_probs, strict=True)]
+        trees.append(_best(nodes, [i for i, v in enumerate(valid) if v], limit))
+    return trees
 
 
 @dataclass(frozen=True)
@@ -195,9 +181,10 @@ def sampled_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, star
             for tree, rows in zip(trees, q_rows, strict=True)]
 
 
-def _best(nodes: list[_Node], limit: int) -> SentTree:
-    """The `limit` likeliest nodes (ties: the shallower), by depth then likelier first, parents renumbered."""
-    best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].log_prob, nodes[i].depth))[:limit]
+def _best(nodes: list[_Node], candidates: Sequence[int], limit: int) -> SentTree:
+    """The `limit` likeliest of the `candidates` nodes (ties: the shallower, then the first listed), by depth then
+    likelier first, parents renumbered."""
+    best = sorted(candidates, key=lambda i: (-nodes[i].log_prob, nodes[i].depth))[:limit]
     order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].log_prob))
     return SentTree([nodes[i].token for i in order], renumbered_parents([node.parent for node in nodes], order),
                     [math.exp(nodes[i].log_prob) for i in order])

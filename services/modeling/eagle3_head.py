@@ -9,9 +9,9 @@ EAGLE-3 (Li et al., 2025) differs from EAGLE-1 (eagle_head.py) in what it reads 
 - it predicts tokens directly: a final RMSNorm and its own LM head over a reduced draft vocabulary, whose row i is
   target token i + d2t[i] (`draft_vocab` holds those target ids), rather than the target's next feature.
 
-The attention machinery (training-time test's `unrolled`, the drafter's `step` and `step_rows`) is EagleHead's:
-only the inputs, the feature fusion and the scoring are overridden. This layout is vLLM's `Eagle3LlamaForCausalLM`
-(the layer and names of eagle3_head_files.py's published formats).
+The attention machinery (training-time test's `unrolled`, the drafter's `step`, `step_rows` and `step_tree`) is
+EagleHead's: only the inputs, the feature fusion and the scoring are overridden. This layout is vLLM's
+`Eagle3LlamaForCausalLM` (the layer and names of eagle3_head_files.py's published formats).
 """
 
 from __future__ import annotations

@@ -252,6 +252,21 @@ class EagleHead(nn.Module):
         attended = torch.softmax(s.masked_fill(~key_mask[:, None, None, :], float("-inf")), dim=-1) @ self._expand(v)
         return self._finish(residual, attended), (k, v), key_mask
 
+    def step_tree(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, slot: int) -> torch.Tensor:
+        """T positions for each of B sequences at once, each its own query (a token tree's nodes of one depth):
+        embeddings and features [B, T, H] at `positions` [B, T]. Their K/V are written into `keys` and `values`
+        ([B, kv heads, W, D], in place) at columns slot..slot+T-1, and query t attends to the columns
+        `visible[:, t]` ([B, T, W]) marks, which must include its own; returns the outputs [B, T, H]. Fixed
+        shapes and no host reads, so a whole tree's steps can be captured as one graph."""
+        x, residual = self._inputs(embeddings, features)
+        q, k, v = self._qkv(x, positions)
+        keys[:, :, slot : slot + k.shape[2]] = k
+        values[:, :, slot : slot + v.shape[2]] = v
+        s = (q @ self._expand(keys).transpose(-1, -2)) / math.sqrt(self.config.head_dim)  # [B, Hq, T, W]
+        attended = torch.softmax(s.masked_fill(~visible[:, None], float("-inf")), dim=-1) @ self._expand(values)
+        return self._finish(residual, attended)
+
     # -- files -------------------------------------------------------------------------------------------------
     def save(self, folder: Path, extra: dict | None = None) -> None:
         from safetensors.torch import save_file

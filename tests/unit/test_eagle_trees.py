@@ -86,6 +86,49 @@ def test_every_node_is_a_top_k_child_scored_by_its_path(seed):
         assert not any(math.isnan(x) for x in scores)
 
 
+def reference_tree(head, embed, weight, tokens: list[int], states: torch.Tensor, topk: int, depth: int,
+                   limit: int, vocab_size: int) -> tuple[list[int], list[int]]:
+    """EAGLE-2 written out plainly for one sequence, with the head alone: expand the root, then at each level the
+    topk likeliest nodes of the level above, into their topk likeliest children (a token past the target's
+    vocabulary is dropped, with everything below it); send the `limit` likeliest nodes (ties: the shallower), by
+    depth then likelier first."""
+    nodes = []  # (token, parent, depth, path log-probability)
+    frontier = [-1]
+    for level in range(depth):
+        for parent in frontier:
+            path, node = [], parent
+            while node >= 0:
+                path.insert(0, nodes[node][0])
+                node = nodes[node][1]
+            log_probs = path_log_probs(head, embed, weight, tokens, states, path)[-1]
+            base = 0.0 if parent < 0 else nodes[parent][3]
+            top = log_probs.topk(topk)
+            for token, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                if token < vocab_size:
+                    nodes.append((token, parent, level, base + value))
+        frontier = sorted((i for i, n in enumerate(nodes) if n[2] == level), key=lambda i: -nodes[i][3])[:topk]
+    best = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], nodes[i][2]))[:limit]
+    order = sorted(best, key=lambda i: (nodes[i][2], -nodes[i][3]))
+    return [nodes[i][0] for i in order], [order.index(nodes[i][1]) if nodes[i][1] >= 0 else -1 for i in order]
+
+
+@pytest.mark.parametrize(("seed", "topk", "depth", "nodes", "vocab_size"), [
+    (1, 3, 4, 10, V), (2, 4, 3, 16, V), (3, 2, 5, 9, V), (4, 4, 4, 20, V - 50), (5, 5, 2, 25, 20)])
+@torch.no_grad()
+def test_trees_are_the_plain_eagle_2_trees_node_for_node(seed, topk, depth, nodes, vocab_size):
+    """The batched, fixed-shape candidates (eagle_tree_candidates.py) give, for every sequence of a call, exactly
+    the tree the plain one-sequence expansion gives, including where draft ids past the target's vocabulary are
+    dropped (vocab_size below the head's)."""
+    target, head, embed, lm_head = random_head(seed)
+    sequences, states = sequences_and_states(target, seed)
+    proposer = EagleProposer(head, embed, lm_head, vocab_size, tree_nodes=nodes, tree_topk=topk, tree_depth=depth)
+    drafts = proposer._draft_all([DraftInput(s, ids, nodes, states[s]) for s, ids in sequences.items()])
+    for (s, ids), draft in zip(sequences.items(), drafts, strict=True):
+        expected = reference_tree(head, embed, lm_head.weight, ids, states[s], topk, depth, nodes, vocab_size)
+        assert (list(draft.token_ids), list(draft.parents)) == expected, s
+        assert all(t < vocab_size for t in draft.token_ids)
+
+
 @torch.no_grad()
 def test_the_width_asked_bounds_the_tree():
     *_, drafts = tree_drafts(4, 4, width=5, nodes=10, topk=3, depth=4)
@@ -95,13 +138,14 @@ def test_the_width_asked_bounds_the_tree():
 @torch.no_grad()
 def test_a_small_budget_drafts_the_same_tree_with_fewer_head_steps():
     """A tree of k tokens needs at most k levels and k expansions a level: asked for 3 tokens, the drafter expands
-    less and sends exactly the 3 nodes that a full 4-level, top-4 expansion keeps; path probabilities come along."""
-    from services.drafter import eagle_trees
+    less and sends exactly the 3 nodes that a full 4-level, top-4 expansion keeps; path probabilities come along.
+    (One batched head step a level, each sequence's nodes of that level its queries.)"""
+    from services.modeling.eagle_head import EagleHead
 
     for k in (1, 2, 3):
-        with mock.patch.object(eagle_trees, "_expand", wraps=eagle_trees._expand) as expand:
+        with mock.patch.object(EagleHead, "step_tree", autospec=True, side_effect=EagleHead.step_tree) as step:
             *_, small = tree_drafts(5, 1, width=k, nodes=12, topk=4, depth=4)
-        assert expand.call_count == k and max(len(call.args[2]) for call in expand.call_args_list) <= 3 * k
+        assert step.call_count == k and max(call.args[1].shape[1] for call in step.call_args_list) <= k
         *_, full = tree_drafts(5, 1, width=12, nodes=12, topk=4, depth=4)
         for cut, whole in zip(small, full, strict=True):
             ranked = sorted(range(len(whole.token_ids)), key=lambda i: (-whole.path_probs[i], tree_depths(

@@ -46,12 +46,14 @@ from services.common.method_options import DEFAULT_EAGLE_TOPK
 from services.common.speculative_config import SpeculativeConfig
 from services.common.token_trees import leaf_paths
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
-from services.drafter.eagle_chain_graphs import ChainGraphs, ChainInputs, draft_chains
-from services.drafter.eagle_trees import TreeStart, draft_trees, padded_caches, sampled_trees
+from services.drafter.eagle_head_graphs import ChainInputs, HeadGraphs, draft_chains
+from services.drafter.eagle_tree_candidates import tree_candidates
+from services.drafter.eagle_trees import TreeStart, padded_caches, sampled_trees, sent_trees, tree_shape
 from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import EagleHead
 from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
+from services.modeling.step_graphs import power_of_two_at_least
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -92,8 +94,9 @@ class EagleProposer:
     _draws: torch.Generator = field(default_factory=torch.Generator)  # the drafter's own, apart from the verifier's
     predrafts: PreDrafts = field(default_factory=PreDrafts)
     predrafting: PreDraftRunner = field(default_factory=PreDraftRunner)
-    # on an accelerator, chains replay captured graphs (eagle_chain_graphs.py); None: eager (CPU)
-    chain_graphs: ChainGraphs | None = None
+    # on an accelerator, chains and deterministic trees replay captured graphs (eagle_head_graphs.py); None: eager
+    chain_graphs: HeadGraphs | None = None
+    tree_graphs: HeadGraphs | None = None
 
     @property
     def capabilities(self) -> ProposerCapabilities:
@@ -177,9 +180,14 @@ class EagleProposer:
         sampled = [entry for entry, d in zip(ready, drawn, strict=True) if d]
         out = []
         if plain:
-            trees = draft_trees(self.head, self.embed, self._lm_rows(), [row.tree_start() for _, row in plain],
-                                self.tree_topk, self.tree_depth, [min(row.k, self.tree_nodes) for _, row in plain],
-                                self.vocab_size)
+            rows = [row for _, row in plain]
+            limits = [min(row.k, self.tree_nodes) for row in rows]
+            shape = tree_shape(self.tree_topk, self.tree_depth, limits, self._lm_rows().shape[0])
+            packed = None if self.tree_graphs is None else self.tree_graphs.run(rows, shape)
+            if packed is None:
+                packed = tree_candidates(self.head, self.embed, self._lm_rows(), self._padded(rows), *shape,
+                                         self.vocab_size)
+            trees = sent_trees(packed, limits)
             out += [(i, Draft(tree.tokens, parents=tree.parents, path_probs=tree.path_probs))
                     for (i, _), tree in zip(plain, trees, strict=True)]
         if sampled:
@@ -189,6 +197,14 @@ class EagleProposer:
             out += [(i, Draft(tree.tokens, tree.probs, tree.parents))
                     for (i, _), tree in zip(sampled, trees, strict=True)]
         return out
+
+    def _padded(self, rows: Sequence[ChainStart]) -> ChainInputs:
+        """What an eager chain or tree reads: the rows' committed caches padded to one length, and where each
+        starts."""
+        (keys, values), mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
+        return ChainInputs(keys, values, mask, torch.tensor([r.token for r in rows], device=self.device),
+                           torch.stack([r.feature for r in rows]),  # [B, 1, H]
+                           torch.tensor([r.position for r in rows], device=self.device))
 
     def _lm_rows(self) -> torch.Tensor:
         """The target's LM head rows of the head's draft vocabulary (taken once)."""
@@ -277,14 +293,10 @@ class EagleProposer:
         k = max(r.k for r in rows)
         drafted = None
         if forced is None and self.chain_graphs is not None:
-            drafted = self.chain_graphs.run(rows, k)
+            drafted = self.chain_graphs.run(rows, power_of_two_at_least(k))  # drafts more, cut below: few graphs
         if drafted is None:
-            (keys, values), mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
-            inputs = ChainInputs(keys, values, mask, torch.tensor([r.token for r in rows], device=self.device),
-                                 torch.stack([r.feature for r in rows]),  # [B, 1, H]
-                                 torch.tensor([r.position for r in rows], device=self.device))
             forcing = _forced_tokens(forced, self.device) if forced is not None and any(forced) else None
-            drafted = draft_chains(self.head, self.embed, self._lm_rows(), inputs, k, forcing, stop)
+            drafted = draft_chains(self.head, self.embed, self._lm_rows(), self._padded(rows), k, forcing, stop)
             if drafted is None:
                 return None
         by_row = drafted[:, :k].tolist()
@@ -357,7 +369,10 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
                              pipelining=bool(config.draft_pipelining), tree_nodes=options.num_draft_tokens,
                              tree_topk=options.tree_topk, tree_depth=config.num_speculative_tokens,
                              sampled_trees=options.eagle_sampled_trees)
-    proposer.chain_graphs = ChainGraphs.for_device(
-        lambda inputs, k: draft_chains(head, embed, proposer._lm_rows(), inputs, k),
-        head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, dtype, device)
+    shape = (head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, dtype, device)
+    proposer.chain_graphs = HeadGraphs.for_device(
+        lambda inputs, k: draft_chains(head, embed, proposer._lm_rows(), inputs, k), *shape)
+    proposer.tree_graphs = HeadGraphs.for_device(
+        lambda inputs, tree: tree_candidates(head, embed, proposer._lm_rows(), inputs, *tree, proposer.vocab_size),
+        *shape)
     return proposer

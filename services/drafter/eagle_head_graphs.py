@@ -1,34 +1,36 @@
-"""Captured EAGLE chains: on an accelerator, the K head steps of a drafting call replay one graph instead of
-launching every step's kernels.
+"""Captured EAGLE drafting: on an accelerator, the head steps of a drafting call replay one graph instead of
+launching every step's kernels: a chain's K steps (draft_chains), or a token tree's levels
+(eagle_tree_candidates.tree_candidates).
 
 Why: the verifier's step replays a captured graph (services/modeling/step_graphs.py; 2.9 ms a step on an H200),
 but EAGLE's chain ran eagerly, each head step a few dozen small kernels, so drafting K = 4 cost about as much as
 verifying. With the shipped head reading bf16 states, a step commits 1.75 tokens at K = 4 (first token accepted
 0.42 of the time; 1.86 and 0.46 in float32, measured on CPU with the head in either precision), so the issue's
-1.5x at 1 request needs the whole chain to cost a small fraction of a step: one launch, not K x dozens.
+1.5x at 1 request needs the whole chain to cost a small fraction of a step: one launch, not K x dozens. A tree
+commits more a step (2.4-2.6 tokens at 24 nodes, top-8, depth 4, on CPU) but was over a thousand operations.
 
-A chain of K steps over B rows whose committed head caches are padded to S positions is a fixed computation of
-(B, S, K). It is captured once per (rows padded to a power of two, S rounded up to a power of two, K rounded up to
-a power of two) and replayed with its inputs copied into that graph's static buffers; rows past B are padding that
-attend only to their own new position, and columns past a row's cache are masked (the buffers start zeroed and
-only ever hold real K/V, so masked columns are finite). Asking fewer tokens than the graph drafts costs a few more
-head steps inside one launch. S has a floor of about HEAD_GATHER_POSITIONS / rows: reading a few thousand masked
-positions costs a small batch of the head's one layer next to nothing, and one graph then serves its sequences
-from their first token to a long context, so shapes are captured as calls first meet them, a handful in a server's
-life. (The verifier's step graphs, thirty layers of K + 1 query tokens a row, now take a lower floor: measured on
-an H100, step_graphs.py.)
+A call's drafting over B rows whose committed head caches are padded to S positions is a fixed computation of
+(B, S, and the body's parameter: K for a chain, (topk, depth) for a tree). It is captured once per (rows padded
+to a power of two, S rounded up to a power of two, parameter) and replayed with its inputs copied into that
+graph's static buffers; rows past B are padding that attend only to their own new positions, and columns past a
+row's cache are masked (the buffers start zeroed and only ever hold real K/V, so masked columns are finite).
+Chains round K up to a power of two (draft more, cut). S has a floor of about HEAD_GATHER_POSITIONS / rows:
+reading a few thousand masked positions costs a small batch of the head's one layer next to nothing, and one
+graph then serves its sequences from their first token to a long context, so shapes are captured as calls first
+meet them, a handful in a server's life. (The verifier's step graphs, thirty layers of K + 1 query tokens a row,
+now take a lower floor: measured on an H100, step_graphs.py.)
 
-The chain computed here is the eager one (EagleProposer._chains) step for step, so drafts are identical; a shape
-the platform refuses to capture runs eagerly from then on. Pre-drafts (forced tokens, a stop between steps) run
-eagerly. Not yet measured on a GPU: none was lent while this was built; CPU tests replay through a backend that
-runs the body again.
+What is captured is the eager body itself, so drafts are identical; a shape the platform refuses to capture runs
+eagerly from then on. Pre-drafts (forced tokens, a stop between steps) and sampled q-trees run eagerly. Not yet
+measured on a GPU: none was lent while this was built; CPU tests replay through a backend that runs the body
+again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,7 +72,8 @@ class ChainInputs:
     positions: torch.Tensor
 
 
-ChainBody = Callable[[ChainInputs, int], torch.Tensor]  # (inputs, K) -> drafted target token ids [B, K]
+# (inputs, the body's parameter) -> its output, [B, ...]: for a chain, K -> drafted target token ids [B, K]
+HeadBody = Callable[[ChainInputs, Hashable], torch.Tensor]
 
 
 def draft_chains(head, embed: torch.nn.Module, draft_weight: torch.Tensor, inputs: ChainInputs, k: int,
@@ -105,40 +108,39 @@ def span_floor(rows: int) -> int:
 class _Captured:
     replay: Callable[[], None]
     inputs: ChainInputs  # the static buffers the replay reads
-    drafted: torch.Tensor  # [rows, K], written by each replay
+    output: torch.Tensor  # [rows, ...], written by each replay
 
 
-class ChainGraphs:
-    def __init__(self, body: ChainBody, backend: GraphBackend, kv_heads: int, head_dim: int, hidden: int,
+class HeadGraphs:
+    def __init__(self, body: HeadBody, backend: GraphBackend, kv_heads: int, head_dim: int, hidden: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self._body = body
         self._backend = backend
         self._kv_heads, self._head_dim, self._hidden = kv_heads, head_dim, hidden
         self._dtype, self.device = dtype, device
-        self._graphs: dict[tuple[int, int, int], _Captured] = {}
-        self._uncapturable: set[tuple[int, int, int]] = set()
+        self._graphs: dict[tuple[int, int, Hashable], _Captured] = {}
+        self._uncapturable: set[tuple[int, int, Hashable]] = set()
         self.capture_seconds = 0.0
 
     @classmethod
-    def for_device(cls, body: ChainBody, kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
-                   device: torch.device) -> ChainGraphs | None:
-        """None where chains run eagerly: on CPU or without a graph API."""
+    def for_device(cls, body: HeadBody, kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
+                   device: torch.device) -> HeadGraphs | None:
+        """None where drafting runs eagerly: on CPU or without a graph API."""
         backend = TorchGraphs.for_device(device)
         return None if backend is None else cls(body, backend, kv_heads, head_dim, hidden, dtype, device)
 
     @staticmethod
-    def shape_for(rows: int, span: int, k: int) -> tuple[int, int, int] | None:
-        """(padded rows, span, K) of the graph that drafts these chains; None: they run eagerly."""
+    def shape_for(rows: int, span: int, parameter: Hashable) -> tuple[int, int, Hashable] | None:
+        """(padded rows, span, the body's parameter) of the graph that drafts for these rows; None: eagerly."""
         if rows > MAX_ROWS:
             return None
         padded = power_of_two_at_least(rows)
-        return padded, max(span_floor(padded), power_of_two_at_least(span)), power_of_two_at_least(k)
+        return padded, max(span_floor(padded), power_of_two_at_least(span)), parameter
 
-    def run(self, rows: Sequence[ChainRow], k: int) -> torch.Tensor | None:
-        """The chains of `rows`, K tokens each ([len(rows), >= k] target token ids on the device: a graph may
-        draft more, which the caller cuts); None where they must run eagerly."""
+    def run(self, rows: Sequence[ChainRow], parameter: Hashable) -> torch.Tensor | None:
+        """The body's output for `rows` ([len(rows), ...] on the device); None where they must run eagerly."""
         span = max((0 if r.cache is None else r.cache[0].shape[2] for r in rows), default=0)
-        key = self.shape_for(len(rows), span, k)
+        key = self.shape_for(len(rows), span, parameter)
         if key is None or key in self._uncapturable:
             return None
         captured = self._graphs.get(key)
@@ -148,22 +150,22 @@ class ChainGraphs:
                 return None
         self._fill(captured.inputs, rows)
         captured.replay()
-        return captured.drafted[: len(rows)]
+        return captured.output[: len(rows)]
 
     def _capture(self, key: tuple[int, int, int]) -> _Captured | None:
         started = time.perf_counter()
         inputs = self._static_inputs(*key[:2])
         try:
-            replay, drafted = self._backend.capture(lambda: self._body(inputs, key[2]))
+            replay, output = self._backend.capture(lambda: self._body(inputs, key[2]))
         except Exception:  # noqa: BLE001 - a capture the platform refuses costs speed, never a draft
-            logger.exception("capturing EAGLE chains of %d rows x %d positions x %d steps failed; that shape "
-                             "drafts eagerly", *key)
+            logger.exception("capturing EAGLE drafting of %d rows x %d positions (%s) failed; that shape drafts "
+                             "eagerly", *key)
             self._uncapturable.add(key)
             return None
-        captured = self._graphs[key] = _Captured(replay, inputs, drafted)
+        captured = self._graphs[key] = _Captured(replay, inputs, output)
         seconds = time.perf_counter() - started
         self.capture_seconds += seconds
-        logger.info("captured EAGLE chains of %d rows x %d positions x %d steps in %.2f s (%d graphs)", *key,
+        logger.info("captured EAGLE drafting of %d rows x %d positions (%s) in %.2f s (%d graphs)", *key,
                     seconds, len(self._graphs))
         return captured
 

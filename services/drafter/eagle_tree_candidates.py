@@ -1,0 +1,90 @@
+"""EAGLE-2's deterministic tree as fixed-shape tensor work: every candidate node of `depth` levels of `topk`
+expansions, with its parent and its path's log-probability, computed on the head's device with no host sync, so
+that an accelerator replays a whole tree as one captured graph (eagle_head_graphs.py). The host then keeps each
+sequence's likeliest nodes (eagle_trees.sent_trees), from one copy of the result.
+
+Why: the tree was drafted level by level in Python. Each level read its top-k on the host, then copied every
+expansion's committed cache and the K/V above it into a padded batch. One sequence's tree (24 nodes, top-8,
+depth 4) was 1,264 tensor operations and eight sequences' 5,590 (counted on CPU with a dispatch mode), each a
+kernel launch on a GPU, where a chain of 4 replays as one graph.
+
+The shapes depend only on (rows, committed span, topk, depth):
+- level 0 expands the root (each sequence's last committed token) into its topk children: nodes 0..topk-1;
+- level l >= 1 expands topk nodes of level l-1 (the likeliest by path probability; at level 1 all of level 0)
+  into topk children each: a block of topk x topk nodes, listed by the expanded node's rank, then by child rank;
+- each expansion is one query of one batched head step (EagleHead.step_tree) that reads the sequence's committed
+  cache and a tree buffer after it: the root's K/V in its first slot, then each level's topk expansions'. An
+  expansion sees the slots of its ancestors and its own, as the chain along its path would.
+A node whose token is past the target's vocabulary is never sent, nor is anything below it (`valid`); it is
+never expanded while a valid node of its level waits. This is the tree eagle_trees.py drafted before, node for
+node, but for the order of exactly tied path probabilities.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.drafter.eagle_head_graphs import ChainInputs
+
+TREE_FIELDS = 4  # what tree_candidates packs per node: target token, parent, path log-probability, valid
+
+
+def node_count(topk: int, depth: int) -> int:
+    """Candidate nodes of a tree of `depth` levels of `topk` expansions: topk, then topk x topk a level."""
+    return topk + (depth - 1) * topk * topk
+
+
+def tree_candidates(head, embed: torch.nn.Module, draft_weight: torch.Tensor, inputs: ChainInputs, topk: int,
+                    depth: int, vocab_size: int) -> torch.Tensor:
+    """Every candidate node of each row's tree, packed as float32 [B, TREE_FIELDS, node_count] (one copy to the
+    host): target token ids, parents (node indices, -1 under the root), path log-probabilities, and 1 where the
+    node may be sent. Exact in float32 for any vocabulary under 2^24 and any head precision."""
+    topk = min(topk, draft_weight.shape[0])
+    rows, span = inputs.mask.shape
+    device = inputs.mask.device
+    slots = 1 + topk * (depth - 1)  # the root's, then each expanding level's
+    pad = inputs.keys.new_zeros(rows, inputs.keys.shape[1], slots, inputs.keys.shape[3])
+    keys, values = torch.cat([inputs.keys, pad], dim=2), torch.cat([inputs.values, torch.zeros_like(pad)], dim=2)
+    visible = torch.cat([inputs.mask, inputs.mask.new_zeros(rows, slots)], dim=1)
+    visible[:, span] = True
+    visible = visible[:, None]  # [B, 1, W]: the root sees the committed positions and itself
+    out = head.step_tree(embed(inputs.tokens[:, None]), inputs.features, inputs.positions[:, None], keys, values,
+                         visible, span)
+    ids, scores = _children(head, draft_weight, out, topk)  # [B, 1, topk] each
+    tokens, log_probs = ids.flatten(1), scores.flatten(1)
+    valid = tokens < vocab_size
+    parents = torch.full_like(tokens, -1)
+    level_start, expanded_outs = 0, out.expand(rows, topk, out.shape[-1])  # level 1's parents: all the root
+    for level in range(1, depth):
+        ranked = log_probs[:, level_start:].masked_fill(~valid[:, level_start:], float("-inf"))
+        chosen = torch.arange(topk, device=device).expand(rows, topk) if level == 1 else ranked.topk(topk).indices
+        frontier = level_start + chosen  # [B, topk] node indices
+        if level == 1:
+            features, seen = expanded_outs, visible.expand(rows, topk, visible.shape[-1])
+        else:  # the expansion of level - 1 that drafted each chosen node
+            by = chosen // topk
+            features = expanded_outs.gather(1, by[..., None].expand(-1, -1, expanded_outs.shape[-1]))
+            seen = visible.gather(1, by[..., None].expand(-1, -1, visible.shape[-1]))
+        slot = span + 1 + (level - 1) * topk
+        own = torch.zeros_like(seen)
+        own[:, :, slot : slot + topk] = torch.eye(topk, dtype=torch.bool, device=device)
+        visible = seen | own
+        positions = (inputs.positions[:, None] + level).expand(rows, topk)
+        expanded_outs = head.step_tree(embed(tokens.gather(1, frontier)), features, positions, keys, values,
+                                       visible, slot)  # [B, topk, H]
+        ids, scores = _children(head, draft_weight, expanded_outs, topk)  # [B, topk, topk]
+        base, base_valid = log_probs.gather(1, frontier), valid.gather(1, frontier)
+        level_start = tokens.shape[1]
+        tokens = torch.cat([tokens, ids.flatten(1)], dim=1)
+        log_probs = torch.cat([log_probs, (base[..., None] + scores).flatten(1)], dim=1)
+        valid = torch.cat([valid, (base_valid[..., None] & (ids < vocab_size)).flatten(1)], dim=1)
+        parents = torch.cat([parents, frontier.repeat_interleave(topk, dim=1)], dim=1)
+    return torch.stack([tokens.float(), parents.float(), log_probs.float(), valid.float()], dim=1)
+
+
+def _children(head, draft_weight: torch.Tensor, outputs: torch.Tensor, topk: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each output's topk likeliest next tokens (target ids) and their log-probabilities under the head."""
+    log_probs = torch.log_softmax(head.draft_logits(outputs, draft_weight), dim=-1)
+    top = log_probs.topk(topk, dim=-1)
+    return head.token_ids(top.indices), top.values

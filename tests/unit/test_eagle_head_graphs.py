@@ -1,0 +1,165 @@
+"""Captured EAGLE chains and trees (eagle_head_graphs.py) draft exactly what the eager ones draft, reusing one graph per
+padded shape. CPU has no graph API: a backend that replays by running the captured body again stands in for it,
+so the padding, the static buffers and the shape buckets are checked here; the real capture needs CUDA."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from services.common.proposer import DraftInput
+from services.drafter.eagle_head_graphs import MAX_ROWS, MIN_SPAN, HeadGraphs, draft_chains
+from services.drafter.eagle_tree_candidates import tree_candidates
+from services.drafter.methods.eagle import EagleProposer
+from tests.tiny_heads import reduced_vocabulary_eagle_head
+from tests.tiny_models import tiny_llama
+
+V = 96
+
+
+class ReplayingBackend:
+    """Replays by running the body again into the captured output, as a graph replay overwrites it."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.captures = 0
+        self.replays = 0
+
+    def capture(self, forward):
+        self.captures += 1
+        drafted = forward()
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def replay() -> None:
+            self.replays += 1
+            drafted.copy_(forward())
+
+        return replay, drafted
+
+
+def proposers(backend: ReplayingBackend):
+    """An eager proposer and one drafting through `backend`, sharing a random head over a reduced vocabulary."""
+    target = tiny_llama(seed=5, vocab_size=V)
+    head = reduced_vocabulary_eagle_head(target, V)
+    config = head.config
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    eager = EagleProposer(head, embed, lm_head, V)
+    captured = EagleProposer(head, embed, lm_head, V)
+    captured.chain_graphs = HeadGraphs(lambda inputs, k: draft_chains(head, embed, captured._lm_rows(), inputs, k),
+                                        backend, config.num_key_value_heads, config.head_dim, config.hidden_size,
+                                        torch.float32, torch.device("cpu"))
+    return target, eager, captured
+
+
+def test_captured_chains_draft_what_eager_chains_draft_and_reuse_their_graph():
+    backend = ReplayingBackend()
+    target, eager, captured = proposers(backend)
+    generator = torch.Generator().manual_seed(3)
+    sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist()
+                 for s, n in (("a", 9), ("b", 2), ("c", 70))}
+    wanted = {"a": 4, "b": 2, "c": 3}
+    for step in range(3):
+        with torch.no_grad():
+            states = {s: target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+                      for s, ids in sequences.items()}
+        inputs = [DraftInput(s, ids, wanted[s], states[s]) for s, ids in sequences.items()]
+        expected = [list(d.token_ids) for d in eager._draft_all(inputs)]
+        for graph in captured.chain_graphs._graphs.values():  # what earlier calls left must not be read
+            graph.inputs.keys.fill_(1e4)
+            graph.inputs.values.fill_(-1e4)
+        assert [list(d.token_ids) for d in captured._draft_all(inputs)] == expected
+        assert [len(chain) for chain in expected] == [4, 2, 3]
+        for s, chain in zip(sequences, expected, strict=True):  # a step later: the drafts partly accepted
+            sequences[s] += chain[:1] + [step + 1]
+    assert backend.captures == 1 and backend.replays == 3  # (4 rows, 1,024 positions, K 4) every time
+    assert len(captured.chain_graphs) == 1
+
+
+def test_a_shape_the_platform_refuses_drafts_eagerly_and_is_not_tried_again():
+    backend = ReplayingBackend(fail=True)
+    target, eager, captured = proposers(backend)
+    ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        states = target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+    for seq in ("x", "y"):
+        inputs = [DraftInput(seq, ids, 3, states)]
+        assert captured._draft_all(inputs)[0].token_ids == eager._draft_all(inputs)[0].token_ids
+    assert backend.captures == 1 and len(captured.chain_graphs) == 0
+
+
+@pytest.mark.parametrize(("rows", "span", "parameter", "shape"), [
+    (1, 0, 1, (1, 4096, 1)), (1, 4097, 2, (1, 8192, 2)), (3, 65, 3, (4, 1024, 3)), (8, 1000, (8, 4), (8, 1024, (8, 4))),
+    (200, 10, 4, (256, MIN_SPAN, 4)), (MAX_ROWS + 1, 10, 4, None)])
+def test_calls_are_padded_to_few_shapes(rows, span, parameter, shape):
+    """Rows to powers of two; the span too, from a floor of about 4,096 positions over the rows (a sequence
+    crosses few of them in its life); the body's parameter as the caller gives it (chains round K up to a power of
+    two themselves: the first test's calls of K 3 and 4 replay one graph)."""
+    assert HeadGraphs.shape_for(rows, span, parameter) == shape
+
+
+def test_captured_trees_draft_what_eager_trees_draft_and_reuse_their_graph():
+    """Deterministic EAGLE-2 trees replay one graph of (rows, span, (topk, depth)) per shape, node for node what
+    the eager candidates give, whatever an earlier replay left in the static buffers."""
+    backend = ReplayingBackend()
+    target = tiny_llama(seed=5, vocab_size=V)
+    head = reduced_vocabulary_eagle_head(target, V)
+    config = head.config
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    options = {"tree_nodes": 10, "tree_topk": 3, "tree_depth": 4}
+    eager = EagleProposer(head, embed, lm_head, V, **options)
+    captured = EagleProposer(head, embed, lm_head, V, **options)
+    captured.tree_graphs = HeadGraphs(
+        lambda inputs, tree: tree_candidates(head, embed, captured._lm_rows(), inputs, *tree, V), backend,
+        config.num_key_value_heads, config.head_dim, config.hidden_size, torch.float32, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(8)
+    sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 9), ("b", 30))}
+    for step in range(3):
+        with torch.no_grad():
+            states = {s: target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+                      for s, ids in sequences.items()}
+        inputs = [DraftInput(s, ids, 10, states[s]) for s, ids in sequences.items()]
+        expected = [(list(d.token_ids), list(d.parents)) for d in eager._draft_all(inputs)]
+        for graph in captured.tree_graphs._graphs.values():
+            graph.inputs.keys.fill_(1e4)
+            graph.inputs.values.fill_(-1e4)
+        assert [(list(d.token_ids), list(d.parents)) for d in captured._draft_all(inputs)] == expected
+        assert all(len(tokens) == 10 for tokens, _ in expected)
+        for s, (tokens, _) in zip(sequences, expected, strict=True):
+            sequences[s] += tokens[:1] + [step + 1]
+    assert backend.captures == 1 and backend.replays == 3 and len(captured.tree_graphs) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures real CUDA graphs")
+@torch.no_grad()
+def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
+    """Real CUDA graphs (TorchGraphs): chains and deterministic trees, replayed for calls of two rows, then of
+    one row whose cache grew, equal what the same proposer drafts eagerly on the GPU."""
+    device = torch.device("cuda")
+    target = tiny_llama(seed=5, vocab_size=V).to(device)
+    head = reduced_vocabulary_eagle_head(target, V).to(device)
+    config = head.config
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    shape = (config.num_key_value_heads, config.head_dim, config.hidden_size, torch.float32, device)
+    for options in ({}, {"tree_nodes": 10, "tree_topk": 3, "tree_depth": 4}):
+        eager = EagleProposer(head, embed, lm_head, V, **options)
+        captured = EagleProposer(head, embed, lm_head, V, **options)
+        captured.chain_graphs = HeadGraphs.for_device(
+            lambda inputs, k: draft_chains(head, embed, captured._lm_rows(), inputs, k), *shape)
+        captured.tree_graphs = HeadGraphs.for_device(
+            lambda inputs, tree: tree_candidates(head, embed, captured._lm_rows(), inputs, *tree, V), *shape)
+        generator = torch.Generator().manual_seed(9)
+        sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 9), ("b", 40))}
+        for step in range(3):
+            if step == 2:
+                del sequences["a"]
+            states = {s: target.model(input_ids=torch.tensor([ids], device=device)).last_hidden_state[0, :-1]
+                      for s, ids in sequences.items()}
+            inputs = [DraftInput(s, ids, 4 if not options else 10, states[s]) for s, ids in sequences.items()]
+            expected = [(list(d.token_ids), d.parents) for d in eager._draft_all(inputs)]
+            assert [(list(d.token_ids), d.parents) for d in captured._draft_all(inputs)] == expected
+            for s, (tokens, _) in zip(sequences, expected, strict=True):
+                sequences[s] += tokens[:1] + [step + 1]
+        graphs = captured.tree_graphs if options else captured.chain_graphs
+        assert len(graphs) == 2 and graphs.capture_seconds > 0
