@@ -7,8 +7,9 @@ captured: step graphs, invariant: captured and --batch-invariant) an in-process 
   host-to-device copies per step from torch.profiler (a request of 64 tokens less one of 32, so no prefill);
 - tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
   code edit at 1 request (the answer is nearly the prompt: n-gram drafts land), once more with ngram at K = 8;
-  captured, also with each shipped EAGLE head (EAGLE-1 and EAGLE-3, K = 4) on the same device; with each run's
-  steps split into phases, and how many steps and rows asked for drafts and how many rows had one;
+  captured, also with each shipped EAGLE head (EAGLE-1 and EAGLE-3, K = 4; EAGLE-3's trees of 24 tokens, top-8,
+  depth 4) on the same device; with each run's steps split into phases, and how many steps and rows asked for
+  drafts and how many rows had one;
 - whether each speculative greedy output equals the non-speculative one token for token;
 and first, on an accelerator, whether captured and eager forwards give the same greedy outputs in float32.
 Then transformers' own `generate` at batch 1 as the peer row. Medians and ratios, measured in this one run; exit 1
@@ -47,6 +48,9 @@ NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
 # The code edit once more with ngram asking for 8 tokens a step: on a captured step a width of 9 costs what 5 does
 # (step_host_profile), and on the edit 8 tokens a step commit 4.1 tokens a step against K = 4's 3.1 (greedy, CPU)
 LONG_K, EDIT_LONG = 8, "edit, K = 8"
+# EAGLE rows: each shipped head's chains, and its EAGLE-2 trees of this shape (the tree rows of make bench-eagle)
+EAGLE_ROWS = ("eagle", "eagle3", "eagle-tree", "eagle3-tree")
+TREE_NODES, TREE_TOPK = 24, 8
 PROFILED_COUNTS = {"launches": ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch"),
                    "syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
                    "copies": ("cudaMemcpyAsync", "cudaMemcpy")}
@@ -254,9 +258,11 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
         if graphs is not None:
             print(f"  ({len(graphs)} step graphs, captured in {graphs.capture_seconds:.1f} s; attention "
                   f"{getattr(engine.runner, 'attention_forms', 'not measured')})", flush=True)
-        chains = getattr(engine.proposers.get(method), "chain_graphs", None)
-        if chains is not None:
-            print(f"  ({len(chains)} {method} chain graphs, captured in {chains.capture_seconds:.1f} s)", flush=True)
+        for kind in ("chain", "tree"):
+            drafting = getattr(engine.proposers.get(method), f"{kind}_graphs", None)
+            if drafting is not None:
+                print(f"  ({len(drafting)} {method} {kind} graphs, captured in {drafting.capture_seconds:.1f} s)",
+                      flush=True)
         return results
 
     with phases:
@@ -307,8 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--loads", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--eagle", nargs="*", choices=("eagle", "eagle3"), default=["eagle", "eagle3"],
-                        help="the captured mode's EAGLE rows, one per shipped head (K = 4); none: --eagle alone")
+    parser.add_argument("--eagle", nargs="*", choices=EAGLE_ROWS, default=["eagle", "eagle3", "eagle3-tree"],
+                        help="the captured mode's EAGLE rows: a shipped head's chains (K = 4), or its EAGLE-2 trees "
+                             f"({TREE_NODES} tokens, top-{TREE_TOPK}, depth 4); none: --eagle alone")
     parser.add_argument("--no-eagle", dest="eagle", action="store_const", const=[], help="no EAGLE rows")
     args = parser.parse_args(argv)
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -348,11 +355,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
               + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""), flush=True)
         print_throughput("ngram", rows[mode][3])
-        for method in args.eagle if mode == "captured" else ():
+        for row in args.eagle if mode == "captured" else ():
+            tree = row.endswith("-tree")
             eagle = replace(options, speculative_config=SpeculativeConfig(
-                method=method, num_speculative_tokens=4, draft_device=str(device), draft_dtype=args.dtype))
+                method=row.removesuffix("-tree"), num_speculative_tokens=4, draft_device=str(device),
+                draft_dtype=args.dtype, **({"num_draft_tokens": TREE_NODES, "eagle_topk": TREE_TOPK} if tree else {})))
             chains = {load: prompts for load, prompts in prompts_by_load.items() if load != EDIT_LONG}
-            print_throughput(method, throughput(loaded, eagle, chains, args.max_tokens))
+            nodes = {load: TREE_NODES for load in chains} if tree else None  # a request's K is its tree's budget
+            print_throughput(row, throughput(loaded, eagle, chains, args.max_tokens, nodes))
     if "eager" in rows and "captured" in rows:
         eager, captured = rows["eager"], rows["captured"]
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "
