@@ -49,9 +49,9 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 class ChainRow(Protocol):
-    """One row of a chain (methods/eagle.py's ChainStart): its committed head cache ([1, kv heads, L, D] each, or
-    None), the head position of its last committed token, that token and the head's feature of the target state
-    before it ([1, H])."""
+    """One row of a drafting call, a chain or a tree (methods/eagle.py's ChainStart): its committed head cache
+    ([1, kv heads, L, D] each, or None), the head position of its last committed token, that token and the head's
+    feature of the target state before it ([1, H])."""
 
     cache: KV | None
     position: int
@@ -61,8 +61,8 @@ class ChainRow(Protocol):
 
 @dataclass
 class ChainInputs:
-    """What a chain reads: padded caches [B, kv heads, S, D], their real columns [B, S], and per row the token,
-    feature [B, 1, H] and position its chain starts from."""
+    """What a chain or a tree reads: padded caches [B, kv heads, S, D], their real columns [B, S], and per row the
+    token, feature [B, 1, H] and position it starts from."""
 
     keys: torch.Tensor
     values: torch.Tensor

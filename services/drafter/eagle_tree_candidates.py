@@ -16,8 +16,9 @@ The shapes depend only on (rows, committed span, topk, depth):
   cache and a tree buffer after it: the root's K/V in its first slot, then each level's topk expansions'. An
   expansion sees the slots of its ancestors and its own, as the chain along its path would.
 A node whose token is past the target's vocabulary is never sent, nor is anything below it (`valid`); it is
-never expanded while a valid node of its level waits. This is the tree eagle_trees.py drafted before, node for
-node, but for the order of exactly tied path probabilities.
+never expanded while a valid node of its level waits. With a float32 head this is the tree eagle_trees.py
+drafted before, node for node, but for the order of exactly tied path probabilities; a half-precision head's
+nodes are now ranked by float32 log-probabilities, where before each level's were rounded to its precision.
 """
 
 from __future__ import annotations
@@ -26,19 +27,12 @@ import torch
 
 from services.drafter.eagle_head_graphs import ChainInputs
 
-TREE_FIELDS = 4  # what tree_candidates packs per node: target token, parent, path log-probability, valid
-
-
-def node_count(topk: int, depth: int) -> int:
-    """Candidate nodes of a tree of `depth` levels of `topk` expansions: topk, then topk x topk a level."""
-    return topk + (depth - 1) * topk * topk
-
 
 def tree_candidates(head, embed: torch.nn.Module, draft_weight: torch.Tensor, inputs: ChainInputs, topk: int,
                     depth: int, vocab_size: int) -> torch.Tensor:
-    """Every candidate node of each row's tree, packed as float32 [B, TREE_FIELDS, node_count] (one copy to the
-    host): target token ids, parents (node indices, -1 under the root), path log-probabilities, and 1 where the
-    node may be sent. Exact in float32 for any vocabulary under 2^24 and any head precision."""
+    """Every candidate node of each row's tree (topk, then topk x topk a level: N of them), packed as float32
+    [B, 4, N] (one copy to the host): target token ids, parents (node indices, -1 under the root), path log-probabilities (summed in
+    float32), and 1 where the node may be sent. Ids and parents are exact in float32 below 2^24."""
     topk = min(topk, draft_weight.shape[0])
     rows, span = inputs.mask.shape
     device = inputs.mask.device
@@ -56,12 +50,13 @@ def tree_candidates(head, embed: torch.nn.Module, draft_weight: torch.Tensor, in
     parents = torch.full_like(tokens, -1)
     level_start, expanded_outs = 0, out.expand(rows, topk, out.shape[-1])  # level 1's parents: all the root
     for level in range(1, depth):
-        ranked = log_probs[:, level_start:].masked_fill(~valid[:, level_start:], float("-inf"))
-        chosen = torch.arange(topk, device=device).expand(rows, topk) if level == 1 else ranked.topk(topk).indices
-        frontier = level_start + chosen  # [B, topk] node indices
-        if level == 1:
+        if level == 1:  # every node of level 0
+            frontier = torch.arange(topk, device=device).expand(rows, topk)  # [B, topk] node indices
             features, seen = expanded_outs, visible.expand(rows, topk, visible.shape[-1])
-        else:  # the expansion of level - 1 that drafted each chosen node
+        else:  # the likeliest valid nodes of level - 1, and the expansion that drafted each
+            ranked = log_probs[:, level_start:].masked_fill(~valid[:, level_start:], float("-inf"))
+            chosen = ranked.topk(topk).indices
+            frontier = level_start + chosen
             by = chosen // topk
             features = expanded_outs.gather(1, by[..., None].expand(-1, -1, expanded_outs.shape[-1]))
             seen = visible.gather(1, by[..., None].expand(-1, -1, visible.shape[-1]))
@@ -84,7 +79,9 @@ def tree_candidates(head, embed: torch.nn.Module, draft_weight: torch.Tensor, in
 
 def _children(head, draft_weight: torch.Tensor, outputs: torch.Tensor, topk: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each output's topk likeliest next tokens (target ids) and their log-probabilities under the head."""
-    log_probs = torch.log_softmax(head.draft_logits(outputs, draft_weight), dim=-1)
+    """Each output's topk likeliest next tokens (target ids) and their log-probabilities under the head, in
+    float32 whatever the head's precision: paths are ranked by sums of them, which bf16 would round to about two
+    digits."""
+    log_probs = torch.log_softmax(head.draft_logits(outputs, draft_weight).float(), dim=-1)
     top = log_probs.topk(topk, dim=-1)
     return head.token_ids(top.indices), top.values
