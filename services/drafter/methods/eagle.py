@@ -53,6 +53,7 @@ from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import EagleHead
 from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
+from services.modeling.host_copies import to_device
 from services.modeling.step_graphs import power_of_two_at_least
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -202,9 +203,9 @@ class EagleProposer:
         """What an eager chain or tree reads: the rows' committed caches padded to one length, and where each
         starts."""
         (keys, values), mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
-        return ChainInputs(keys, values, mask, torch.tensor([r.token for r in rows], device=self.device),
+        return ChainInputs(keys, values, mask, to_device(torch.tensor([r.token for r in rows]), self.device),
                            torch.stack([r.feature for r in rows]),  # [B, 1, H]
-                           torch.tensor([r.position for r in rows], device=self.device))
+                           to_device(torch.tensor([r.position for r in rows]), self.device))
 
     def _lm_rows(self) -> torch.Tensor:
         """The target's LM head rows of the head's draft vocabulary (taken once)."""
@@ -254,7 +255,10 @@ class EagleProposer:
             if seq.fed == 0:  # a new sequence: the head cache of its longest cached prefix (head_prefix_cache.py)
                 seq.fed, seq.cache = self.prefix_cache.longest(tokens, n - 1)
             # only the rows not fed yet move and convert: the whole history each call grew with the context
-            unfed = states[seq.fed : n].to(device=self.device, dtype=self.embed.weight.dtype)
+            unfed = states[seq.fed : n]
+            if unfed.device != self.device:  # from the host without waiting (pinned), as the verifier's inputs
+                unfed = to_device(unfed, self.device)
+            unfed = unfed.to(self.embed.weight.dtype)
             ready.append((i, item, seq, n, unfed))
         pending = [(seq, item.token_ids, n, unfed) for _, item, seq, n, unfed in ready if seq.fed < n - 1]
         if pending:  # commit positions fed..n-2 of each: [x_{t+1}; f_t]
@@ -268,9 +272,10 @@ class EagleProposer:
     def _feed_committed(self, pending: list[tuple[HeadSequence, Sequence[int], int, torch.Tensor]]) -> None:
         """Positions fed..n-2 of every pending sequence into its cache, their K/V computed as one batch; each
         entry's states start at position fed."""
-        ids = torch.tensor([t for seq, tokens, n, _ in pending for t in tokens[seq.fed + 1 : n]], device=self.device)
+        ids = to_device(torch.tensor([t for seq, tokens, n, _ in pending for t in tokens[seq.fed + 1 : n]]),
+                        self.device)
         features = torch.cat([unfed[:-1] for _, _, _, unfed in pending])
-        positions = torch.cat([torch.arange(seq.fed, n - 1) for seq, _, n, _ in pending]).to(self.device)
+        positions = to_device(torch.cat([torch.arange(seq.fed, n - 1) for seq, _, n, _ in pending]), self.device)
         keys, values = self.head.keys_values(self.embed(ids[None]), self.head.target_features(features[None]),
                                              positions)
         sizes = [n - 1 - seq.fed for seq, _, n, _ in pending]
@@ -308,7 +313,7 @@ def _forced_tokens(forced: list[tuple[int, ...]], device: torch.device) -> tuple
     width = max(map(len, forced))
     ids = torch.tensor([list(f) + [0] * (width - len(f)) for f in forced], dtype=torch.int64)
     where = torch.tensor([[j < len(f) for j in range(width)] for f in forced])
-    return ids.to(device), where.to(device)
+    return to_device(ids, device), to_device(where, device)
 
 
 @dataclass
