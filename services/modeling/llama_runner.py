@@ -326,6 +326,14 @@ class LlamaFamilyRunner:
                 raise ValueError(f"row {row.seq_id!r}: {len(row.parents)} parents for {n} tokens")
         return starts, lengths
 
+    def padded_shape(self, rows: int, width: int, span: int) -> tuple[int, int, int]:
+        """The (rows, width, span) a forward of `rows` rows of up to `width` tokens over `span` positions really
+        runs at: its captured graph's, padded (step_graphs.py), where a graph replays it; itself where it runs
+        eagerly. What a step costs follows this shape (step_cost.py prices widths by it)."""
+        if self.graphs is None or self.invariant is not None:
+            return rows, width, span
+        return self.graphs.shape_for(rows, width, span) or (rows, width, span)
+
     @torch.inference_mode()
     def forward_with_tail(self, rows: Sequence[RowInput], tail: GraphTail) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The forward of chain rows (every fed position's logits) with `tail` run on its logits [B, L, V] inside

@@ -103,7 +103,7 @@ class Engine:
         self.drafts = DraftCollector(
             proposers or {}, runner.vocab_size, self.config.draft_timeout_s, self.config.max_draft_timeout_s
         )
-        self.planner = SpeculationPlanner(StepCostModel(), self.config.adaptive_speculation)
+        self.planner = SpeculationPlanner(StepCostModel.for_runner(runner), self.config.adaptive_speculation)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._stats_logger = PeriodicStatsLogger(self.config.log_stats_interval_s)
         # Output tokens committed, by the method that drafted them ("none": speculation off); with the accepted

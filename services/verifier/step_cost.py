@@ -28,6 +28,7 @@ about to run, on this machine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -61,6 +62,7 @@ PROFILE_CONTEXT = 128
 # large model on a small CPU, 0.5 s a forward, would otherwise take minutes); the model keeps learning from steps.
 PROFILE_BUDGET_S = 5.0
 PROFILE_SEQUENCE_PREFIX = "specserve-cost-profile-"
+PADDED_SHAPES = 4096  # (rows, width, span) paddings remembered: a step predicts up to a tree's width of them
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,13 @@ def non_negative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 class StepCostModel:
-    def __init__(self) -> None:
+    """`padding`: the shape a forward of a given shape really runs at (the runner's padded_shape: on an
+    accelerator, its captured graph's rows, width bucket and span), applied to every shape observed and predicted,
+    so that widths one graph pads alike cost alike: on an H100 a row of 2 to 9 tokens replayed in about the same
+    time, and a planner pricing each token apart paid for a padded width 9 to verify 6. None: as given (CPU)."""
+
+    def __init__(self, padding: Callable[[int, int, int], tuple[int, int, int]] | None = None) -> None:
+        self._padding = None if padding is None else functools.lru_cache(maxsize=PADDED_SHAPES)(padding)
         self._samples: dict[tuple[int, int, int], deque[float]] = {}
         self._shapes: dict[tuple[int, int, int], StepShape] = {}
         self._coefficients: tuple[float, ...] | None = None
@@ -103,11 +111,21 @@ class StepCostModel:
         self._pending = 0
         self.num_observations = 0
 
+    @classmethod
+    def for_runner(cls, runner: ModelRunner) -> StepCostModel:
+        """A model that prices the shapes `runner` really runs (its padded_shape, where it has one)."""
+        return cls(getattr(runner, "padded_shape", None))
+
     @property
     def fitted(self) -> bool:
         return self._coefficients is not None
 
+    def padded(self, shape: StepShape) -> StepShape:
+        """The shape a forward of `shape` runs at (itself without padding)."""
+        return shape if self._padding is None else StepShape(*self._padding(shape.rows, shape.width, shape.span))
+
     def observe(self, shape: StepShape, seconds: float) -> None:
+        shape = self.padded(shape)
         key = (shape.rows, shape.width, shape.span // SPAN_BUCKET)
         samples = self._samples.get(key)
         if samples is None:
@@ -151,7 +169,7 @@ class StepCostModel:
         if self._coefficients is None:
             return 0.0
         # plain floats: the planner predicts a few shapes every step, and numpy's per-call cost was most of it
-        return sum(c * f for c, f in zip(self._coefficients, shape.features(), strict=True))
+        return sum(c * f for c, f in zip(self._coefficients, self.padded(shape).features(), strict=True))
 
     def describe(self) -> str:
         if self._coefficients is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 
+from services.modeling.step_graphs import WIDTH_BUCKETS, width_bucket
 from services.verifier.speculation_planner import best_width
 from services.verifier.step_cost import StepCostModel, StepShape
 
@@ -24,8 +25,8 @@ H100_MS = {  # (rows, width): ms at each of SPANS
 }
 
 
-def fitted(costs_ms: dict[tuple[int, int], tuple[float, ...]]) -> StepCostModel:
-    model = StepCostModel()
+def fitted(costs_ms: dict[tuple[int, int], tuple[float, ...]], padding=None) -> StepCostModel:
+    model = StepCostModel(padding)
     for (rows, width), row in costs_ms.items():
         for span, ms in zip(SPANS, row, strict=True):
             model.observe(StepShape(rows, width, span + width), ms / 1000)
@@ -45,6 +46,19 @@ def test_the_model_fits_an_accelerator_whose_first_draft_column_costs_most():
     # and so one request's poor drafts (15% acceptance) are not worth their column; good ones (60%) are
     assert best_width([[0.15, 0.02, 0.0, 0.0]], 512, model) == 1
     assert best_width([[0.6, 0.4, 0.25, 0.15]], 512, model) > 1
+
+
+def test_widths_one_graph_pads_alike_cost_alike_and_the_planner_fills_them():
+    """Where the runner pads a row's width up to its graph's bucket (its padded_shape), the model prices a width by
+    its bucket: a draft of 5 tokens costs what one of 8 does, so the planner never pays for columns it leaves
+    empty. At every acceptance rate and load the width it takes is a whole bucket."""
+    model = fitted(H100_MS, padding=lambda rows, width, span: (rows, width_bucket(width), span))
+    assert model.predict(StepShape(1, 6, 520)) == model.predict(StepShape(1, 9, 520))
+    assert model.predict(StepShape(8, 4, 520)) == model.predict(StepShape(8, 5, 520))
+    assert model.predict(StepShape(8, 4, 520)) > model.predict(StepShape(8, 3, 520))
+    chosen = {best_width([[rate**j for j in range(1, 9)]] * rows, 512, model)
+              for rows in (1, 8, 64) for rate in (0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)}
+    assert chosen <= set(WIDTH_BUCKETS) and len(chosen) > 2, chosen
 
 
 def test_a_cost_linear_in_the_tokens_is_still_fitted_exactly():

@@ -229,3 +229,20 @@ async def test_through_the_engine_graph_shaped_steps_keep_greedy_output_with_cha
     for i in range(n):
         assert graphed[f"r{i}"].tokens == baseline[f"r{i}"].tokens, f"r{i} ({specs[i]})"
     assert backend.replays > 10 and len(runner.graphs) > 1
+
+
+def test_a_forward_is_priced_at_the_shape_its_graph_runs():
+    """padded_shape: where a graph replays a forward, its rows, width and span as the graph pads them; eagerly
+    (no graphs, a width past them), the shape itself. The engine's step-cost model prices widths by it."""
+    from services.verifier.step_cost import StepCostModel, StepShape
+
+    eager = make_runner(tiny_llama(seed=3))
+    assert eager.padded_shape(3, 6, 100) == (3, 6, 100)
+    runner, _ = with_rerun_graphs(tiny_llama(seed=3), sizes=(1, 2, 4), max_width=16)
+    assert runner.padded_shape(3, 6, 100) == (4, 9, MIN_SPAN)
+    assert runner.padded_shape(1, 1, 300) == (1, 1, 512)
+    assert runner.padded_shape(3, 17, 100) == (3, 17, 100)  # wider than its graphs: eager
+    assert runner.padded_shape(5, 2, 100) == (5, 2, 100)  # more rows than its largest size: eager
+    model = StepCostModel.for_runner(runner)
+    assert model.padded(StepShape(3, 6, 100)) == StepShape(4, 9, MIN_SPAN)
+    assert StepCostModel.for_runner(object()).padded(StepShape(3, 6, 100)) == StepShape(3, 6, 100)
