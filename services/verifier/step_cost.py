@@ -97,9 +97,12 @@ def non_negative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 class StepCostModel:
     """`padding`: the shape a forward of a given shape really runs at (the runner's padded_shape: on an
-    accelerator, its captured graph's rows, width bucket and span), applied to every shape observed and predicted,
-    so that widths one graph pads alike cost alike: on an H100 a row of 2 to 9 tokens replayed in about the same
-    time, and a planner pricing each token apart paid for a padded width 9 to verify 6. None: as given (CPU)."""
+    accelerator, its captured graph's rows, width bucket and span). Its rows and width replace a shape's in every
+    shape observed and predicted, so that widths one graph pads alike cost alike: on an H100 a row of 2 to 9
+    tokens replayed in about the same time, and a planner pricing each token apart paid for a padded width 9 to
+    verify 6. The span is kept as given: the start-up profile's two short contexts would both pad to the graphs'
+    span floor, leaving half its shapes (too few to fit the verify terms), and the span terms are smooth anyway.
+    None: shapes as given (CPU, eager forwards)."""
 
     def __init__(self, padding: Callable[[int, int, int], tuple[int, int, int]] | None = None) -> None:
         self._padding = None if padding is None else functools.lru_cache(maxsize=PADDED_SHAPES)(padding)
@@ -121,8 +124,11 @@ class StepCostModel:
         return self._coefficients is not None
 
     def padded(self, shape: StepShape) -> StepShape:
-        """The shape a forward of `shape` runs at (itself without padding)."""
-        return shape if self._padding is None else StepShape(*self._padding(shape.rows, shape.width, shape.span))
+        """`shape` with the rows and width its forward runs at (itself without padding)."""
+        if self._padding is None:
+            return shape
+        rows, width, _ = self._padding(shape.rows, shape.width, shape.span)
+        return StepShape(rows, width, shape.span)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         shape = self.padded(shape)
