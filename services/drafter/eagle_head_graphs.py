@@ -36,6 +36,7 @@ from typing import Protocol
 
 import torch
 
+from services.modeling.eagle_head import DraftRows
 from services.modeling.host_copies import pinned
 from services.modeling.step_graphs import GraphBackend, TorchGraphs, power_of_two_at_least
 
@@ -76,7 +77,7 @@ class ChainInputs:
 HeadBody = Callable[[ChainInputs, Hashable], torch.Tensor]
 
 
-def draft_chains(head, embed: torch.nn.Module, draft_weight: torch.Tensor, inputs: ChainInputs, k: int,
+def draft_chains(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs: ChainInputs, k: int,
                  forcing: tuple[torch.Tensor, torch.Tensor] | None = None,
                  stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
     """K argmax steps of every row at once, each feeding back the head's own feature ([B, K] target token ids, on
@@ -90,7 +91,7 @@ def draft_chains(head, embed: torch.nn.Module, draft_weight: torch.Tensor, input
         if j and stop is not None and stop():
             return None
         out, cache, mask = head.step_rows(embed(tokens[:, None]), features, inputs.positions + j, cache, mask)
-        tokens = head.token_ids(head.draft_logits(out[:, -1], draft_weight).argmax(-1))  # [B]
+        tokens = head.token_ids(head.draft_scores(out[:, -1], draft_rows).argmax(-1))  # [B]
         if forcing is not None and j < forcing[0].shape[1]:
             tokens = torch.where(forcing[1][:, j], forcing[0][:, j].to(tokens.dtype), tokens)
         steps.append(tokens)

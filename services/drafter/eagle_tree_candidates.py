@@ -26,14 +26,15 @@ from __future__ import annotations
 import torch
 
 from services.drafter.eagle_head_graphs import ChainInputs
+from services.modeling.eagle_head import DraftRows
 
 
-def tree_candidates(head, embed: torch.nn.Module, draft_weight: torch.Tensor, inputs: ChainInputs, topk: int,
+def tree_candidates(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs: ChainInputs, topk: int,
                     depth: int, vocab_size: int) -> torch.Tensor:
     """Every candidate node of each row's tree (topk, then topk x topk a level: N of them), packed as float32
     [B, 4, N] (one copy to the host): target token ids, parents (node indices, -1 under the root), path log-probabilities (summed in
     float32), and 1 where the node may be sent. Ids and parents are exact in float32 below 2^24."""
-    topk = min(topk, draft_weight.shape[0])
+    topk = min(topk, draft_rows.weight.shape[0])
     rows, span = inputs.mask.shape
     device = inputs.mask.device
     slots = 1 + topk * (depth - 1)  # the root's, then each expanding level's
@@ -44,7 +45,7 @@ def tree_candidates(head, embed: torch.nn.Module, draft_weight: torch.Tensor, in
     visible = visible[:, None]  # [B, 1, W]: the root sees the committed positions and itself
     out = head.step_tree(embed(inputs.tokens[:, None]), inputs.features, inputs.positions[:, None], keys, values,
                          visible, span)
-    ids, scores = _children(head, draft_weight, out, topk)  # [B, 1, topk] each
+    ids, scores = _children(head, draft_rows, out, topk)  # [B, 1, topk] each
     tokens, log_probs = ids.flatten(1), scores.flatten(1)
     valid = tokens < vocab_size
     parents = torch.full_like(tokens, -1)
@@ -67,7 +68,7 @@ def tree_candidates(head, embed: torch.nn.Module, draft_weight: torch.Tensor, in
         positions = (inputs.positions[:, None] + level).expand(rows, topk)
         expanded_outs = head.step_tree(embed(tokens.gather(1, frontier)), features, positions, keys, values,
                                        visible, slot)  # [B, topk, H]
-        ids, scores = _children(head, draft_weight, expanded_outs, topk)  # [B, topk, topk]
+        ids, scores = _children(head, draft_rows, expanded_outs, topk)  # [B, topk, topk]
         base, base_valid = log_probs.gather(1, frontier), valid.gather(1, frontier)
         level_start = tokens.shape[1]
         tokens = torch.cat([tokens, ids.flatten(1)], dim=1)
@@ -77,11 +78,11 @@ def tree_candidates(head, embed: torch.nn.Module, draft_weight: torch.Tensor, in
     return torch.stack([tokens.float(), parents.float(), log_probs.float(), valid.float()], dim=1)
 
 
-def _children(head, draft_weight: torch.Tensor, outputs: torch.Tensor, topk: int
+def _children(head, draft_rows: DraftRows, outputs: torch.Tensor, topk: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each output's topk likeliest next tokens (target ids) and their log-probabilities under the head, in
     float32 whatever the head's precision: paths are ranked by sums of them, which bf16 would round to about two
     digits."""
-    log_probs = torch.log_softmax(head.draft_logits(outputs, draft_weight).float(), dim=-1)
+    log_probs = torch.log_softmax(head.draft_scores(outputs, draft_rows).float(), dim=-1)
     top = log_probs.topk(topk, dim=-1)
     return head.token_ids(top.indices), top.values

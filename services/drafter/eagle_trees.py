@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.token_trees import renumbered_parents
+from services.modeling.eagle_head import DraftRows
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values of one head position: [kv heads, 1, D] each
 
@@ -123,7 +124,7 @@ class SampledTree:
     probs: torch.Tensor
 
 
-def sampled_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, starts: Sequence[TreeStart], topk: int,
+def sampled_trees(head, embed: torch.nn.Module, draft_rows: DraftRows, starts: Sequence[TreeStart], topk: int,
                   depth: int, limits: Sequence[int], vocab_size: int, temperatures: Sequence[float],
                   generator: torch.Generator) -> list[SampledTree]:
     """Each sampled sequence's q-tree: at each depth one node, the likeliest of the depth above (the root first),
@@ -137,11 +138,12 @@ def sampled_trees(head, embed: torch.nn.Module, draft_weight: torch.Tensor, star
     q_rows: list[list[torch.Tensor]] = [[] for _ in starts]
     owner = {id(tree): b for b, tree in enumerate(trees)}
     pending = [_Expansion(t, -1, t.start.token, t.start.feature[None], t.start.position, []) for t in trees]
-    target_ids = head.token_ids(torch.arange(draft_weight.shape[0], device=draft_weight.device))  # per draft row
+    weight = draft_rows.weight
+    target_ids = head.token_ids(torch.arange(weight.shape[0], device=weight.device))  # per draft row
     in_vocab = target_ids < vocab_size
     for level in range(min(depth, most)):
         outputs, own = _expand(head, embed, pending)
-        logits = head.draft_logits(outputs[:, -1], draft_weight).float()  # [R, Vd]
+        logits = head.draft_scores(outputs[:, -1], draft_rows).float()  # [R, Vd]
         temperature = torch.tensor([temperatures[owner[id(row.tree)]] for row in pending], device=logits.device)
         # q as the link carries it (float16), so the verifier reads exactly the distribution the tokens came from
         q_draft = torch.softmax((logits / temperature[:, None]).masked_fill(~in_vocab, float("-inf")), dim=-1)

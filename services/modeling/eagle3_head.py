@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.modeling.eagle_head import EagleHead, HeadShape, RMSNorm
+from services.modeling.eagle_head import DraftRows, EagleHead, HeadShape, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,8 @@ class Eagle3Head(EagleHead):
         """Its own LM head: the target's is not used (a drafter does not even read it)."""
         return self.lm_head.weight
 
-    def draft_logits(self, outputs: torch.Tensor, draft_weight: torch.Tensor) -> torch.Tensor:
-        return self.norm(outputs) @ draft_weight.T
+    def draft_scores(self, outputs: torch.Tensor, rows: DraftRows) -> torch.Tensor:
+        return rows.linear(self.norm(outputs))
 
     def _inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         normed = self.hidden_norm(features)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +30,20 @@ from torch import nn
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "eagle_config.json"
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """The LM head rows a head scores ([Vd, H]: its draft vocabulary's) and the matmul that applies them to
+    outputs [..., H]. A drafter on CPU applies them through the kernel measured fastest there
+    (services/drafter/head_kernels.py); `plain` is the plain product, which training also uses."""
+
+    weight: torch.Tensor
+    linear: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def plain(cls, weight: torch.Tensor) -> DraftRows:
+        return cls(weight, lambda outputs: outputs @ weight.T)
 
 
 @dataclass(frozen=True)
@@ -146,7 +161,11 @@ class EagleHead(nn.Module):
     def draft_logits(self, outputs: torch.Tensor, draft_weight: torch.Tensor) -> torch.Tensor:
         """Scores over the draft vocabulary of the head's outputs [..., H], `draft_weight` being what
         `draft_weight` returned (taken once by a drafter: indexing the LM head every step would cost more)."""
-        return outputs @ draft_weight.T
+        return self.draft_scores(outputs, DraftRows.plain(draft_weight))
+
+    def draft_scores(self, outputs: torch.Tensor, rows: DraftRows) -> torch.Tensor:
+        """draft_logits through the rows' own matmul (a drafter's)."""
+        return rows.linear(outputs)
 
     # -- pieces ----------------------------------------------------------------------------------------------
     def _inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,7 @@ def proposers(backend: ReplayingBackend):
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     eager = EagleProposer(head, embed, lm_head, V)
     captured = EagleProposer(head, embed, lm_head, V)
-    captured.chain_graphs = HeadGraphs(lambda inputs, k: draft_chains(head, embed, captured._lm_rows(), inputs, k),
+    captured.chain_graphs = HeadGraphs(lambda inputs, k: draft_chains(head, embed, captured._draft_rows(), inputs, k),
                                         backend, config.num_key_value_heads, config.head_dim, config.hidden_size,
                                         torch.float32, torch.device("cpu"))
     return target, eager, captured
@@ -111,7 +111,7 @@ def test_captured_trees_draft_what_eager_trees_draft_and_reuse_their_graph():
     eager = EagleProposer(head, embed, lm_head, V, **options)
     captured = EagleProposer(head, embed, lm_head, V, **options)
     captured.tree_graphs = HeadGraphs(
-        lambda inputs, tree: tree_candidates(head, embed, captured._lm_rows(), inputs, *tree, V), backend,
+        lambda inputs, tree: tree_candidates(head, embed, captured._draft_rows(), inputs, *tree, V), backend,
         config.num_key_value_heads, config.head_dim, config.hidden_size, torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(8)
     sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 9), ("b", 30))}
@@ -146,9 +146,9 @@ def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
         eager = EagleProposer(head, embed, lm_head, V, **options)
         captured = EagleProposer(head, embed, lm_head, V, **options)
         captured.chain_graphs = HeadGraphs.for_device(
-            lambda inputs, k: draft_chains(head, embed, captured._lm_rows(), inputs, k), *shape)
+            lambda inputs, k: draft_chains(head, embed, captured._draft_rows(), inputs, k), *shape)
         captured.tree_graphs = HeadGraphs.for_device(
-            lambda inputs, tree: tree_candidates(head, embed, captured._lm_rows(), inputs, *tree, V), *shape)
+            lambda inputs, tree: tree_candidates(head, embed, captured._draft_rows(), inputs, *tree, V), *shape)
         generator = torch.Generator().manual_seed(9)
         sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 9), ("b", 40))}
         for step in range(3):

@@ -190,7 +190,7 @@ def test_a_sampled_request_gets_a_q_tree_drawn_from_the_head_at_its_temperature(
     proposer.release("a")
     [start] = proposer._catch_up([DraftInput("a", sequences["a"], 6, states["a"])])
     draws = 1500  # the root's first draw, 1500 times in one batch
-    trees = sampled_trees(head, embed, proposer._lm_rows(), [start.tree_start()] * draws, 2, 4, [1] * draws, V,
+    trees = sampled_trees(head, embed, proposer._draft_rows(), [start.tree_start()] * draws, 2, 4, [1] * draws, V,
                           [temperature] * draws, torch.Generator().manual_seed(1))
     counts = np.bincount([tree.tokens[0] for tree in trees], minlength=V)
     q = sampled.probs[0].numpy()

@@ -49,9 +49,10 @@ from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDraft
 from services.drafter.eagle_head_graphs import ChainInputs, HeadGraphs, draft_chains
 from services.drafter.eagle_tree_candidates import tree_candidates
 from services.drafter.eagle_trees import TreeStart, padded_caches, sampled_trees, sent_trees, tree_shape
+from services.drafter.head_kernels import use_chosen_kernels
 from services.drafter.head_prefix_cache import HeadPrefixCache
 from services.modeling.eagle3_head import Eagle3Head
-from services.modeling.eagle_head import EagleHead
+from services.modeling.eagle_head import DraftRows, EagleHead
 from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
 from services.modeling.host_copies import to_device
 from services.modeling.step_graphs import power_of_two_at_least
@@ -82,7 +83,8 @@ class EagleProposer:
     _released: list[Hashable] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compute: Executor | None = None
-    _draft_weight: torch.Tensor | None = None  # the target's LM head rows of the head's draft vocabulary
+    # the LM head rows of the head's draft vocabulary (the target's, or an EAGLE-3 head's own), as it applies them
+    draft_rows: DraftRows | None = None
     prefix_cache: HeadPrefixCache = field(default_factory=HeadPrefixCache)
     # token trees (num_draft_tokens set): up to tree_nodes tokens, expanding eagle_topk nodes per depth, at most
     # tree_depth deep (eagle_trees.py); None: chains
@@ -183,16 +185,16 @@ class EagleProposer:
         if plain:
             rows = [row for _, row in plain]
             limits = [min(row.k, self.tree_nodes) for row in rows]
-            shape = tree_shape(self.tree_topk, self.tree_depth, limits, self._lm_rows().shape[0])
+            shape = tree_shape(self.tree_topk, self.tree_depth, limits, self._draft_rows().weight.shape[0])
             packed = None if self.tree_graphs is None else self.tree_graphs.run(rows, shape)
             if packed is None:
-                packed = tree_candidates(self.head, self.embed, self._lm_rows(), self._padded(rows), *shape,
+                packed = tree_candidates(self.head, self.embed, self._draft_rows(), self._padded(rows), *shape,
                                          self.vocab_size)
             trees = sent_trees(packed, limits)
             out += [(i, Draft(tree.tokens, parents=tree.parents, path_probs=tree.path_probs))
                     for (i, _), tree in zip(plain, trees, strict=True)]
         if sampled:
-            trees = sampled_trees(self.head, self.embed, self._lm_rows(), [row.tree_start() for _, row in sampled],
+            trees = sampled_trees(self.head, self.embed, self._draft_rows(), [row.tree_start() for _, row in sampled],
                                   self.tree_topk, self.tree_depth, [min(row.k, self.tree_nodes) for _, row in sampled],
                                   self.vocab_size, [inputs[i].temperature for i, _ in sampled], self._draws)
             out += [(i, Draft(tree.tokens, tree.probs, tree.parents))
@@ -207,11 +209,12 @@ class EagleProposer:
                            torch.stack([r.feature for r in rows]),  # [B, 1, H]
                            to_device(torch.tensor([r.position for r in rows]), self.device))
 
-    def _lm_rows(self) -> torch.Tensor:
-        """The target's LM head rows of the head's draft vocabulary (taken once)."""
-        if self._draft_weight is None:
-            self._draft_weight = self.head.draft_weight(None if self.lm_head is None else self.lm_head.weight)
-        return self._draft_weight
+    def _draft_rows(self) -> DraftRows:
+        """The LM head rows of the head's draft vocabulary (taken once; plain unless build_proposer chose)."""
+        if self.draft_rows is None:
+            self.draft_rows = DraftRows.plain(
+                self.head.draft_weight(None if self.lm_head is None else self.lm_head.weight))
+        return self.draft_rows
 
     @torch.no_grad()
     def _predraft(self, ahead: list[tuple[DraftInput, tuple[int, ...]]], stop: Callable[[], bool]) -> None:
@@ -301,7 +304,7 @@ class EagleProposer:
             drafted = self.chain_graphs.run(rows, power_of_two_at_least(k))  # drafts more, cut below: few graphs
         if drafted is None:
             forcing = _forced_tokens(forced, self.device) if forced is not None and any(forced) else None
-            drafted = draft_chains(self.head, self.embed, self._lm_rows(), self._padded(rows), k, forcing, stop)
+            drafted = draft_chains(self.head, self.embed, self._draft_rows(), self._padded(rows), k, forcing, stop)
             if drafted is None:
                 return None
         by_row = drafted[:, :k].tolist()
@@ -374,10 +377,12 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
                              pipelining=bool(config.draft_pipelining), tree_nodes=options.num_draft_tokens,
                              tree_topk=options.tree_topk, tree_depth=config.num_speculative_tokens,
                              sampled_trees=options.eagle_sampled_trees)
+    if device.type == "cpu":  # the head's matmuls through the kernels measured fastest here (head_kernels.py)
+        proposer.draft_rows = use_chosen_kernels(head, proposer._draft_rows())
     shape = (head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, dtype, device)
     proposer.chain_graphs = HeadGraphs.for_device(
-        lambda inputs, k: draft_chains(head, embed, proposer._lm_rows(), inputs, k), *shape)
+        lambda inputs, k: draft_chains(head, embed, proposer._draft_rows(), inputs, k), *shape)
     proposer.tree_graphs = HeadGraphs.for_device(
-        lambda inputs, tree: tree_candidates(head, embed, proposer._lm_rows(), inputs, *tree, proposer.vocab_size),
+        lambda inputs, tree: tree_candidates(head, embed, proposer._draft_rows(), inputs, *tree, proposer.vocab_size),
         *shape)
     return proposer
