@@ -166,11 +166,12 @@ def measure_choice(
                     spent += seconds
             fastest[m] = tuple(min(samples[name]) for name in names)
     measured = tuple(sorted(fastest))
-    chosen = tuple(names[_pick(fastest[m], margin)] for m in measured)
+    chosen = tuple(names[pick_fastest(fastest[m], margin)] for m in measured)
     return KernelChoice(names, measured, chosen, tuple(fastest[m] for m in measured))
 
 
-def _pick(seconds: tuple[float, ...], margin: float) -> int:
+def pick_fastest(seconds: tuple[float, ...], margin: float) -> int:
+    """The index of the fastest, except that the first is kept unless another is faster by more than `margin`."""
     fastest = min(range(len(seconds)), key=seconds.__getitem__)
     return 0 if seconds[0] <= seconds[fastest] * (1.0 + margin) else fastest
 
@@ -220,8 +221,9 @@ Site = tuple[str, Sequence[torch.Tensor], Sequence[torch.Tensor | None]]
 class KernelChooser:
     """Builds the dispatching linears of one model, measuring each distinct shape once over all the weights
     with that shape and sharing the decision between them. Candidates: "plain" (plain_linear) and "packed"
-    (cpu_linear.packed_linear). Where packing is unavailable (non-CPU device, unsupported dtype, probe
-    failed) a site gets None and is not measured, so the caller keeps its plain modules."""
+    (cpu_linear.packed_linear), and with allow_bf16 "bf16" (a packed bfloat16 copy of float32 weights). Where
+    packing is unavailable (non-CPU device, unsupported dtype, probe failed) a site gets None and is not
+    measured, so the caller keeps its plain modules."""
 
     def __init__(
         self,
@@ -229,10 +231,16 @@ class KernelChooser:
         rows: Sequence[int] = DEFAULT_ROWS,
         budget_s: float = DEFAULT_BUDGET_S,
         one_layout: bool = False,
+        allow_bf16: bool = False,
     ) -> None:
         """one_layout: one kernel per shape at every M (KernelChoice.one_kernel), so that a process that owns its
-        model keeps one copy of each weight (the runner frees the plain one where packed is chosen)."""
+        model keeps one copy of each weight (the runner frees the plain one where packed is chosen).
+        allow_bf16: float32 weights may also run as a packed bfloat16 copy, chosen where measured faster. It
+        changes the products (inputs and weights rounded to bfloat16), so only drafters allow it: what they
+        compute decides which tokens are proposed, and the verifier's rejection sampling keeps the output
+        exactly the target's whatever they propose. A verifier never does."""
         self.one_layout = one_layout
+        self.allow_bf16 = allow_bf16
         self._measure = measure
         self._rows = tuple(rows)
         self._budget_s = budget_s
@@ -264,6 +272,10 @@ class KernelChooser:
                 biases[0] is not None,
             )
             candidates = {"plain": plain_linear(weights, biases), "packed": packed}
+            if self.allow_bf16 and weights[0].dtype == torch.float32:
+                rounded = packed_linear(weights, biases, torch.bfloat16)
+                if rounded is not None:
+                    candidates["bf16"] = rounded
             planned.append((key, candidates))
             by_shape.setdefault(key, []).append(candidates)
             roles = self._roles.setdefault(key, [])

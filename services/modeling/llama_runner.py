@@ -99,6 +99,7 @@ class LlamaFamilyRunner:
         owns_model: bool = False,
         graphs: GraphSettings | None = None,
         batch_invariant: bool = False,
+        allow_bf16: bool = False,
     ) -> None:
         """pack_weights: let each linear run oneDNN-packed weights (cpu_linear.py) at the token-row counts
         where a start-up measurement found them faster than F.linear (kernel_choice.py); a shape packed at
@@ -111,7 +112,9 @@ class LlamaFamilyRunner:
         graphs: on an accelerator, decode and verify forwards replay captured graphs (step_graphs.py) unless
         enforce_eager; CPU forwards run eagerly.
         batch_invariant: every forward runs as waves of one fixed shape, so that a token's logits do not depend on
-        what else the forward carries (batch_invariance.py); token trees are then fed as their first path."""
+        what else the forward carries (batch_invariance.py); token trees are then fed as their first path.
+        allow_bf16: a drafter's runner: float32 linears may run a packed bfloat16 copy where measured faster
+        (kernel_choice.KernelChooser). Never a verifier's: its products decide the output."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a llama-family model this runner supports")
         config = model.config
@@ -126,7 +129,8 @@ class LlamaFamilyRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         layers = model.model.layers
         self.freed_weight_bytes = 0  # the modules' weights freed because only their packed copy runs
-        self._chooser = (kernel_chooser or KernelChooser(one_layout=owns_model)) if pack_weights else None
+        self._chooser = (kernel_chooser or KernelChooser(one_layout=owns_model, allow_bf16=allow_bf16)) \
+            if pack_weights else None
         self._kernels: list[LayerKernels | None] = [None] * len(layers)
         self._lm_head = model.lm_head
         if self._chooser is not None:
@@ -171,7 +175,9 @@ class LlamaFamilyRunner:
         layers = sum(k is not None for k in self._kernels)
         if self._chooser is None or not self._chooser.choices:
             return "F.linear, q/k/v and gate/up fused" if layers else "plain torch modules (F.linear)"
-        text = f"per-shape choice of F.linear (plain) or oneDNN-packed by measurement: {self._chooser.describe()}"
+        rounded = " or a packed bfloat16 copy (bf16)" if self._chooser.allow_bf16 else ""
+        text = (f"per-shape choice of F.linear (plain) or oneDNN-packed{rounded} by measurement: "
+                f"{self._chooser.describe()}")
         if layers < len(self._kernels):
             text += f"; plain torch modules in {len(self._kernels) - layers} of {len(self._kernels)} layers"
         return text
@@ -507,9 +513,10 @@ def written(per_position: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
 
 
 def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[LinearFn | None]) -> int:
-    """Free the module weights of every decoder-layer linear that runs packed at every M (linears: the
-    chooser's, 4 per layer in LayerKernels.sites order); returns the bytes freed. A freed module is left with
-    an empty weight, so calling it fails loudly instead of computing with nothing."""
+    """Free the module weights of every decoder-layer linear that runs packed at every M, in their precision or
+    as a drafter's bfloat16 copy (linears: the chooser's, 4 per layer in LayerKernels.sites order); returns the
+    bytes freed. A freed module is left with an empty weight, so calling it fails loudly instead of computing
+    with nothing."""
     freed: list[torch.Tensor] = []
     for index, layer in enumerate(layers):
         attention, mlp = layer.self_attn, layer.mlp
@@ -517,7 +524,7 @@ def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[Lin
                   (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
         for modules, linear in zip(groups, linears[4 * index : 4 * index + 4], strict=True):
             choice = getattr(linear, "choice", None)
-            if choice is None or set(choice.chosen) != {"packed"}:
+            if choice is None or "plain" in choice.chosen:
                 continue
             for module in modules:
                 freed.append(module.weight.detach())
@@ -527,14 +534,14 @@ def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[Lin
 
 
 def free_packed_head(model: torch.nn.Module, head: LinearFn | None) -> int:
-    """The LM head's counterpart of free_packed_modules, when its packed copy runs at every M; returns the bytes
+    """The LM head's counterpart of free_packed_modules, when a packed copy runs at every M; returns the bytes
     given back. An untied head's weight is freed like a layer's. A head tied to the input embedding (SmolLM2,
     Qwen2.5) cannot be freed: the embedding looks rows up in it. Where that weight lies in the checkpoint's file
     mapping, its resident pages are dropped instead (the packing read all of it): a lookup faults back the page
     of the row it reads, so only the rows of tokens actually seen stay resident, and the pages are the file's,
     which the kernel can drop again under pressure (SmolLM2: 108 MiB of the 49152 x 576 table)."""
     choice = getattr(head, "choice", None)
-    if choice is None or set(choice.chosen) != {"packed"}:
+    if choice is None or "plain" in choice.chosen:
         return 0
     weight = model.lm_head.weight.detach()
     if weight.untyped_storage().data_ptr() == model.get_input_embeddings().weight.untyped_storage().data_ptr():

@@ -19,17 +19,21 @@ logger = logging.getLogger(__name__)
 def create_runner(
     model: torch.nn.Module, max_num_seqs: int, max_model_len: int, kv_cache: KVCacheConfig | None = None,
     owns_model: bool = False, graphs: GraphSettings | None = None, batch_invariant: bool = False,
+    allow_bf16: bool = False,
 ) -> ModelRunner:
     """owns_model: only the runner will call the model (a service process): one copy of each weight is kept
     (LlamaFamilyRunner). False where the same model object also runs elsewhere (transformers' generate in the
     bench, a test's shared fixture).
     graphs: captured step graphs on an accelerator (step_graphs.py); None: their defaults.
     batch_invariant: forwards of one fixed shape (batch_invariance.py); only the llama-family runner has them.
+    allow_bf16: a drafter's model: float32 linears may run bfloat16 copies where measured faster (CPU; never a
+    verifier's).
     On an accelerator the process's torch host threads drop to one (host_threads.py)."""
     limit_host_threads(next(model.parameters()).device)
     if llama_runner.supports(model):
         runner = llama_runner.LlamaFamilyRunner(model, max_num_seqs, max_model_len, kv_cache=kv_cache,
-                                                owns_model=owns_model, graphs=graphs, batch_invariant=batch_invariant)
+                                                owns_model=owns_model, graphs=graphs, batch_invariant=batch_invariant,
+                                                allow_bf16=allow_bf16)
         logger.info(
             "model runner: batched llama-family runner, %s (kernel measurement took %.2f s; %.2f GiB of module "
             "weights freed: they run packed only)",

@@ -43,6 +43,29 @@ def test_unsupported_inputs_fall_back_to_none():
     assert packed_linear([torch.randn(4, 4), torch.randn(4, 4)], [torch.randn(4), None]) is None
 
 
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_bfloat16_copy_computes_the_linear_of_the_rounded_weights_and_inputs(with_bias):
+    """The drafters' bf16 candidate: the products of bf16-rounded weights and inputs, accumulated in float32, the
+    bias added in float32, returned in the input's dtype."""
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 64), torch.randn(16, 64)]
+    biases = [torch.randn(48), torch.randn(16)] if with_bias else [None, None]
+    linear = packed_linear(weights, biases, torch.bfloat16)
+    assert linear is not None, "oneDNN's bf16 linear is available in the CPU build of torch this project pins"
+    x = torch.randn(5, 64)
+    bias = torch.cat(biases) if with_bias else None
+    got = linear(x)
+    assert got.dtype == torch.float32
+    rounded = torch.nn.functional.linear(x.bfloat16().float(), torch.cat(weights).bfloat16().float(), bias)
+    torch.testing.assert_close(got, rounded, atol=2e-2, rtol=1e-2)  # what is left: the output's own rounding
+    exact = torch.nn.functional.linear(x, torch.cat(weights), bias)
+    assert (got - exact).abs().max() > 1e-3, "the float32 products: no bf16 copy ran"
+    held = [cell.cell_contents for cell in linear.__closure__ if isinstance(cell.cell_contents, torch.Tensor)]
+    dense = [t for t in held if t.layout == torch.strided and t.dim() > 1]
+    assert not dense, "the kernel keeps an unpacked copy of the weights alive beside its packed one"
+    assert packed_linear([torch.randn(4, 4, dtype=torch.float64)], [None], torch.bfloat16) is None
+
 # -- the choice between plain and packed (kernel_choice.py) -------------------------------------------------
 
 
@@ -169,6 +192,36 @@ def test_chosen_linear_matches_plain_linear_at_every_rows(with_bias, timings):
         x = torch.randn(*shape)
         expected = torch.nn.functional.linear(x, expected_weight, expected_bias)
         torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def bf16_wins(name: str, m: int) -> float:
+    return 1e-6 if name == "bf16" else 3e-6
+
+
+def test_bfloat16_is_a_candidate_only_where_a_drafter_allows_it():
+    torch.manual_seed(0)
+    weights = [torch.randn(48, 64)]
+    timed: set[str] = set()
+    drafter = KernelChooser(measure=fake_timer(lambda name, m: timed.add(name) or bf16_wins(name, m)),
+                            allow_bf16=True)
+    linear = drafter.linear("gate/up", weights, [None])
+    assert timed == {"plain", "packed", "bf16"} and linear.choice.describe() == "bf16 at all M"
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(linear(x), packed_linear(weights, [None], torch.bfloat16)(x))
+    timed.clear()
+    verifier = KernelChooser(measure=fake_timer(lambda name, m: timed.add(name) or bf16_wins(name, m)))
+    assert verifier.linear("gate/up", weights, [None]).choice.describe() != "bf16 at all M"
+    assert timed == {"plain", "packed"}
+    timed.clear()  # weights already in bf16 have no rounded copy to add
+    drafter.linear("o_proj", [torch.randn(8, 64, dtype=torch.bfloat16)], [None])
+    assert timed == {"plain", "packed"}
+
+
+def test_a_verifier_runner_never_rounds_its_target_to_bfloat16():
+    """The target's products decide the output: the runner's own chooser does not offer bf16 however fast."""
+    runner = LlamaFamilyRunner(tiny_llama(), max_num_seqs=1, max_model_len=16)
+    assert runner._chooser is not None and not runner._chooser.allow_bf16
+    assert all("bf16" not in choice.names for choice in runner._chooser.choices.values())
 
 
 def test_no_packing_means_no_candidate_and_no_measurement():

@@ -166,7 +166,8 @@ def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:
     settings = DraftModelSettings.from_config(config)
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
-    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, owns_model=True)
+    # its drafts never decide the output, so on CPU its linears may run bfloat16 copies where faster (head_kernels.py)
+    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, owns_model=True, allow_bf16=True)
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
     if settings.pipelining is None:
         pipelining, why = default_pipelining(runner.device.type)
