@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.drafter.head_kernels import use_chosen_kernels
 from services.drafter.methods.eagle import EagleProposer
 from services.drafter.server import serve
 from services.modeling.eagle_head import EagleConfig, EagleHead
@@ -34,11 +35,23 @@ TREE = {"tree_nodes": 6, "tree_topk": 3, "tree_depth": 3}  # EAGLE-2 trees of 6 
 EAGLE3_LAYERS = (0, 1, -1)  # the tiny target has two layers: its embeddings, the second's input and the final state
 
 
+def bf16_wins(name, rows, step) -> float:
+    """A fake draft-step timer under which the bfloat16 copies are always the fastest (every step still runs)."""
+    step()
+    return 0.1 if name == "bf16" else 1.0
+
+
 def eagle_for(target, draft_vocab: tuple[int, ...] = (), trees: bool = False, eagle3: bool = False,
-              sampled_trees: bool = False) -> EagleProposer:
+              sampled_trees: bool = False, bf16: bool = False) -> EagleProposer:
     """A random head; with `draft_vocab`, one that drafts from those tokens only (a reduced vocabulary); with
     `trees`, sending token trees (TREE), drawn with q for sampled requests where `sampled_trees`; `eagle3`: an
-    EAGLE-3 head reading EAGLE3_LAYERS."""
+    EAGLE-3 head reading EAGLE3_LAYERS; `bf16`: its linears and draft rows on packed bfloat16 copies, as a CPU
+    drafter runs where they measure faster (head_kernels.py)."""
+    if bf16:
+        proposer = eagle_for(target, draft_vocab, trees, eagle3, sampled_trees)
+        proposer.draft_rows = use_chosen_kernels(proposer.head, proposer._draft_rows(), bf16_wins)
+        assert proposer.draft_rows.linear.choice.describe() == "bf16 at all M"
+        return proposer
     if sampled_trees:
         proposer = eagle_for(target, draft_vocab, trees, eagle3)
         proposer.sampled_trees = True
@@ -82,12 +95,15 @@ def target():
     return tiny_llama(seed=21, vocab_size=V)
 
 
-@pytest.mark.parametrize(("draft_vocab", "pipelining", "trees", "eagle3"),
-                         [((), None, False, False), ((1, 3, 4, 5, 6, 7, 9), None, False, False), ((), True, False, False),
-                          ((), None, True, False), ((1, 3, 4, 5, 6, 7, 9), None, False, True), ((), True, True, True)],
+@pytest.mark.parametrize(("draft_vocab", "pipelining", "trees", "eagle3", "bf16"),
+                         [((), None, False, False, False), ((1, 3, 4, 5, 6, 7, 9), None, False, False, False),
+                          ((), True, False, False, False), ((), None, True, False, False),
+                          ((1, 3, 4, 5, 6, 7, 9), None, False, True, False), ((), True, True, True, False),
+                          ((), True, True, False, True)],
                          ids=["whole vocabulary", "reduced vocabulary", "pipelined", "trees", "eagle3",
-                              "eagle3 pipelined trees"])
-async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab, pipelining, trees, eagle3):
+                              "eagle3 pipelined trees", "pipelined trees on bf16 kernels"])
+async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab, pipelining, trees, eagle3,
+                                                                  bf16):
     prompts = [PROMPT, (3, 3, 4, 4, 5, 5, 6), tuple(range(1, 12))]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     plain = await run_schedule(engine(target, {}), {0: [GenerationRequest(f"r{i}", p, params)
@@ -100,7 +116,7 @@ async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_v
                                              for i, p in enumerate(prompts)]})
         return results, e.stats
 
-    proposer = eagle_for(target, draft_vocab, trees, eagle3)
+    proposer = eagle_for(target, draft_vocab, trees, eagle3, bf16=bf16)
     results, stats = await with_eagle(proposer, run)
     for i in range(len(prompts)):
         assert results[f"r{i}"].tokens == plain[f"r{i}"].tokens
@@ -123,12 +139,14 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
     return joint
 
 
-@pytest.mark.parametrize(("pipelining", "trees", "eagle3", "sampled_trees"),
-                         [(False, False, False, False), (True, False, False, False), (False, True, False, False),
-                          (False, False, True, False), (False, True, True, True)],
-                         ids=["plain", "pipelined", "trees", "eagle3", "eagle3 sampled trees with q"])
+@pytest.mark.parametrize(("pipelining", "trees", "eagle3", "sampled_trees", "bf16"),
+                         [(False, False, False, False, False), (True, False, False, False, False),
+                          (False, True, False, False, False), (False, False, True, False, False),
+                          (False, True, True, True, False), (False, True, True, True, True)],
+                         ids=["plain", "pipelined", "trees", "eagle3", "eagle3 sampled trees with q",
+                              "eagle3 sampled trees with q on bf16 kernels"])
 async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining, trees, eagle3,
-                                                                        sampled_trees):
+                                                                        sampled_trees, bf16):
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     samples = 2000
 
@@ -140,7 +158,7 @@ async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, 
         return await run_schedule(e, {0: requests}), e.stats
 
     # a q-tree's q over half the vocabulary or less crosses the link as its support (drafter_wire.probs_support)
-    proposer = eagle_for(target, (1, 3, 4, 5, 6, 7) if sampled_trees else (), trees, eagle3, sampled_trees)
+    proposer = eagle_for(target, (1, 3, 4, 5, 6, 7) if sampled_trees else (), trees, eagle3, sampled_trees, bf16)
     sent = []  # what the drafter answered: q-trees where asked, for sampled requests
     propose = proposer.propose
     async def recording(inputs):
