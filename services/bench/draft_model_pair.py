@@ -178,7 +178,6 @@ def measure_transformers(target, draft, prompts, settings: PairSettings, eos, pr
 # -- specserve in-process engine, draft_model drafter as a process ----------------------------------------------
 
 
-@contextlib.contextmanager
 def drafter_args(settings: PairSettings, max_model_len: int) -> list[str]:
     """`specserve drafter --method draft_model` for the pair's draft model."""
     return ["--method", "draft_model", "--model", settings.draft, "--device", settings.device, "--dtype",

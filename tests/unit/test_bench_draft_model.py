@@ -4,16 +4,21 @@ run, and that transformers' assistant is really set to K (its generate keywords 
 
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
 
 from services.bench.draft_model_pair import (
     ASSISTANT_DEFAULT,
     assistant_tokens,
+    drafter_args,
     equality_checks,
+    parse_args,
     row_order,
     targets,
 )
 from services.bench.report import Generation, Measurement, summarize
+from services.drafter.methods.draft_model import DraftModelSettings
+from services.drafter.server import add_drafter_flags, settings_from_args
 
 KS = (2, 4)
 
@@ -66,3 +71,15 @@ def test_the_assistant_is_set_to_k_and_restored():
     assert (config.num_assistant_tokens, config.num_assistant_tokens_schedule) == (20, "heuristic")
     with assistant_tokens(draft, ASSISTANT_DEFAULT):
         assert config.num_assistant_tokens == 20
+
+
+def test_the_drafter_process_is_started_with_flags_the_drafter_parses_into_the_pair():
+    """The drafter's argv (a decorator left on drafter_args once made it a context manager, and the bench failed
+    before its first row)."""
+    settings, _ = parse_args(["--k", "3", "5", "--concurrency", "2"])
+    parser = argparse.ArgumentParser()
+    add_drafter_flags(parser)
+    drafter = settings_from_args(parser.parse_args(drafter_args(settings, 700)))
+    assert drafter.speculation.method == "draft_model" and drafter.speculation.num_speculative_tokens == 5
+    assert DraftModelSettings.from_config(drafter.speculation) == DraftModelSettings(
+        settings.draft, settings.device, settings.dtype, 2, 700)
