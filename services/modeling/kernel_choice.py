@@ -216,6 +216,13 @@ def plain_linear(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor 
 ShapeKey = tuple[tuple[int, ...], int, torch.dtype, str, bool]
 # (role, weights, biases): one linear over the concatenated weights ([sum out, in]); role names it in logs
 Site = tuple[str, Sequence[torch.Tensor], Sequence[torch.Tensor | None]]
+# chosen(site indices, their linears): one shape's sites are done (KernelChooser.choose)
+ChosenCallback = Callable[[list[int], list[DispatchLinear | None]], None]
+
+
+def _shape_key(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> ShapeKey:
+    return (tuple(int(w.shape[0]) for w in weights), int(weights[0].shape[1]), weights[0].dtype,
+            weights[0].device.type, biases[0] is not None)
 
 
 class KernelChooser:
@@ -252,49 +259,52 @@ class KernelChooser:
     def choices(self) -> dict[ShapeKey, KernelChoice]:
         return dict(self._choices)
 
-    def choose(self, sites: Sequence[Site]) -> list[DispatchLinear | None]:
+    def choose(self, sites: Sequence[Site], chosen: ChosenCallback | None = None) -> list[DispatchLinear | None]:
         """One dispatching linear per site (None where packing is unavailable). Give all of a model's sites
-        in forward order in one call: a shape is timed over all its sites. Every site is packed before the
-        measurement (the peak is the same as packing everything); the packed copy of a shape that never wins
-        is dropped when this returns, as DispatchLinear keeps only the kernels it runs."""
-        planned: list[tuple[ShapeKey, dict[str, LinearFn]] | None] = []
-        by_shape: dict[ShapeKey, list[dict[str, LinearFn]]] = {}
-        for role, weights, biases in sites:
-            packed = packed_linear(weights, biases)
-            if packed is None:
-                planned.append(None)
-                continue
-            key: ShapeKey = (
-                tuple(int(w.shape[0]) for w in weights),
-                int(weights[0].shape[1]),
-                weights[0].dtype,
-                weights[0].device.type,
-                biases[0] is not None,
-            )
-            candidates = {"plain": plain_linear(weights, biases), "packed": packed}
-            if self.allow_bf16 and weights[0].dtype == torch.float32:
-                rounded = packed_linear(weights, biases, torch.bfloat16)
-                if rounded is not None:
-                    candidates["bf16"] = rounded
-            planned.append((key, candidates))
-            by_shape.setdefault(key, []).append(candidates)
-            roles = self._roles.setdefault(key, [])
-            if role not in roles:
-                roles.append(role)
-        for key, instances in by_shape.items():
-            if key in self._choices:
-                continue
-            start = time.perf_counter()
-            choice = measure_choice(
-                instances, key[1], key[2], rows=self._rows, measure=self._measure, budget_s=self._budget_s
-            )
-            self.measure_seconds += time.perf_counter() - start
-            self._choices[key] = choice.one_kernel() if self.one_layout else choice
-            logger.debug("linear kernels for %s: %s %s", _shape(key), choice.describe(), choice.seconds)
-        return [
-            None if plan is None else DispatchLinear(plan[1], self._choices[plan[0]], plan[0][1])
-            for plan in planned
-        ]
+        in forward order in one call: a shape is timed over all its sites.
+
+        Shapes are taken one at a time: a shape's sites are packed, timed and given their DispatchLinear, which
+        keeps only the kernels it runs, and then `chosen(site indices, their linears)` is called before the next
+        shape is packed, so that a caller that owns the model can free the weights that no longer run
+        (LlamaFamilyRunner). The start-up peak then holds one shape's extra copies beside the model, not every
+        shape's (packing everything first held the model's weights about twice, 2.5 times with a drafter's
+        bfloat16 copies)."""
+        linears: list[DispatchLinear | None] = [None] * len(sites)
+        by_shape: dict[ShapeKey, list[int]] = {}
+        for index, (_, weights, biases) in enumerate(sites):
+            by_shape.setdefault(_shape_key(weights, biases), []).append(index)
+        for key, indices in by_shape.items():
+            candidates = {i: self._candidates(*sites[i][1:]) for i in indices}
+            packable = [i for i in indices if candidates[i] is not None]
+            if packable:
+                roles = self._roles.setdefault(key, [])
+                roles.extend(role for role in dict.fromkeys(sites[i][0] for i in packable) if role not in roles)
+            if packable and key not in self._choices:
+                start = time.perf_counter()
+                choice = measure_choice([candidates[i] for i in packable], key[1], key[2], rows=self._rows,
+                                        measure=self._measure, budget_s=self._budget_s)
+                self.measure_seconds += time.perf_counter() - start
+                self._choices[key] = choice.one_kernel() if self.one_layout else choice
+                logger.debug("linear kernels for %s: %s %s", _shape(key), choice.describe(), choice.seconds)
+            for i in packable:
+                linears[i] = DispatchLinear(candidates[i], self._choices[key], key[1])
+            del candidates  # the kernels no DispatchLinear runs go now, before the next shape is packed
+            if chosen is not None:
+                chosen(indices, [linears[i] for i in indices])
+        return linears
+
+    def _candidates(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+                    ) -> dict[str, LinearFn] | None:
+        """A site's kernels by name, or None where packing is unavailable."""
+        packed = packed_linear(weights, biases)
+        if packed is None:
+            return None
+        candidates = {"plain": plain_linear(weights, biases), "packed": packed}
+        if self.allow_bf16 and weights[0].dtype == torch.float32:
+            rounded = packed_linear(weights, biases, torch.bfloat16)
+            if rounded is not None:
+                candidates["bf16"] = rounded
+        return candidates
 
     def linear(
         self, role: str, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]

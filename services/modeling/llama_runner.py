@@ -56,16 +56,23 @@ class LayerKernels:
     down_proj: LinearFn
 
     @staticmethod
+    def site_modules(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
+        """The modules of the layer's four linears, in forward order: q/k/v, o_proj, gate/up, down_proj."""
+        attention, mlp = layer.self_attn, layer.mlp
+        return [(attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
+                (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+
+    @staticmethod
     def sites(layer: torch.nn.Module) -> list[Site]:
         """The layer's four linears, in forward order, for KernelChooser.choose."""
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        return [
-            ("q/k/v", [p.weight for p in projections], [p.bias for p in projections]),
-            ("o_proj", [attention.o_proj.weight], [attention.o_proj.bias]),
-            ("gate/up", [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias]),
-            ("down_proj", [mlp.down_proj.weight], [mlp.down_proj.bias]),
-        ]
+        roles = ("q/k/v", "o_proj", "gate/up", "down_proj")
+        return [(role, [m.weight for m in modules], [m.bias for m in modules])
+                for role, modules in zip(roles, LayerKernels.site_modules(layer), strict=True)]
+
+    @staticmethod
+    def qkv_sizes_of(layer: torch.nn.Module) -> tuple[int, int, int]:
+        attention = layer.self_attn
+        return tuple(p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
 
     @staticmethod
     def fused(layer: torch.nn.Module) -> LayerKernels:
@@ -73,18 +80,16 @@ class LayerKernels:
         in place (fused_linears.py); o_proj and down_proj the modules' own."""
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        sizes = tuple(p.weight.shape[0] for p in projections)
-        return LayerKernels(fuse_in_place(projections), sizes, attention.o_proj,
+        return LayerKernels(fuse_in_place(projections), LayerKernels.qkv_sizes_of(layer), attention.o_proj,
                             fuse_in_place((mlp.gate_proj, mlp.up_proj)), mlp.down_proj)
 
     @staticmethod
-    def build(layer: torch.nn.Module, linears: Sequence[LinearFn | None]) -> LayerKernels | None:
-        """From the chooser's linears for `sites(layer)`; None unless all four exist."""
+    def build(qkv_sizes: tuple[int, int, int], linears: Sequence[LinearFn | None]) -> LayerKernels | None:
+        """From the chooser's linears for `sites(layer)` and the layer's q/k/v sizes (read before its weights may
+        be freed); None unless all four exist."""
         if any(k is None for k in linears):
             return None
-        attention = layer.self_attn
-        sizes = tuple(p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
-        return LayerKernels(linears[0], sizes, linears[1], linears[2], linears[3])
+        return LayerKernels(linears[0], qkv_sizes, linears[1], linears[2], linears[3])
 
 
 class LlamaFamilyRunner:
@@ -136,11 +141,19 @@ class LlamaFamilyRunner:
         if self._chooser is not None:
             head = model.lm_head
             sites = [site for layer in layers for site in LayerKernels.sites(layer)]
-            linears = self._chooser.choose([*sites, ("lm_head", [head.weight], [head.bias])])
-            self._kernels = [LayerKernels.build(layer, linears[4 * i : 4 * i + 4]) for i, layer in enumerate(layers)]
+            qkv_sizes = [LayerKernels.qkv_sizes_of(layer) for layer in layers]  # before any weight is freed
+            modules = [group for layer in layers for group in LayerKernels.site_modules(layer)]
+
+            def free_unused(indices: list[int], linears: list[LinearFn | None]) -> None:
+                """As each shape is chosen, before the next is packed: the peak holds one shape's copies."""
+                for index, linear in zip(indices, linears, strict=True):
+                    self.freed_weight_bytes += free_packed_head(model, linear) if index == len(modules) \
+                        else free_packed_site(modules[index], linear)
+
+            linears = self._chooser.choose([*sites, ("lm_head", [head.weight], [head.bias])],
+                                           free_unused if owns_model else None)
+            self._kernels = [LayerKernels.build(qkv_sizes[i], linears[4 * i : 4 * i + 4]) for i in range(len(layers))]
             self._lm_head = linears[-1] or head
-            if owns_model:
-                self.freed_weight_bytes = free_packed_modules(layers, linears[:-1]) + free_packed_head(model, linears[-1])
         if self.device.type != "cpu" and all(kernels is None for kernels in self._kernels):
             self._kernels = [LayerKernels.fused(layer) for layer in layers]  # launch-bound: fewer, wider matmuls
         self._norm = norm_for(self.device, [n for layer in layers for n in (layer.input_layernorm,
@@ -512,29 +525,23 @@ def written(per_position: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     return per_position[batch.write_rows, batch.write_cols]
 
 
-def free_packed_modules(layers: Sequence[torch.nn.Module], linears: Sequence[LinearFn | None]) -> int:
-    """Free the module weights of every decoder-layer linear that runs packed at every M, in their precision or
-    as a drafter's bfloat16 copy (linears: the chooser's, 4 per layer in LayerKernels.sites order); returns the
-    bytes freed. A freed module is left with an empty weight, so calling it fails loudly instead of computing
-    with nothing."""
-    freed: list[torch.Tensor] = []
-    for index, layer in enumerate(layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        groups = ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
-                  (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
-        for modules, linear in zip(groups, linears[4 * index : 4 * index + 4], strict=True):
-            choice = getattr(linear, "choice", None)
-            if choice is None or "plain" in choice.chosen:
-                continue
-            for module in modules:
-                freed.append(module.weight.detach())
-                module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+def free_packed_site(modules: Sequence[torch.nn.Module], linear: LinearFn | None) -> int:
+    """Free the module weights of one decoder-layer linear (q/k/v, o_proj, gate/up or down_proj) where a packed
+    copy runs at every M, in their precision or as a drafter's bfloat16 copy; returns the bytes freed. A freed
+    module is left with an empty weight, so calling it fails loudly instead of computing with nothing."""
+    choice = getattr(linear, "choice", None)
+    if choice is None or "plain" in choice.chosen:
+        return 0
+    freed = []
+    for module in modules:
+        freed.append(module.weight.detach())
+        module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     release_mapped(freed)  # a weight in a memory-mapped checkpoint is not freed by dropping it alone
     return sum(weight.nbytes for weight in freed)
 
 
 def free_packed_head(model: torch.nn.Module, head: LinearFn | None) -> int:
-    """The LM head's counterpart of free_packed_modules, when a packed copy runs at every M; returns the bytes
+    """The LM head's counterpart of free_packed_site, when a packed copy runs at every M; returns the bytes
     given back. An untied head's weight is freed like a layer's. A head tied to the input embedding (SmolLM2,
     Qwen2.5) cannot be freed: the embedding looks rows up in it. Where that weight lies in the checkpoint's file
     mapping, its resident pages are dropped instead (the packing read all of it): a lookup faults back the page

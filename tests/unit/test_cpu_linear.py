@@ -311,6 +311,38 @@ def test_a_runner_that_owns_its_model_keeps_one_layout_of_each_weight():
                                reference.forward([RowInput("a", tokens, 3)]).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_each_shape_frees_what_it_no_longer_runs_before_the_next_shape_is_packed(monkeypatch):
+    """The start-up peak: a runner that owns its model holds one shape's packed copies beside the model, not every
+    shape's. When a shape is packed, the module weights of every shape chosen before it are already freed."""
+    model = tiny_llama()
+    layers = model.model.layers
+    modules_by_role = {
+        (128, 64): lambda: [m for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                             layer.self_attn.v_proj)],
+        (64, 64): lambda: [layer.self_attn.o_proj for layer in layers],
+        (256, 64): lambda: [m for layer in layers for m in (layer.mlp.gate_proj, layer.mlp.up_proj)],
+    }
+    seen: list[tuple[int, int]] = []
+    still_held: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    pack = kernel_choice.packed_linear
+
+    def recording(weights, biases, dtype=None):
+        shape = (sum(int(w.shape[0]) for w in weights), int(weights[0].shape[1]))
+        if shape not in seen:
+            for earlier in seen:  # every shape chosen before this one: its weights gone (packed won everywhere)
+                held = [m for m in modules_by_role.get(earlier, list)() if m.weight.numel()]
+                if held:
+                    still_held.append((shape, earlier))
+            seen.append(shape)
+        return pack(weights, biases, dtype)
+
+    monkeypatch.setattr(kernel_choice, "packed_linear", recording)
+    runner = LlamaFamilyRunner(model, max_num_seqs=1, max_model_len=16, owns_model=True,
+                               kernel_chooser=KernelChooser(_packed_everywhere, one_layout=True))
+    assert len(seen) == 5 and still_held == []
+    assert all(layer.mlp.down_proj.weight.numel() == 0 for layer in layers) and runner.freed_weight_bytes > 0
+
+
 def _packed_everywhere(name, kernel, x):
     kernel(x)
     return 1e-6 if name == "packed" else 2e-6
