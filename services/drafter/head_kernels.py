@@ -30,9 +30,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from services.modeling.cpu_linear import LinearFn, packed_linear
+from services.modeling.cpu_linear import LinearFn
 from services.modeling.eagle_head import DraftRows
-from services.modeling.kernel_choice import DEFAULT_MARGIN, DispatchLinear, KernelChoice, pick_fastest, plain_linear
+from services.modeling.kernel_choice import (DEFAULT_MARGIN, DispatchLinear, KernelChoice, candidate_kernels,
+                                             pick_fastest, plain_linear)
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ def use_chosen_kernels(head: nn.Module, rows: DraftRows, measure: StepTimer | No
     linears = [(name, module) for name, module in head.named_modules()
                if isinstance(module, nn.Linear) and module.weight is not rows.weight]
     sites = [([module.weight], [module.bias]) for _, module in linears] + [([rows.weight], [None])]
-    candidates = [_candidates(weights, biases) for weights, biases in sites]
+    candidates = [candidate_kernels(weights, biases, allow_bf16=True) or {"plain": plain_linear(weights, biases)}
+                  for weights, biases in sites]
     names = tuple(name for name in ("plain", "packed", "bf16") if all(name in c for c in candidates))
     if names == ("plain",):
         return rows
@@ -94,18 +96,6 @@ def use_chosen_kernels(head: nn.Module, rows: DraftRows, measure: StepTimer | No
     logger.info("EAGLE head kernels (a draft step timed whole in %.2f s): %s; ms a step by rows: %s",
                 time.perf_counter() - started, choice.describe(), _seconds(choice))
     return DraftRows(rows.weight, DispatchLinear(candidates[-1], choice, rows.weight.shape[1]))
-
-
-def _candidates(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> dict[str, LinearFn]:
-    kernels = {"plain": plain_linear(weights, biases)}
-    packed = packed_linear(weights, biases)
-    if packed is not None:
-        kernels["packed"] = packed
-        if weights[0].dtype == torch.float32:
-            rounded = packed_linear(weights, biases, torch.bfloat16)
-            if rounded is not None:
-                kernels["bf16"] = rounded
-    return kernels
 
 
 def _replace(head: nn.Module, name: str, module: nn.Module) -> None:

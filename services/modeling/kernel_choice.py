@@ -220,6 +220,21 @@ Site = tuple[str, Sequence[torch.Tensor], Sequence[torch.Tensor | None]]
 ChosenCallback = Callable[[list[int], list[DispatchLinear | None]], None]
 
 
+def candidate_kernels(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                      allow_bf16: bool = False) -> dict[str, LinearFn] | None:
+    """A site's kernels by name ("plain", "packed", and with allow_bf16 "bf16" for float32 weights), or None where
+    packing is unavailable."""
+    packed = packed_linear(weights, biases)
+    if packed is None:
+        return None
+    candidates = {"plain": plain_linear(weights, biases), "packed": packed}
+    if allow_bf16 and weights[0].dtype == torch.float32:
+        rounded = packed_linear(weights, biases, torch.bfloat16)
+        if rounded is not None:
+            candidates["bf16"] = rounded
+    return candidates
+
+
 def _shape_key(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> ShapeKey:
     return (tuple(int(w.shape[0]) for w in weights), int(weights[0].shape[1]), weights[0].dtype,
             weights[0].device.type, biases[0] is not None)
@@ -274,7 +289,7 @@ class KernelChooser:
         for index, (_, weights, biases) in enumerate(sites):
             by_shape.setdefault(_shape_key(weights, biases), []).append(index)
         for key, indices in by_shape.items():
-            candidates = {i: self._candidates(*sites[i][1:]) for i in indices}
+            candidates = {i: candidate_kernels(*sites[i][1:], allow_bf16=self.allow_bf16) for i in indices}
             packable = [i for i in indices if candidates[i] is not None]
             if packable:
                 roles = self._roles.setdefault(key, [])
@@ -292,19 +307,6 @@ class KernelChooser:
             if chosen is not None:
                 chosen(indices, [linears[i] for i in indices])
         return linears
-
-    def _candidates(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
-                    ) -> dict[str, LinearFn] | None:
-        """A site's kernels by name, or None where packing is unavailable."""
-        packed = packed_linear(weights, biases)
-        if packed is None:
-            return None
-        candidates = {"plain": plain_linear(weights, biases), "packed": packed}
-        if self.allow_bf16 and weights[0].dtype == torch.float32:
-            rounded = packed_linear(weights, biases, torch.bfloat16)
-            if rounded is not None:
-                candidates["bf16"] = rounded
-        return candidates
 
     def linear(
         self, role: str, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
