@@ -18,7 +18,7 @@ PIP_INSTALL := $(BIN)/python -m pip install -q
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-link bench-sweep bench-grammar bench-draft-model bench-pipelining bench-trees bench-eagle bench-accelerator bench-accelerator-http eagle-head eagle3-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-link bench-sweep bench-grammar bench-draft-model bench-drafter-kernels bench-pipelining bench-trees bench-eagle bench-accelerator bench-accelerator-http eagle-head eagle3-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -67,6 +67,7 @@ bench: fetch-model
 	$(MAKE) bench-grammar
 	$(MAKE) bench-eagle
 	$(MAKE) bench-draft-model
+	$(MAKE) bench-drafter-kernels
 	$(MAKE) bench-pipelining
 	$(MAKE) bench-trees
 
@@ -92,6 +93,10 @@ bench-trees: fetch-model
 # 1 and 4 requests, both drafters as gRPC processes; exit 1 if a speculative output differs (EAGLE_BENCH_ARGS).
 bench-eagle: fetch-model
 	$(BIN)/python -m services.bench.eagle_bench --model $(MODEL) $(EAGLE_BENCH_ARGS)
+
+# A CPU drafter's kernel choice (bfloat16 copies allowed) against packed float32: EAGLE asks, a draft model's forward.
+bench-drafter-kernels: fetch-model
+	$(BIN)/python -m services.bench.drafter_kernels --draft-model qwen2.5-coder-0.5b-instruct
 
 # What one drafting call costs the verifier over the gRPC link (a real `specserve drafter` process), against the
 # same lookup in process, at 1, 8 and 64 rows of 300 and 2,000 tokens (LINK_BENCH_ARGS, e.g. --method suffix).

@@ -344,6 +344,25 @@ def guessed_path(draft: Draft) -> tuple[int, ...]:
 
 
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
+    """The registry's entry point: the head and the target's vocabulary weights (load_proposer), on CPU through the
+    kernels a draft step measured fastest, on an accelerator with its drafting captured as graphs."""
+    proposer = load_proposer(config)
+    head, embed = proposer.head, proposer.embed
+    if proposer.device.type == "cpu":  # the head's matmuls through the kernels measured fastest here (head_kernels.py)
+        proposer.draft_rows = use_chosen_kernels(head, proposer._draft_rows())
+    shape = (head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, embed.weight.dtype,
+             proposer.device)
+    proposer.chain_graphs = HeadGraphs.for_device(
+        lambda inputs, k: draft_chains(head, embed, proposer._draft_rows(), inputs, k), *shape)
+    proposer.tree_graphs = HeadGraphs.for_device(
+        lambda inputs, tree: tree_candidates(head, embed, proposer._draft_rows(), inputs, *tree, proposer.vocab_size),
+        *shape)
+    return proposer
+
+
+def load_proposer(config: SpeculativeConfig) -> EagleProposer:
+    """The head of `config` (or the one that ships for its target) with the target's embedding and LM head, placed
+    and typed as the config says, its linears the plain modules."""
     from services.modeling.eagle_heads import shipped_head
     from services.modeling.vocabulary_weights import load_vocabulary_weights
 
@@ -372,17 +391,8 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     lm_head = target.lm_head
     logger.info("%s head %s for %s (hidden %d, target layers %s) on %s in %s", type(head).__name__, head_dir,
                 target_spec, head.config.hidden_size, list(head.config.hidden_layers), device, dtype)
-    proposer = EagleProposer(head, embed, lm_head, int(target.config.vocab_size),
-                             tokenizer_fingerprint(target.tokenizer), method=kind,
-                             pipelining=bool(config.draft_pipelining), tree_nodes=options.num_draft_tokens,
-                             tree_topk=options.tree_topk, tree_depth=config.num_speculative_tokens,
-                             sampled_trees=options.eagle_sampled_trees)
-    if device.type == "cpu":  # the head's matmuls through the kernels measured fastest here (head_kernels.py)
-        proposer.draft_rows = use_chosen_kernels(head, proposer._draft_rows())
-    shape = (head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, dtype, device)
-    proposer.chain_graphs = HeadGraphs.for_device(
-        lambda inputs, k: draft_chains(head, embed, proposer._draft_rows(), inputs, k), *shape)
-    proposer.tree_graphs = HeadGraphs.for_device(
-        lambda inputs, tree: tree_candidates(head, embed, proposer._draft_rows(), inputs, *tree, proposer.vocab_size),
-        *shape)
-    return proposer
+    return EagleProposer(head, embed, lm_head, int(target.config.vocab_size),
+                         tokenizer_fingerprint(target.tokenizer), method=kind,
+                         pipelining=bool(config.draft_pipelining), tree_nodes=options.num_draft_tokens,
+                         tree_topk=options.tree_topk, tree_depth=config.num_speculative_tokens,
+                         sampled_trees=options.eagle_sampled_trees)
