@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,7 +22,7 @@ from services.bench import available_cores
 from services.bench.hardware import describe_hardware
 from services.common.proposer import DraftInput
 from services.common.speculative_config import SpeculativeConfig
-from services.drafter.head_kernels import EVICT_BYTES, use_chosen_kernels
+from services.drafter.head_kernels import evicting_timer, use_chosen_kernels
 from services.drafter.methods.eagle import EagleProposer, load_proposer
 
 CONTEXT = 300  # committed tokens a sequence has when asks start
@@ -64,16 +63,15 @@ class Asks:
 
 
 def fastest_alternating(calls: Sequence[Callable[[], object]], repeats: int) -> list[float]:
-    """The fastest of `repeats` timed calls of each, interleaved, each after evicting the caches."""
-    scratch = torch.empty(EVICT_BYTES // 4)
+    """The fastest of `repeats` timed calls of each, interleaved, each after evicting the caches (the timer the
+    EAGLE head's kernel choice uses)."""
+    measure = evicting_timer()
     best = [float("inf")] * len(calls)
     for round_ in range(repeats + 1):
         for i, call in enumerate(calls):
-            scratch.fill_(float(round_))
-            started = time.perf_counter()
-            call()
+            seconds = measure(str(i), 0, call)
             if round_:  # round 0 warms up
-                best[i] = min(best[i], time.perf_counter() - started)
+                best[i] = min(best[i], seconds)
     return best
 
 
@@ -98,7 +96,8 @@ def draft_model_rows(args) -> list[tuple[str, float, float]]:
     runners = []
     for allow_bf16 in (False, True):  # each owns its model, which frees the weights it no longer runs
         loaded = load_model(args.draft_model, device="cpu", dtype="float32")
-        runners.append(create_runner(loaded.model, max(args.sequences), CONTEXT + 8 * args.repeats + 64,
+        # the prompt, then one token a timed call (warm-up included)
+        runners.append(create_runner(loaded.model, max(args.sequences), CONTEXT + args.repeats + 1,
                                      owns_model=True, allow_bf16=allow_bf16))
         loaded = None
         gc.collect()

@@ -525,12 +525,17 @@ def written(per_position: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     return per_position[batch.write_rows, batch.write_cols]
 
 
+def runs_packed_only(linear: LinearFn | None) -> bool:
+    """Whether a chooser's linear runs a packed copy (its precision or bfloat16) at every M, never the module."""
+    choice = getattr(linear, "choice", None)
+    return choice is not None and "plain" not in choice.chosen
+
+
 def free_packed_site(modules: Sequence[torch.nn.Module], linear: LinearFn | None) -> int:
     """Free the module weights of one decoder-layer linear (q/k/v, o_proj, gate/up or down_proj) where a packed
     copy runs at every M, in their precision or as a drafter's bfloat16 copy; returns the bytes freed. A freed
     module is left with an empty weight, so calling it fails loudly instead of computing with nothing."""
-    choice = getattr(linear, "choice", None)
-    if choice is None or "plain" in choice.chosen:
+    if not runs_packed_only(linear):
         return 0
     freed = []
     for module in modules:
@@ -547,8 +552,7 @@ def free_packed_head(model: torch.nn.Module, head: LinearFn | None) -> int:
     mapping, its resident pages are dropped instead (the packing read all of it): a lookup faults back the page
     of the row it reads, so only the rows of tokens actually seen stay resident, and the pages are the file's,
     which the kernel can drop again under pressure (SmolLM2: 108 MiB of the 49152 x 576 table)."""
-    choice = getattr(head, "choice", None)
-    if choice is None or "plain" in choice.chosen:
+    if not runs_packed_only(head):
         return 0
     weight = model.lm_head.weight.detach()
     if weight.untyped_storage().data_ptr() == model.get_input_embeddings().weight.untyped_storage().data_ptr():
