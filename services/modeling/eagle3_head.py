@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.modeling.eagle_head import DraftRows, EagleHead, HeadShape, RMSNorm
+from services.modeling.eagle_head import DraftRows, EagleHead, HeadShape, RMSNorm, Rotary
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Eagle3Head(EagleHead):
         self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        self.rotary = Rotary(d, config.rope_theta)
         self.norm = RMSNorm(h, eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))

@@ -74,3 +74,48 @@ def test_a_batched_chain_step_equals_each_sequence_on_its_own():
         out2, _, _ = model.step_rows(emb[1], out, positions + 1, cache, mask)
     for b in range(3):
         assert torch.allclose(out[b], singles[b][0], atol=1e-5) and torch.allclose(out2[b], singles[b][1], atol=1e-5)
+
+
+def test_grouped_attention_is_each_query_head_reading_its_own_kv_head():
+    """The folded SDPA call against attention written out head by head and query by query: query head h reads KV
+    head h // (Hq / Hkv), and query t only the columns its own row of `visible` marks (a fold that paired heads or
+    mask rows otherwise fails)."""
+    from services.modeling.eagle_head import grouped_attention
+
+    generator = torch.Generator().manual_seed(1)
+    batch, heads, kv_heads, dim, length = 2, 6, 2, 8, 7
+    for queries in (1, 3):
+        q = torch.randn(batch, heads, queries, dim, generator=generator)
+        keys, values = (torch.randn(batch, kv_heads, length, dim, generator=generator) for _ in range(2))
+        visible = torch.rand(batch, queries, length, generator=generator) < 0.6
+        visible[..., queries - 1 :: 3] = True  # every query sees a column
+        out = grouped_attention(q, keys, values, visible)
+        for b in range(batch):
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                for t in range(queries):
+                    seen = visible[b, t]
+                    weights = torch.softmax(keys[b, kv, seen] @ q[b, h, t] / dim**0.5, dim=0)
+                    assert torch.allclose(out[b, h, t], weights @ values[b, kv, seen], atol=1e-5), (queries, b, h, t)
+
+
+def test_rotary_turns_queries_as_transformers_llama_does():
+    """Rotary against transformers' own RoPE (LlamaRotaryEmbedding, apply_rotary_pos_emb), at positions shared by the
+    rows and at each row's own, in float32 and bfloat16."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from services.modeling.eagle_head import Rotary
+
+    dim, theta = 16, 500000.0
+    config = LlamaConfig(hidden_size=4 * dim, num_attention_heads=4, rope_theta=theta)
+    reference = LlamaRotaryEmbedding(config)
+    rotary = Rotary(dim, theta)
+    x = torch.randn(2, 4, 3, dim, generator=torch.Generator().manual_seed(2))
+    for positions in (torch.tensor([5, 6, 7]), torch.tensor([[0, 1, 2], [900, 901, 4000]])):
+        position_ids = positions.expand(2, 3)
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = reference(x.to(dtype), position_ids)
+            expected, _ = apply_rotary_pos_emb(x.to(dtype), x.to(dtype), cos, sin)
+            turned = Rotary.turn(x.to(dtype), *rotary.angles(positions, dtype))
+            assert torch.allclose(turned.float(), expected.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
