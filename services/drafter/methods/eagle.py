@@ -243,8 +243,10 @@ class EagleProposer:
         when it cannot draft now (no states yet, or K = 0). The new positions' K/V of every sequence are computed
         in one batch (EagleHead.keys_values), not by a whole head step per sequence: for 8 sequences of 4 new
         positions the shipped head took 19.6 ms that way on a 2-core CPU and 1.9 ms batched, and on a GPU each
-        of those steps was a hundred-odd kernel launches."""
-        ready = []  # (index, item, its sequence, n, its states from position seq.fed on, on the head's device)
+        of those steps was a hundred-odd kernel launches. Likewise every sequence's new states move to the head's
+        device, convert and pass through the head's feature projection (an EAGLE-3 head's fc) together: row by
+        row that was three launches a sequence, outside the captured chain."""
+        ready = []  # (index, item, its sequence, n, its states from position seq.fed on)
         for i, item in enumerate(items):
             tokens, states = item.token_ids, item.hidden_states
             n = len(tokens) - 1  # the last committed token x_n; states exist for x_0..x_{n-1}
@@ -258,29 +260,38 @@ class EagleProposer:
             if seq.fed == 0:  # a new sequence: the head cache of its longest cached prefix (head_prefix_cache.py)
                 seq.fed, seq.cache = self.prefix_cache.longest(tokens, n - 1)
             # only the rows not fed yet move and convert: the whole history each call grew with the context
-            unfed = states[seq.fed : n]
-            if unfed.device != self.device:  # from the host without waiting (pinned), as the verifier's inputs
-                unfed = to_device(unfed, self.device)
-            unfed = unfed.to(self.embed.weight.dtype)
-            ready.append((i, item, seq, n, unfed))
-        pending = [(seq, item.token_ids, n, unfed) for _, item, seq, n, unfed in ready if seq.fed < n - 1]
+            ready.append((i, item, seq, n, states[seq.fed : n]))
+        starts: list[ChainStart | None] = [None] * len(items)
+        if not ready:
+            return starts
+        features = self._features([unfed for *_, unfed in ready]).split([len(unfed) for *_, unfed in ready])
+        pending = [(seq, item.token_ids, n, fed[:-1]) for (_, item, seq, n, _), fed in zip(ready, features, strict=True)
+                   if seq.fed < n - 1]
         if pending:  # commit positions fed..n-2 of each: [x_{t+1}; f_t]
             self._feed_committed(pending)
-        starts: list[ChainStart | None] = [None] * len(items)
-        for i, item, seq, n, unfed in ready:
-            starts[i] = ChainStart(seq.cache, n - 1, int(item.token_ids[n]),
-                                   self.head.target_features(unfed[-1:]), item.num_speculative_tokens)
+        for (i, item, seq, n, _), fed in zip(ready, features, strict=True):
+            starts[i] = ChainStart(seq.cache, n - 1, int(item.token_ids[n]), fed[-1:], item.num_speculative_tokens)
         return starts
+
+    def _features(self, states: list[torch.Tensor]) -> torch.Tensor:
+        """The head's features (EagleHead.target_features) of every row's new target states, end to end on its
+        device in its dtype; from the host without waiting (pinned), as the verifier's inputs."""
+        def moved(rows: torch.Tensor) -> torch.Tensor:
+            return rows if rows.device == self.device else to_device(rows, self.device)
+
+        same = all(rows.device == states[0].device for rows in states)
+        joined = moved(torch.cat(states)) if same else torch.cat([moved(rows) for rows in states])
+        return self.head.target_features(joined.to(self.embed.weight.dtype))
 
     def _feed_committed(self, pending: list[tuple[HeadSequence, Sequence[int], int, torch.Tensor]]) -> None:
         """Positions fed..n-2 of every pending sequence into its cache, their K/V computed as one batch; each
-        entry's states start at position fed."""
+        entry's head features start at position fed."""
         ids = to_device(torch.tensor([t for seq, tokens, n, _ in pending for t in tokens[seq.fed + 1 : n]]),
                         self.device)
-        features = torch.cat([unfed[:-1] for _, _, _, unfed in pending])
-        positions = to_device(torch.cat([torch.arange(seq.fed, n - 1) for seq, _, n, _ in pending]), self.device)
-        keys, values = self.head.keys_values(self.embed(ids[None]), self.head.target_features(features[None]),
-                                             positions)
+        features = torch.cat([fed for *_, fed in pending])
+        positions = np.concatenate([np.arange(seq.fed, n - 1) for seq, _, n, _ in pending])
+        keys, values = self.head.keys_values(self.embed(ids[None]), features[None],
+                                             to_device(torch.from_numpy(positions), self.device))
         sizes = [n - 1 - seq.fed for seq, _, n, _ in pending]
         for (seq, tokens, n, _), k, v in zip(pending, keys.split(sizes, dim=2), values.split(sizes, dim=2),
                                              strict=True):
