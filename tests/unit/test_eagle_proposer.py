@@ -125,8 +125,8 @@ def test_a_pre_draft_continues_the_chain_past_the_answered_draft_and_answers_exa
     chain = reference(committed, 7)  # d, then g, then the pre-draft
     guess = committed + chain[:4]
     chains = []
-    head_step = head.step_rows
-    head.step_rows = lambda *args: chains.append(1) or head_step(*args)
+    head_step = head.step_tree  # what a chain's steps run (eagle_head_graphs.draft_chains)
+    head.step_tree = lambda *args: chains.append(1) or head_step(*args)
     answered = list(proposer._draft_all([DraftInput("a", guess, 3, states_of(guess))])[0].token_ids)
     assert answered == chain[4:] and chains == [] and proposer.pipeline_counts.used == 1
     proposer._predraft([(DraftInput("a", tuple(guess), 3, states_of(guess)), tuple(answered))], lambda: False)
