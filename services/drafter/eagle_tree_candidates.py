@@ -24,6 +24,7 @@ nodes are now ranked by float32 log-probabilities, where before each level's wer
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from services.drafter.eagle_head_graphs import ChainInputs
 from services.modeling.eagle_head import DraftRows
@@ -38,9 +39,8 @@ def tree_candidates(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs:
     rows, span = inputs.mask.shape
     device = inputs.mask.device
     slots = 1 + topk * (depth - 1)  # the root's, then each expanding level's
-    pad = inputs.keys.new_zeros(rows, inputs.keys.shape[1], slots, inputs.keys.shape[3])
-    keys, values = torch.cat([inputs.keys, pad], dim=2), torch.cat([inputs.values, torch.zeros_like(pad)], dim=2)
-    visible = torch.cat([inputs.mask, inputs.mask.new_zeros(rows, slots)], dim=1)
+    keys, values = (F.pad(kv, (0, 0, 0, slots)) for kv in (inputs.keys, inputs.values))  # [B, kv heads, W, D]
+    visible = F.pad(inputs.mask, (0, slots))
     visible[:, span] = True
     visible = visible[:, None]  # [B, 1, W]: the root sees the committed positions and itself
     out = head.step_tree(embed(inputs.tokens[:, None]), inputs.features, inputs.positions[:, None], keys, values,

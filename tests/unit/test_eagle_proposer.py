@@ -102,6 +102,25 @@ def test_a_repeated_prefix_takes_the_head_cache_and_drafts_the_same():
             assert catch_up == len(sequences[name]) - 2, name
 
 
+def test_a_sequence_head_cache_grows_in_place_and_drafts_as_alone_at_every_call():
+    """A sequence's head cache is fed a few positions a call into buffers that double when full: across 40 calls
+    (8 to 90 committed tokens) every chain equals the one drafted alone, and the cache moved to a new buffer only
+    when it grew past one (a cat per call made a new one every time)."""
+    target, head, embed, lm_head = random_head(seed=3)
+    tokens = torch.randint(0, V, (8,)).tolist()
+    proposer = EagleProposer(head, embed, lm_head, V)
+    buffers, generator = [], torch.Generator().manual_seed(4)
+    for _ in range(40):
+        with torch.no_grad():
+            states = target.model(input_ids=torch.tensor([tokens])).last_hidden_state[0, :-1]
+            expected = reference_chain(head, embed, lm_head.weight, tokens, states, 3)
+        assert list(proposer._draft_all([DraftInput("a", tokens, 3, states)])[0].token_ids) == expected
+        buffers.append(proposer._sequences["a"].keys.view().untyped_storage().data_ptr())
+        more = int(torch.randint(1, 4, (), generator=generator))
+        tokens += torch.randint(0, V, (more,), generator=generator).tolist()
+    assert len(tokens) > 64 + 8 and len(set(buffers)) == 2  # capacity 64, then 128
+
+
 def test_a_pre_draft_continues_the_chain_past_the_answered_draft_and_answers_exactly_its_guess():
     """Pipelining: after a call, the chain runs on past the answered draft d (its argmax g, then K more). The
     next call gets that pre-draft only if its committed tokens are exactly committed + d + g, without a chain
