@@ -294,8 +294,8 @@ class EagleHead(nn.Module):
     def step_rows(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                   cache: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """One position for each of B sequences at once (a drafter's chain step, batched across sequences):
-        embeddings and features [B, 1, H] at `positions` [B], after `cache`, keys and values [B, kv heads, L, D]
+        """One position for each of B sequences at once (a step of a sampled tree's expansions, batched across
+        sequences; chains write into a padded cache in place with step_tree instead): embeddings and features [B, 1, H] at `positions` [B], after `cache`, keys and values [B, kv heads, L, D]
         padded to one length, whose real columns `key_mask` [B, L] marks; returns the outputs [B, 1, H], the grown
         cache and mask."""
         x, residual = self._inputs(embeddings, features)
