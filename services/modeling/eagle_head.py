@@ -295,9 +295,9 @@ class EagleHead(nn.Module):
                   cache: tuple[torch.Tensor, torch.Tensor], key_mask: torch.Tensor
                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         """One position for each of B sequences at once (a step of a sampled tree's expansions, batched across
-        sequences; chains write into a padded cache in place with step_tree instead): embeddings and features [B, 1, H] at `positions` [B], after `cache`, keys and values [B, kv heads, L, D]
-        padded to one length, whose real columns `key_mask` [B, L] marks; returns the outputs [B, 1, H], the grown
-        cache and mask."""
+        sequences; chains write into a padded cache in place with step_tree instead): embeddings and features
+        [B, 1, H] at `positions` [B], after `cache`, keys and values [B, kv heads, L, D] padded to one length,
+        whose real columns `key_mask` [B, L] marks; returns the outputs [B, 1, H], the grown cache and mask."""
         x, residual = self._inputs(embeddings, features)
         q, k, v = self._qkv(x, positions[:, None])
         k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
