@@ -88,18 +88,24 @@ def draft_chains(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs: Ch
 
     The chain's own K/V go into K columns after the committed ones, written in place (EagleHead.step_tree with one
     query a row), each step's query seeing the columns written so far: growing the cache by a cat at each step
-    copied the whole padded cache K times (on a 2-core CPU, 8 sequences of 2,000 positions: a third of the ask)."""
-    span = inputs.mask.shape[1]
+    copied the whole padded cache K times (on a 2-core CPU, 8 sequences of 2,000 positions: a third of the ask).
+    The K steps' positions, RoPE angles and attention masks (additive, as attention adds them) are made once for
+    the chain, not at each step: on an accelerator each of those operations is a launch, inside a graph too."""
+    rows, span = inputs.mask.shape
+    device = inputs.mask.device
     keys, values = (F.pad(kv, (0, 0, 0, k)) for kv in (inputs.keys, inputs.values))  # [B, kv heads, S + K, D]
-    visible = F.pad(inputs.mask, (0, k))[:, None]  # [B, 1, S + K]
+    positions = inputs.positions[:, None] + torch.arange(k, device=device)  # [B, K]
+    cos, sin = head.rotary.angles(positions, keys.dtype)  # [B, 1, K, D]
+    own = torch.ones(k, k, dtype=torch.bool, device=device).tril()  # step j sees the chain's columns 0..j
+    visible = torch.cat([inputs.mask[:, None].expand(rows, k, span), own.expand(rows, k, k)], dim=2)  # [B, K, S + K]
+    masks = torch.zeros(visible.shape, dtype=keys.dtype, device=device).masked_fill_(~visible, float("-inf"))
     tokens, features = inputs.tokens, inputs.features
     steps = []
     for j in range(k):
         if j and stop is not None and stop():
             return None
-        visible[:, :, span + j] = True
-        out = head.step_tree(embed(tokens[:, None]), features, (inputs.positions + j)[:, None], keys, values,
-                             visible, span + j)
+        out = head.step_tree(embed(tokens[:, None]), features, positions[:, j : j + 1], keys, values,
+                             masks[:, j : j + 1], span + j, (cos[:, :, j : j + 1], sin[:, :, j : j + 1]))
         tokens = head.token_ids(head.draft_scores(out[:, -1], draft_rows).argmax(-1))  # [B]
         if forcing is not None and j < forcing[0].shape[1]:
             tokens = torch.where(forcing[1][:, j], forcing[0][:, j].to(tokens.dtype), tokens)

@@ -43,8 +43,10 @@ def tree_candidates(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs:
     visible = F.pad(inputs.mask, (0, slots))
     visible[:, span] = True
     visible = visible[:, None]  # [B, 1, W]: the root sees the committed positions and itself
+    # every level's RoPE angles at once (level l's nodes sit at the root's position + l): one launch, not depth
+    cos, sin = head.rotary.angles(inputs.positions[:, None] + torch.arange(depth, device=device), keys.dtype)
     out = head.step_tree(embed(inputs.tokens[:, None]), inputs.features, inputs.positions[:, None], keys, values,
-                         visible, span)
+                         visible, span, (cos[:, :, :1], sin[:, :, :1]))
     ids, scores = _children(head, draft_rows, out, topk)  # [B, 1, topk] each
     tokens, log_probs = ids.flatten(1), scores.flatten(1)
     valid = tokens < vocab_size
@@ -67,7 +69,7 @@ def tree_candidates(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs:
         visible = seen | own
         positions = (inputs.positions[:, None] + level).expand(rows, topk)
         expanded_outs = head.step_tree(embed(tokens.gather(1, frontier)), features, positions, keys, values,
-                                       visible, slot)  # [B, topk, H]
+                                       visible, slot, (cos[:, :, level : level + 1], sin[:, :, level : level + 1]))
         ids, scores = _children(head, draft_rows, expanded_outs, topk)  # [B, topk, topk]
         base, base_valid = log_probs.gather(1, frontier), valid.gather(1, frontier)
         level_start = tokens.shape[1]

@@ -103,6 +103,9 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
+Angles = tuple[torch.Tensor, torch.Tensor]  # RoPE's cos and sin at some positions (Rotary.angles)
+
+
 class Rotary:
     """RoPE (the llama half-split convention) with its inverse frequencies computed once per device, in float32.
     A head step takes the angles of its positions once (`angles`) and turns its queries and keys with them
@@ -113,7 +116,7 @@ class Rotary:
         self.dim, self.theta = dim, theta
         self._inverse: dict[torch.device, torch.Tensor] = {}
 
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> Angles:
         """cos and sin at integer positions [T] (shared by the rows) or [B, T] (each row its own), in `dtype`:
         [T, D], or [B, 1, T, D] to broadcast over heads."""
         inverse = self._inverse.get(positions.device)
@@ -209,21 +212,26 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([embeddings, features], dim=-1))  # [B, T, H]
         return self.input_norm(x), x
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, heads, T, D] queries, keys and values of the attention inputs at `positions`."""
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, angles: Angles | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, heads, T, D] queries, keys and values of the attention inputs at `positions`, queries and keys turned
+        together (one RoPE for both). `angles`: Rotary.angles of `positions`, where a caller took several steps'
+        at once."""
         c = self.config
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        angles = self.rotary.angles(positions, x.dtype)
-        return (Rotary.turn(q, *angles), *self._kv(x, positions, angles))
+        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        turned = Rotary.turn(torch.cat([q, k], dim=1), *(angles or self.rotary.angles(positions, x.dtype)))
+        q, k = turned.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
+        return q, k, v
 
-    def _kv(self, x: torch.Tensor, positions: torch.Tensor,
-            angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return Rotary.turn(k, *(angles or self.rotary.angles(positions, x.dtype))), v
+        return Rotary.turn(k, *self.rotary.angles(positions, x.dtype)), v
 
     def keys_values(self, embeddings: torch.Tensor, features: torch.Tensor,
                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,14 +314,16 @@ class EagleHead(nn.Module):
         return self._finish(residual, attended), (k, v), key_mask
 
     def step_tree(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, slot: int) -> torch.Tensor:
-        """T positions for each of B sequences at once, each its own query (a token tree's nodes of one depth):
-        embeddings and features [B, T, H] at `positions` [B, T]. Their K/V are written into `keys` and `values`
-        ([B, kv heads, W, D], in place) at columns slot..slot+T-1, and query t attends to the columns
-        `visible[:, t]` ([B, T, W]) marks, which must include its own; returns the outputs [B, T, H]. Fixed
-        shapes and no host reads, so a whole tree's steps can be captured as one graph."""
+                  keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, slot: int,
+                  angles: Angles | None = None) -> torch.Tensor:
+        """T positions for each of B sequences at once, each its own query (a token tree's nodes of one depth, or
+        a chain's next position): embeddings and features [B, T, H] at `positions` [B, T]. Their K/V are written
+        into `keys` and `values` ([B, kv heads, W, D], in place) at columns slot..slot+T-1, and query t attends to
+        the columns `visible[:, t]` ([B, T, W]) marks, which must include its own (a bool mask, or an additive one
+        in the head's dtype: 0 where visible, -inf elsewhere); `angles` as _qkv's. Returns the outputs [B, T, H].
+        Fixed shapes and no host reads, so a whole tree's or chain's steps can be captured as one graph."""
         x, residual = self._inputs(embeddings, features)
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self._qkv(x, positions, angles)
         keys[:, :, slot : slot + k.shape[2]] = k
         values[:, :, slot : slot + v.shape[2]] = v
         attended = grouped_attention(q, keys, values, visible)  # [B, Hq, T, D]
