@@ -156,6 +156,9 @@ class EagleHead(nn.Module):
     # its outputs are predictions of the target's next feature, scored by the target's LM head (training adds a
     # regression on them); an EAGLE-3 head's are not
     predicts_target_features = True
+    # q/k/v and gate/up as one matmul each, where fuse_sibling_linears set them (an accelerator's drafter)
+    _fused_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
+    _fused_gate_up: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
@@ -176,6 +179,16 @@ class EagleHead(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
+
+    def fuse_sibling_linears(self) -> None:
+        """Run q/k/v and gate/up as one matmul each over their weights side by side (fused_linears.fuse_in_place:
+        the modules' weights become views of the concatenation, so nothing is held twice). For an accelerator,
+        where each matmul of a draft step is a launch; on CPU the head's chosen kernels fuse nothing and replace
+        the modules instead (services/drafter/head_kernels.py)."""
+        from services.modeling.fused_linears import fuse_in_place
+
+        self._fused_qkv = fuse_in_place([self.q_proj, self.k_proj, self.v_proj])
+        self._fused_gate_up = fuse_in_place([self.gate_proj, self.up_proj])
 
     # -- the draft vocabulary ----------------------------------------------------------------------------------
     def draft_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -219,9 +232,14 @@ class EagleHead(nn.Module):
         at once."""
         c = self.config
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        sizes = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim)
+        if self._fused_qkv is not None:
+            q, k, v = self._fused_qkv(x).split([sizes[0], sizes[1], sizes[1]], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = k.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = v.view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         turned = Rotary.turn(torch.cat([q, k], dim=1), *(angles or self.rotary.angles(positions, x.dtype)))
         q, k = turned.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
         return q, k, v
@@ -248,7 +266,11 @@ class EagleHead(nn.Module):
         b, _, t, _ = attended.shape
         hidden = residual + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
         normed = self.post_norm(hidden)
-        return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        if self._fused_gate_up is not None:
+            gate, up = self._fused_gate_up(normed).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(normed), self.up_proj(normed)
+        return hidden + self.down_proj(F.silu(gate) * up)
 
     # -- whole sequences ---------------------------------------------------------------------------------------
     def forward(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ and it survives a save/load round trip."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from services.modeling.eagle_head import EagleConfig, EagleHead
@@ -119,3 +121,22 @@ def test_rotary_turns_queries_as_transformers_llama_does():
             expected, _ = apply_rotary_pos_emb(x.to(dtype), x.to(dtype), cos, sin)
             turned = Rotary.turn(x.to(dtype), *rotary.angles(positions, dtype))
             assert torch.allclose(turned.float(), expected.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_fused_sibling_linears_step_as_the_modules_do():
+    """q/k/v and gate/up fused into one matmul each (what a drafter on an accelerator runs) give the same outputs
+    and K/V as the separate modules, for an EAGLE-1 head and an EAGLE-3 head, and hold no weight twice."""
+    from tests.tiny_heads import random_eagle3_head
+    from tests.tiny_models import tiny_llama
+
+    for plain in (head(), random_eagle3_head(tiny_llama(seed=5).config).eval()):
+        fused = copy.deepcopy(plain)
+        fused.fuse_sibling_linears()
+        assert fused.q_proj.weight.untyped_storage().data_ptr() == fused.v_proj.weight.untyped_storage().data_ptr()
+        config, generator = plain.config, torch.Generator().manual_seed(3)
+        emb = torch.randn(2, 3, config.hidden_size, generator=generator)
+        states = torch.randn(2, 3, config.target_layer_width * len(config.hidden_layers), generator=generator)
+        with torch.no_grad():
+            out, (k, v) = plain.step(emb, plain.target_features(states), 0, None)
+            out2, (k2, v2) = fused.step(emb, fused.target_features(states), 0, None)
+        assert torch.allclose(out, out2, atol=1e-5) and torch.allclose(k, k2, atol=1e-5) and torch.allclose(v, v2)

@@ -385,6 +385,8 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     head, embed = proposer.head, proposer.embed
     if proposer.device.type == "cpu":  # the head's matmuls through the kernels measured fastest here (head_kernels.py)
         proposer.draft_rows = use_chosen_kernels(head, proposer._draft_rows())
+    else:  # fewer launches a draft step
+        head.fuse_sibling_linears()
     shape = (head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, embed.weight.dtype,
              proposer.device)
     proposer.chain_graphs = HeadGraphs.for_device(
