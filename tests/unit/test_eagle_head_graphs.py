@@ -139,6 +139,7 @@ def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
     device = torch.device("cuda")
     target = tiny_llama(seed=5, vocab_size=V).to(device)
     head = reduced_vocabulary_eagle_head(target, V).to(device)
+    head.fuse_sibling_linears()  # as build_proposer runs a head on an accelerator
     config = head.config
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     shape = (config.num_key_value_heads, config.head_dim, config.hidden_size, torch.float32, device)
