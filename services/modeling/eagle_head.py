@@ -327,13 +327,13 @@ class EagleHead(nn.Module):
         """One position for each of B sequences at once (a step of a sampled tree's expansions, batched across
         sequences; chains write into a padded cache in place with step_tree instead): embeddings and features
         [B, 1, H] at `positions` [B], after `cache`, keys and values [B, kv heads, L, D] padded to one length,
-        whose real columns `key_mask` [B, L] marks; returns the outputs [B, 1, H], the grown cache and mask."""
-        x, residual = self._inputs(embeddings, features)
-        q, k, v = self._qkv(x, positions[:, None])
-        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        key_mask = torch.cat([key_mask, key_mask.new_ones(key_mask.shape[0], 1)], dim=1)
-        attended = grouped_attention(q, k, v, key_mask[:, None])  # [B, Hq, 1, D]
-        return self._finish(residual, attended), (k, v), key_mask
+        whose real columns `key_mask` [B, L] marks; returns the outputs [B, 1, H], the grown cache and mask. It is
+        step_tree's one query a row, over the cache grown by a column."""
+        keys, values = (F.pad(kv, (0, 0, 0, 1)) for kv in cache)
+        key_mask = F.pad(key_mask, (0, 1), value=True)
+        out = self.step_tree(embeddings, features, positions[:, None], keys, values, key_mask[:, None],
+                             cache[0].shape[2])
+        return out, (keys, values), key_mask
 
     def step_tree(self, embeddings: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, slot: int,
