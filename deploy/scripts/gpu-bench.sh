@@ -10,6 +10,8 @@
 # CUDA-only tests, after it: PYTHONPATH=/tmp/site python3 -m pytest -p no:cacheprovider -o addopts=-ra -k cuda
 #   tests/unit/test_captured_verify.py tests/unit/test_step_graphs.py tests/unit/test_host_copies.py
 #   tests/unit/test_eagle_head_graphs.py tests/unit/test_accelerator_kernels.py
+# What the drafter link adds to an EAGLE ask there: BENCH=drafter_link BENCH_S=240 bash deploy/scripts/gpu-bench.sh
+#   --method eagle3 --device cuda --dtype bfloat16 --rows 1 8 --contexts 300
 set -uo pipefail
 if [ ! -d /tmp/site/transformers ]; then
     setup=$(ls .gpu/p*/setup.sh 2>/dev/null | sort -V | tail -1)
