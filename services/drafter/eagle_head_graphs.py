@@ -93,7 +93,7 @@ def draft_chains(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs: Ch
     the chain, not at each step: on an accelerator each of those operations is a launch, inside a graph too."""
     rows, span = inputs.mask.shape
     device = inputs.mask.device
-    keys, values = (F.pad(kv, (0, 0, 0, k)) for kv in (inputs.keys, inputs.values))  # [B, kv heads, S + K, D]
+    keys, values = (with_room(kv, span, k) for kv in (inputs.keys, inputs.values))  # [B, kv heads, S + K, D]
     positions = inputs.positions[:, None] + torch.arange(k, device=device)  # [B, K]
     cos, sin = head.rotary.angles(positions, keys.dtype)  # [B, 1, K, D]
     own = torch.ones(k, k, dtype=torch.bool, device=device).tril()  # step j sees the chain's columns 0..j
@@ -112,6 +112,15 @@ def draft_chains(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs: Ch
         steps.append(tokens)
         features = out
     return torch.stack(steps, dim=1)
+
+
+def with_room(kv: torch.Tensor, span: int, columns: int) -> torch.Tensor:
+    """Keys or values [B, kv heads, >= span, D] as their first `span` columns followed by `columns` zero ones, to
+    write a chain's or a tree's own K/V into: a view where the batch was padded with that room already (an eager
+    call's, eagle_trees.padded_caches), else a padded copy (a graph's static buffers)."""
+    if kv.shape[2] >= span + columns:
+        return kv[:, :, : span + columns]
+    return F.pad(kv[:, :, :span], (0, 0, 0, columns))
 
 
 def span_floor(rows: int) -> int:

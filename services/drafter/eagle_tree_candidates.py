@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.drafter.eagle_head_graphs import ChainInputs
+from services.drafter.eagle_head_graphs import ChainInputs, with_room
 from services.modeling.eagle_head import DraftRows
 
 
@@ -38,8 +38,8 @@ def tree_candidates(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs:
     topk = min(topk, draft_rows.weight.shape[0])
     rows, span = inputs.mask.shape
     device = inputs.mask.device
-    slots = 1 + topk * (depth - 1)  # the root's, then each expanding level's
-    keys, values = (F.pad(kv, (0, 0, 0, slots)) for kv in (inputs.keys, inputs.values))  # [B, kv heads, W, D]
+    slots = tree_columns(topk, depth)
+    keys, values = (with_room(kv, span, slots) for kv in (inputs.keys, inputs.values))  # [B, kv heads, W, D]
     visible = F.pad(inputs.mask, (0, slots))
     visible[:, span] = True
     visible = visible[:, None]  # [B, 1, W]: the root sees the committed positions and itself
@@ -78,6 +78,12 @@ def tree_candidates(head, embed: torch.nn.Module, draft_rows: DraftRows, inputs:
         valid = torch.cat([valid, (base_valid[..., None] & (ids < vocab_size)).flatten(1)], dim=1)
         parents = torch.cat([parents, frontier.repeat_interleave(topk, dim=1)], dim=1)
     return torch.stack([tokens.float(), parents.float(), log_probs.float(), valid.float()], dim=1)
+
+
+def tree_columns(topk: int, depth: int) -> int:
+    """The head positions a tree's expansions write after the committed ones: the root's, then each expanding
+    level's topk."""
+    return 1 + topk * (depth - 1)
 
 
 def _children(head, draft_rows: DraftRows, outputs: torch.Tensor, topk: int

@@ -192,23 +192,27 @@ def _best(nodes: list[_Node], candidates: Sequence[int], limit: int) -> SentTree
                     [math.exp(nodes[i].log_prob) for i in order])
 
 
-def padded_caches(head, rows: Sequence[tuple[KV | None, Sequence[KV]]]) -> tuple[KV, torch.Tensor]:
+def padded_caches(head, rows: Sequence[tuple[KV | None, Sequence[KV]]], room: int = 0) -> tuple[KV, torch.Tensor]:
     """Per row, a committed head cache ([1, kv heads, L, D] each, or None) followed by single positions' K/V, as one
-    batch padded to the longest ([R, kv heads, W, D] each) and the mask of real columns [R, W]: what
-    EagleHead.step_rows reads."""
+    batch padded to the longest, W ([R, kv heads, W + room, D] each: `room` zero columns more, for a chain's or a
+    tree's own K/V), and the mask of real columns [R, W]: what EagleHead.step_rows and a chain read. Only the columns
+    past each row's own are zeroed (they are masked, and must be finite): zeroing the whole batch first cost as much
+    as copying the caches."""
     heads, dim = head.config.num_key_value_heads, head.config.head_dim
     committed = [0 if cache is None else cache[0].shape[2] for cache, _ in rows]
     lengths = [c + len(extra) for c, (_, extra) in zip(committed, rows, strict=True)]
-    keys = head.fc.weight.new_zeros(len(rows), heads, max(lengths), dim)
-    values = torch.zeros_like(keys)
+    width = max(lengths)
+    keys = head.fc.weight.new_empty(len(rows), heads, width + room, dim)
+    values = torch.empty_like(keys)
     for r, (cache, extra) in enumerate(rows):
         c = committed[r]
         if cache is not None:
             keys[r, :, :c], values[r, :, :c] = cache[0][0], cache[1][0]
         for j, (k, v) in enumerate(extra):
             keys[r, :, c + j : c + j + 1], values[r, :, c + j : c + j + 1] = k, v
+        keys[r, :, lengths[r] :], values[r, :, lengths[r] :] = 0, 0
     device = keys.device
-    mask = torch.arange(keys.shape[2], device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+    mask = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
     return (keys, values), mask
 
 

@@ -48,7 +48,7 @@ from services.common.speculative_config import SpeculativeConfig
 from services.common.token_trees import leaf_paths
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
 from services.drafter.eagle_head_graphs import ChainInputs, HeadGraphs, draft_chains
-from services.drafter.eagle_tree_candidates import tree_candidates
+from services.drafter.eagle_tree_candidates import tree_candidates, tree_columns
 from services.drafter.eagle_trees import TreeStart, padded_caches, sampled_trees, sent_trees, tree_shape
 from services.drafter.head_kernels import use_chosen_kernels
 from services.drafter.head_prefix_cache import HeadPrefixCache
@@ -215,7 +215,8 @@ class EagleProposer:
             shape = tree_shape(self.tree_topk, self.tree_depth, limits, self._draft_rows().weight.shape[0])
             packed = None if self.tree_graphs is None else self.tree_graphs.run(rows, shape)
             if packed is None:
-                packed = tree_candidates(self.head, self.embed, self._draft_rows(), self._padded(rows), *shape,
+                packed = tree_candidates(self.head, self.embed, self._draft_rows(),
+                                         self._padded(rows, tree_columns(*shape)), *shape,
                                          self.vocab_size)
             trees = sent_trees(packed, limits)
             out += [(i, Draft(tree.tokens, parents=tree.parents, path_probs=tree.path_probs))
@@ -228,10 +229,10 @@ class EagleProposer:
                     for (i, _), tree in zip(sampled, trees, strict=True)]
         return out
 
-    def _padded(self, rows: Sequence[ChainStart]) -> ChainInputs:
-        """What an eager chain or tree reads: the rows' committed caches padded to one length, and where each
-        starts."""
-        (keys, values), mask = padded_caches(self.head, [(r.cache, ()) for r in rows])
+    def _padded(self, rows: Sequence[ChainStart], room: int) -> ChainInputs:
+        """What an eager chain or tree reads: the rows' committed caches padded to one length, with `room` columns
+        more for the chain's or tree's own K/V, and where each starts."""
+        (keys, values), mask = padded_caches(self.head, [(r.cache, ()) for r in rows], room)
         return ChainInputs(keys, values, mask, to_device(torch.tensor([r.token for r in rows]), self.device),
                            torch.stack([r.feature for r in rows]),  # [B, 1, H]
                            to_device(torch.tensor([r.position for r in rows]), self.device))
@@ -339,7 +340,7 @@ class EagleProposer:
             drafted = self.chain_graphs.run(rows, power_of_two_at_least(k))  # drafts more, cut below: few graphs
         if drafted is None:
             forcing = _forced_tokens(forced, self.device) if forced is not None and any(forced) else None
-            drafted = draft_chains(self.head, self.embed, self._draft_rows(), self._padded(rows), k, forcing, stop)
+            drafted = draft_chains(self.head, self.embed, self._draft_rows(), self._padded(rows, k), k, forcing, stop)
             if drafted is None:
                 return None
         by_row = drafted[:, :k].tolist()
