@@ -63,8 +63,9 @@ class ChainRow(Protocol):
 
 @dataclass
 class ChainInputs:
-    """What a chain or a tree reads: padded caches [B, kv heads, S, D], their real columns [B, S], and per row the
-    token, feature [B, 1, H] and position it starts from."""
+    """What a chain or a tree reads: padded caches [B, kv heads, S, D] (an eager call's with zero columns more, room
+    for its own K/V: with_room), their real columns [B, S], and per row the token, feature [B, 1, H] and position
+    it starts from."""
 
     keys: torch.Tensor
     values: torch.Tensor
