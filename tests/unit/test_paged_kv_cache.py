@@ -12,7 +12,7 @@ from services.common.byte_size import parse_bytes
 from services.modeling.block_pool import NULL_BLOCK, BlockPool, KVCacheFullError
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
-from tests.memory import mapping_rss
+from tests.memory import resident_bytes
 
 SIZE = 4
 
@@ -172,11 +172,14 @@ def test_the_budget_sizes_the_pool():
 
 def test_the_pool_is_resident_from_the_start():
     """An untouched CPU allocation is address space only: another process would size its pool from memory this
-    one has already promised. Made, the pool is in RSS (a 256 MiB pool here): counted on the pool's own mappings,
-    since the process's total also moves with whatever else is freed meanwhile (a collection of earlier tests'
-    garbage once hid half of it)."""
+    one has already promised. Made, the pool is resident (a 256 MiB pool here): counted page by page on the pool's
+    own bytes, since the process's total also moves with whatever else is freed meanwhile (a collection of earlier
+    tests' garbage once hid half of it), and a mapping's Rss in smaps counted half of it once, late in a full run."""
+    untouched = torch.empty(64 * 2**20, dtype=torch.uint8)  # the same measure sees an untouched allocation as such
+    assert resident_bytes(untouched.data_ptr(), untouched.nbytes) < 0.5 * untouched.nbytes
     pool = PagedKVCache(4, 2, 64, 4096, 16, torch.float32, torch.device("cpu"))
-    grown = mapping_rss(pool.keys.data_ptr()) + mapping_rss(pool.values.data_ptr())
+    grown = resident_bytes(pool.keys.data_ptr(), pool.keys.nbytes) + resident_bytes(pool.values.data_ptr(),
+                                                                                   pool.values.nbytes)
     sink = 2 * 4 * 2 * 16 * 64 * 4  # the one block past the pool's that a padded batch writes its padding to
     assert pool.keys.nbytes + pool.values.nbytes == 256 * 2**20 + sink
     assert grown >= 0.95 * 256 * 2**20, grown
