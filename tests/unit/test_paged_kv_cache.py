@@ -4,6 +4,8 @@ rollback lands in a block another sequence shares, blocks kept in order; and the
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 
 import pytest
 import torch
@@ -173,10 +175,15 @@ def test_the_budget_sizes_the_pool():
 def test_the_pool_is_resident_from_the_start():
     """An untouched CPU allocation is address space only: another process would size its pool from memory this
     one has already promised. Made, the pool is resident (a 256 MiB pool here): counted page by page on the pool's
-    own bytes, since the process's total also moves with whatever else is freed meanwhile (a collection of earlier
-    tests' garbage once hid half of it), and a mapping's Rss in smaps counted half of it once, late in a full run."""
-    untouched = torch.empty(64 * 2**20, dtype=torch.uint8)  # the same measure sees an untouched allocation as such
-    assert resident_bytes(untouched.data_ptr(), untouched.nbytes) < 0.5 * untouched.nbytes
+    own bytes (mincore), since the process's total also moves with whatever else is freed meanwhile (a collection of
+    earlier tests' garbage once hid half of it), and the Rss of the smaps mapping that holds a tensor's first byte
+    once read half the pool late in a full run (there a large allocation may reuse heap pages freed by earlier tests,
+    already resident: the pool is then resident either way, and only a fresh one tests the zeroing)."""
+    with mmap.mmap(-1, 64 * 2**20) as untouched:  # fresh anonymous pages: the same measure sees them as not resident
+        address = ctypes.addressof(ctypes.c_char.from_buffer(untouched))
+        assert resident_bytes(address, len(untouched)) < 0.5 * len(untouched)
+        untouched[:: mmap.PAGESIZE] = b"\1" * (len(untouched) // mmap.PAGESIZE)  # and written, as resident
+        assert resident_bytes(address, len(untouched)) == len(untouched)
     pool = PagedKVCache(4, 2, 64, 4096, 16, torch.float32, torch.device("cpu"))
     grown = resident_bytes(pool.keys.data_ptr(), pool.keys.nbytes) + resident_bytes(pool.values.data_ptr(),
                                                                                    pool.values.nbytes)
