@@ -69,10 +69,13 @@ class HeadSequence:
     positions copies those, not the whole cache (a cat per call did: on a 2-core CPU, 8 sequences of 2,000
     positions, half the catch-up)."""
 
-    fed: int = 0
     keys: GrowingRows = field(default_factory=GrowingRows)
     values: GrowingRows = field(default_factory=GrowingRows)
     published: tuple[int, int] = (0, 0)  # full blocks given to the prefix cache, and the last one's id
+
+    @property
+    def fed(self) -> int:
+        return len(self.keys)
 
     @property
     def cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -81,18 +84,16 @@ class HeadSequence:
             return None
         return self.keys.view().permute(1, 0, 2)[None], self.values.view().permute(1, 0, 2)[None]
 
-    def restart(self, fed: int = 0, cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Start over from `cache`'s `fed` positions (a cached prefix's, or none)."""
-        self.fed, self.keys, self.values, self.published = 0, GrowingRows(), GrowingRows(), (0, 0)
+    def restart(self, cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Start over from `cache` (a cached prefix's positions, or none)."""
+        self.keys, self.values, self.published = GrowingRows(), GrowingRows(), (0, 0)
         if cache is not None:
             self.append(*cache)
-        self.fed = fed
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keys and values [1, kv heads, m, D] of the next m positions."""
         self.keys.append(keys[0].transpose(0, 1))
         self.values.append(values[0].transpose(0, 1))
-        self.fed += keys.shape[2]
 
 
 @dataclass
@@ -286,7 +287,7 @@ class EagleProposer:
             if seq.fed > n - 1:  # the verifier re-sent a shorter sequence: start over
                 seq.restart()
             if seq.fed == 0:  # a new sequence: the head cache of its longest cached prefix (head_prefix_cache.py)
-                seq.restart(*self.prefix_cache.longest(tokens, n - 1))
+                seq.restart(self.prefix_cache.longest(tokens, n - 1)[1])
             # only the rows not fed yet move and convert: the whole history each call grew with the context
             ready.append((i, item, seq, n, states[seq.fed : n]))
         starts: list[ChainStart | None] = [None] * len(items)
