@@ -113,16 +113,18 @@ def with_shipped_head(spec: SpeculativeConfig, target: str | None) -> Speculativ
     return spec
 
 
-def on_the_verifiers_device(spec: SpeculativeConfig, device: str | None, dtype: str | None) -> SpeculativeConfig:
-    """A draft model or an EAGLE head runs where `serve --device/--dtype` put the target unless the speculative
-    config places it (draft_device / draft_dtype): on a GPU host, both on the GPU."""
+def beside_the_verifier(spec: SpeculativeConfig, args: argparse.Namespace) -> SpeculativeConfig:
+    """A draft model or an EAGLE head runs where `serve --device/--dtype` put the target, for as many sequences as
+    `--max-num-seqs` lets the verifier run, and with `--enforce-eager` never replays captured graphs, unless the
+    speculative config says otherwise (draft_device, draft_dtype, draft_max_num_seqs, enforce_eager): on a GPU
+    host, both on the GPU, and a model drafter's graphs captured at start-up for every batch the verifier sends."""
     if spec.method not in ("draft_model", "eagle", "eagle3"):
         return spec
-    update = {}
-    if device is not None and "draft_device" not in spec.model_fields_set:
-        update["draft_device"] = device
-    if dtype is not None and "draft_dtype" not in spec.model_fields_set:
-        update["draft_dtype"] = dtype
+    given = {"draft_device": getattr(args, "device", None), "draft_dtype": getattr(args, "dtype", None),
+             "draft_max_num_seqs": getattr(args, "max_num_seqs", None),
+             "enforce_eager": getattr(args, "enforce_eager", None) or None}
+    update = {name: value for name, value in given.items()
+              if value is not None and name not in spec.model_fields_set}
     return spec.model_copy(update=update) if update else spec
 
 
@@ -131,7 +133,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
     python = [sys.executable, "-m", "services.cli"]
     spec = with_shipped_head(SpeculativeConfig.parse(args.speculative_config or default_serve_speculation()),
                              args.model)
-    spec = on_the_verifiers_device(spec, getattr(args, "device", None), getattr(args, "dtype", None))
+    spec = beside_the_verifier(spec, args)
     tls = TlsFlags.from_args(args)
     children = []
     verifier = [

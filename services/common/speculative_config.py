@@ -33,6 +33,9 @@ class SpeculativeConfig(BaseModel):
     draft_device: str = "auto"
     draft_dtype: str = "auto"
     draft_max_num_seqs: int = Field(16, ge=1)  # room for two verifiers at their default of 8
+    # vLLM's: on an accelerator the draft model's forwards and an EAGLE head's drafting run eagerly, no graph
+    # captured (services/modeling/step_graphs.py, services/drafter/eagle_head_graphs.py)
+    enforce_eager: bool = False
     # draft_model, eagle: draft the next step while the verifier verifies this one, on the guess that this draft
     # is accepted whole (services/drafter/draft_pipelining.py); each request may override it. None: where it
     # measured faster, i.e. a draft model with compute of its own (draft_pipelining.default_pipelining)

@@ -16,21 +16,27 @@ graph's static buffers; rows past B are padding that attend only to their own ne
 row's cache are masked (the buffers start zeroed and only ever hold real K/V, so masked columns are finite).
 Chains round K up to a power of two (draft more, cut). S has a floor of about HEAD_GATHER_POSITIONS / rows:
 reading a few thousand masked positions costs a small batch of the head's one layer next to nothing, and one
-graph then serves its sequences from their first token to a long context, so shapes are captured as calls first
-meet them, a handful in a server's life. (The verifier's step graphs, thirty layers of K + 1 query tokens a row,
-now take a lower floor: measured on an H100, step_graphs.py.)
+graph then serves its sequences from their first token to a long context. (The verifier's step graphs, thirty
+layers of K + 1 query tokens a row, take a lower floor: measured on an H100, step_graphs.py.)
+
+The shapes a server meets are captured at start-up (capture_ahead: every row count up to its sequences, each span
+bucket up to AHEAD_POSITIONS a graph, each parameter its calls can ask), as the verifier captures its step graphs:
+captured as calls first met them, on an H200 each capture took ~0.15 s inside an ask, first asks missed the
+verifier's 0.5 s draft deadline and EAGLE-3 at 8 chats averaged 103 ms an ask over a short run. Longer contexts
+than that capture as they come. Graphs of one (rows, span) read one set of static buffers (they never run at
+once): the buffers of a long span are most of a graph's memory.
 
 What is captured is the eager body itself, so drafts are identical; a shape the platform refuses to capture runs
-eagerly from then on. Pre-drafts (forced tokens, a stop between steps) and sampled q-trees run eagerly. Not yet
-measured on a GPU: none was lent while this was built; CPU tests replay through a backend that runs the body
-again.
+eagerly from then on. Pre-drafts (forced tokens, a stop between steps) and sampled q-trees run eagerly. CPU tests
+replay through a backend that runs the body again; test_cuda_graphs_draft_what_eager_chains_and_trees_draft
+captures real graphs where CUDA is.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +52,7 @@ logger = logging.getLogger(__name__)
 MIN_SPAN = 64  # the fewest committed head positions a graph reads; longer caches round up to a power of two
 HEAD_GATHER_POSITIONS = 4096  # a graph of r rows reads at least this / r head positions a row (span_floor)
 MAX_ROWS = 256  # rows a graph takes at most; a larger call drafts eagerly
+AHEAD_POSITIONS = 4 * HEAD_GATHER_POSITIONS  # capture_ahead: the most rows x span a graph captured at start-up reads
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -145,6 +152,7 @@ class HeadGraphs:
         self._kv_heads, self._head_dim, self._hidden = kv_heads, head_dim, hidden
         self._dtype, self.device = dtype, device
         self._graphs: dict[tuple[int, int, Hashable], _Captured] = {}
+        self._inputs: dict[tuple[int, int], ChainInputs] = {}  # per (rows, span): the static buffers its graphs read
         self._uncapturable: set[tuple[int, int, Hashable]] = set()
         self.capture_seconds = 0.0
 
@@ -163,6 +171,35 @@ class HeadGraphs:
         padded = power_of_two_at_least(rows)
         return padded, max(span_floor(padded), power_of_two_at_least(span)), parameter
 
+    @staticmethod
+    def shapes_ahead(max_rows: int, parameters: Iterable[Hashable], max_span: int | None = None,
+                     ) -> list[tuple[int, int, Hashable]]:
+        """The shapes of calls of up to `max_rows` rows (padded to powers of two) with each parameter, over every
+        span bucket from the rows' floor to AHEAD_POSITIONS / rows, and to no span past `max_span` (the longest
+        sequence, when known) but the floor."""
+        ceiling = None if max_span is None else power_of_two_at_least(max_span)
+        shapes = []
+        for rows in (1 << i for i in range(power_of_two_at_least(min(max_rows, MAX_ROWS)).bit_length())):
+            span = span_floor(rows)
+            spans = [span]
+            while rows * span * 2 <= AHEAD_POSITIONS and (ceiling is None or span * 2 <= ceiling):
+                span *= 2
+                spans.append(span)
+            shapes += [(rows, span, parameter) for span in spans for parameter in dict.fromkeys(parameters)]
+        return shapes
+
+    def capture_ahead(self, max_rows: int, parameters: Iterable[Hashable], max_span: int | None = None) -> int:
+        """Capture now, before any call, the graphs of shapes_ahead not captured yet; returns how many were."""
+        shapes = [key for key in self.shapes_ahead(max_rows, parameters, max_span)
+                  if key not in self._graphs and key not in self._uncapturable]
+        started = time.perf_counter()
+        captured = sum(self._capture(key, ahead=True) is not None for key in shapes)
+        if shapes:
+            logger.info("captured %d of %d EAGLE drafting graphs ahead (up to %d rows; %s) in %.1f s", captured,
+                        len(shapes), shapes[-1][0], ", ".join(map(str, dict.fromkeys(k[2] for k in shapes))),
+                        time.perf_counter() - started)
+        return captured
+
     def run(self, rows: Sequence[ChainRow], parameter: Hashable) -> torch.Tensor | None:
         """The body's output for `rows` ([len(rows), ...] on the device); None where they must run eagerly."""
         span = max((0 if r.cache is None else r.cache[0].shape[2] for r in rows), default=0)
@@ -178,9 +215,11 @@ class HeadGraphs:
         captured.replay()
         return captured.output[: len(rows)]
 
-    def _capture(self, key: tuple[int, int, int]) -> _Captured | None:
+    def _capture(self, key: tuple[int, int, Hashable], ahead: bool = False) -> _Captured | None:
         started = time.perf_counter()
-        inputs = self._static_inputs(*key[:2])
+        inputs = self._inputs.get(key[:2])
+        if inputs is None:
+            inputs = self._inputs[key[:2]] = self._static_inputs(*key[:2])
         try:
             replay, output = self._backend.capture(lambda: self._body(inputs, key[2]))
         except Exception:  # noqa: BLE001 - a capture the platform refuses costs speed, never a draft
@@ -191,8 +230,8 @@ class HeadGraphs:
         captured = self._graphs[key] = _Captured(replay, inputs, output)
         seconds = time.perf_counter() - started
         self.capture_seconds += seconds
-        logger.info("captured EAGLE drafting of %d rows x %d positions (%s) in %.2f s (%d graphs)", *key,
-                    seconds, len(self._graphs))
+        logger.log(logging.DEBUG if ahead else logging.INFO, "captured EAGLE drafting of %d rows x %d positions "
+                   "(%s) in %.2f s (%d graphs)", *key, seconds, len(self._graphs))
         return captured
 
     def _static_inputs(self, rows: int, span: int) -> ChainInputs:

@@ -25,6 +25,7 @@ import torch
 
 from services.common.token_trees import renumbered_parents
 from services.modeling.eagle_head import DraftRows
+from services.modeling.step_graphs import power_of_two_at_least
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values of one head position: [kv heads, 1, D] each
 
@@ -94,11 +95,17 @@ class _Expansion:
     above: list[KV]
 
 
-def tree_shape(topk: int, depth: int, limits: Sequence[int], draft_rows: int) -> tuple[int, int]:
+def tree_shape(topk: int, depth: int, limits: Sequence[int], draft_rows: int,
+               bucketed: bool = False) -> tuple[int, int]:
     """(topk, depth) of the trees drafted for rows of at most `limits` tokens: a tree of k tokens is at most k deep
     and holds at most k children of any node, so neither more levels nor more expansions a level are drafted than
-    the largest limit needs (a 1-token probe costs one head step, not a whole tree's)."""
+    the largest limit needs (a 1-token probe costs one head step, not a whole tree's). `bucketed` (trees replayed
+    as captured graphs): that limit counts as the next power of two, so that adaptive speculation's many limits
+    make few shapes, each captured once before serving (eagle_head_graphs.capture_ahead); in a graph a level more
+    costs next to nothing, and the rows still send their own `limits` best nodes (sent_trees)."""
     most = max(limits, default=0)
+    if bucketed and most:
+        most = power_of_two_at_least(most)
     return min(topk, most, draft_rows), min(depth, most)
 
 

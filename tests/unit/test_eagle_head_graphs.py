@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.common.proposer import DraftInput
-from services.drafter.eagle_head_graphs import MAX_ROWS, MIN_SPAN, HeadGraphs, draft_chains
+from services.drafter.eagle_head_graphs import AHEAD_POSITIONS, MAX_ROWS, MIN_SPAN, HeadGraphs, draft_chains
 from services.drafter.eagle_tree_candidates import tree_candidates
 from services.drafter.methods.eagle import EagleProposer
 from tests.tiny_heads import reduced_vocabulary_eagle_head
@@ -99,6 +99,44 @@ def test_calls_are_padded_to_few_shapes(rows, span, parameter, shape):
     assert HeadGraphs.shape_for(rows, span, parameter) == shape
 
 
+def test_shapes_up_to_the_servers_rows_are_captured_ahead():
+    """Every row count up to the sequences served (powers of two), each span bucket from its floor while the graph
+    reads at most AHEAD_POSITIONS, and no further than the longest sequence but the floor; each parameter once."""
+    shapes = HeadGraphs.shapes_ahead(5, [1, 2, 2, 4])
+    assert {rows for rows, _, _ in shapes} == {1, 2, 4, 8} and len(shapes) == len(set(shapes))
+    assert {(span, k) for rows, span, k in shapes if rows == 8} == {(s, k) for s in (512, 1024, 2048) for k in (1, 2, 4)}
+    assert max(rows * span for rows, span, _ in shapes) == AHEAD_POSITIONS
+    assert {(rows, span) for rows, span, _ in HeadGraphs.shapes_ahead(4, [1], max_span=1500)} == {
+        (1, 4096), (2, 2048), (4, 1024), (4, 2048)}
+    assert HeadGraphs.shapes_ahead(10**6, [1])[-1][0] == MAX_ROWS
+
+
+def test_graphs_captured_ahead_serve_every_call_without_a_capture():
+    """A proposer's graphs captured before serving (capture_graphs: up to 4 rows, K up to 4) take calls of 1 to 3
+    rows and K 1 to 4 with no capture more, graphs of one shape sharing its static buffers yet drafting what eager
+    chains draft, call after call."""
+    backend = ReplayingBackend()
+    target, eager, captured = proposers(backend)
+    assert captured.capture_graphs(4, 4, max_span=100) == 9  # rows 1, 2, 4 at their floors x K 1, 2, 4
+    graphs = captured.chain_graphs._graphs
+    assert graphs[(4, 1024, 1)].inputs is graphs[(4, 1024, 4)].inputs
+    assert backend.captures == 9
+    generator = torch.Generator().manual_seed(6)
+    sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 9), ("b", 30), ("c", 5))}
+    for step, (count, k) in enumerate([(3, 2), (3, 4), (1, 1), (2, 3), (3, 4)]):
+        chosen = dict(list(sequences.items())[:count])
+        with torch.no_grad():
+            states = {s: target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+                      for s, ids in chosen.items()}
+        inputs = [DraftInput(s, ids, k, states[s]) for s, ids in chosen.items()]
+        expected = [list(d.token_ids) for d in eager._draft_all(inputs)]
+        assert [list(d.token_ids) for d in captured._draft_all(inputs)] == expected
+        assert all(len(chain) == k for chain in expected)
+        for s, chain in zip(chosen, expected, strict=True):
+            sequences[s] += chain[:1] + [step + 1]
+    assert backend.captures == 9 and backend.replays == 5
+
+
 def test_captured_trees_draft_what_eager_trees_draft_and_reuse_their_graph():
     """Deterministic EAGLE-2 trees replay one graph of (rows, span, (topk, depth)) per shape, node for node what
     the eager candidates give, whatever an earlier replay left in the static buffers."""
@@ -129,13 +167,17 @@ def test_captured_trees_draft_what_eager_trees_draft_and_reuse_their_graph():
         for s, (tokens, _) in zip(sequences, expected, strict=True):
             sequences[s] += tokens[:1] + [step + 1]
     assert backend.captures == 1 and backend.replays == 3 and len(captured.tree_graphs) == 1
+    # ahead: 1 and 2 rows x the tree shapes of limits 1 to 10 (limits round to 1, 2, 4, 8, 16: (1, 1), (2, 2) and
+    # (3, 4)), less the one captured above
+    assert captured.capture_graphs(2, 10, max_span=100) == 5 and backend.captures == 6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures real CUDA graphs")
 @torch.no_grad()
 def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
-    """Real CUDA graphs (TorchGraphs): chains and deterministic trees, replayed for calls of two rows, then of
-    one row whose cache grew, equal what the same proposer drafts eagerly on the GPU."""
+    """Real CUDA graphs (TorchGraphs): chains (captured ahead) and deterministic trees (as calls come), replayed
+    for calls of two rows, then of one row whose cache grew, equal what the same proposer drafts eagerly on the
+    GPU."""
     device = torch.device("cuda")
     target = tiny_llama(seed=5, vocab_size=V).to(device)
     head = reduced_vocabulary_eagle_head(target, V).to(device)
@@ -150,6 +192,9 @@ def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
             lambda inputs, k: draft_chains(head, embed, captured._draft_rows(), inputs, k), *shape)
         captured.tree_graphs = HeadGraphs.for_device(
             lambda inputs, tree: tree_candidates(head, embed, captured._draft_rows(), inputs, *tree, V), *shape)
+        graphs = captured.tree_graphs if options else captured.chain_graphs
+        ahead = 0 if options else captured.capture_graphs(2, 4, max_span=64)  # trees: captured as calls come
+        seconds = graphs.capture_seconds
         generator = torch.Generator().manual_seed(9)
         sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 9), ("b", 40))}
         for step in range(3):
@@ -162,5 +207,7 @@ def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
             assert [(list(d.token_ids), d.parents) for d in captured._draft_all(inputs)] == expected
             for s, (tokens, _) in zip(sequences, expected, strict=True):
                 sequences[s] += tokens[:1] + [step + 1]
-        graphs = captured.tree_graphs if options else captured.chain_graphs
-        assert len(graphs) == 2 and graphs.capture_seconds > 0
+        if options:
+            assert len(graphs) == 2 and graphs.capture_seconds > 0
+        else:  # rows 1 and 2 x K 1, 2 and 4, all before the calls
+            assert ahead == len(graphs) == 6 and graphs.capture_seconds == seconds > 0

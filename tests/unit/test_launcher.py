@@ -273,7 +273,7 @@ def test_graph_flags_reach_the_verifier_settings_as_vllm_spells_them():
         VerifierSettings(cuda_graph_sizes=[0, 2])
 
 
-def test_a_draft_model_runs_on_the_verifiers_device_unless_its_config_places_it():
+def test_a_model_drafter_follows_the_verifiers_device_and_batch_unless_its_config_says_otherwise():
     def drafter_config(*argv: str) -> dict:
         drafter = next(child for child in launcher.plan(parse(*argv)) if child.name == "drafter")
         return json.loads(flag(drafter.argv, "--speculative-config"))
@@ -288,6 +288,12 @@ def test_a_draft_model_runs_on_the_verifiers_device_unless_its_config_places_it(
     eagle = drafter_config("--device", "cuda:1", "--speculative-config", '{"method": "eagle"}')
     assert eagle["draft_device"] == "cuda:1" and "draft_dtype" not in eagle
     assert "draft_device" not in drafter_config("--device", "cuda", "--speculative-config", '{"method": "ngram"}')
+    # as many sequences as the verifier runs, eager with it (graphs captured for each row count otherwise)
+    sent = drafter_config("--max-num-seqs", "64", "--enforce-eager", "--speculative-config", '{"method": "eagle"}')
+    assert (sent["draft_max_num_seqs"], sent["enforce_eager"]) == (64, True)
+    sent = drafter_config("--max-num-seqs", "64", "--no-enforce-eager", "--speculative-config",
+                          pair.replace('"num_speculative_tokens"', '"draft_max_num_seqs": 4, "num_speculative_tokens"'))
+    assert sent["draft_max_num_seqs"] == 4 and "enforce_eager" not in sent
 
 
 def test_verifier_and_drafter_can_be_placed_on_cpu_sets():

@@ -45,6 +45,7 @@ from services.modeling.context_length import resolve_max_model_len
 from services.modeling.loading import load_model
 from services.modeling.runner import ModelRunner
 from services.modeling.runner_factory import create_runner
+from services.modeling.step_graphs import GraphSettings
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -162,12 +163,18 @@ class DraftModelProposer:
 
 
 def build_proposer(config: SpeculativeConfig) -> DraftModelProposer:
-    """The registry's entry point: load the draft model (as the verifier loads its target) and its runner."""
+    """The registry's entry point: load the draft model (as the verifier loads its target) and its runner. On an
+    accelerator its step graphs are captured before serving (unless enforce_eager): the catch-up feeds of up to
+    K + 1 tokens a row and the K one-token draft forwards, for up to max_num_seqs rows, so no draft call waits
+    on a capture (each took a good part of the verifier's draft deadline, as the EAGLE head's did on an H200)."""
     settings = DraftModelSettings.from_config(config)
     loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     # its drafts never decide the output, so on CPU its linears may run bfloat16 copies where faster (head_kernels.py)
-    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, owns_model=True, allow_bf16=True)
+    runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, owns_model=True, allow_bf16=True,
+                           graphs=GraphSettings(enforce_eager=config.enforce_eager))
+    if captured := runner.capture_graphs(config.num_speculative_tokens + 1):
+        logger.info("draft model: captured %d step graphs before serving", captured)
     fingerprint = tokenizer_fingerprint(loaded.tokenizer)
     if settings.pipelining is None:
         pipelining, why = default_pipelining(runner.device.type)

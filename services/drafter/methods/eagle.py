@@ -213,7 +213,8 @@ class EagleProposer:
         if plain:
             rows = [row for _, row in plain]
             limits = [min(row.k, self.tree_nodes) for row in rows]
-            shape = tree_shape(self.tree_topk, self.tree_depth, limits, self._draft_rows().weight.shape[0])
+            shape = tree_shape(self.tree_topk, self.tree_depth, limits, self._draft_rows().weight.shape[0],
+                               bucketed=self.tree_graphs is not None)
             packed = None if self.tree_graphs is None else self.tree_graphs.run(rows, shape)
             if packed is None:
                 packed = tree_candidates(self.head, self.embed, self._draft_rows(),
@@ -229,6 +230,20 @@ class EagleProposer:
             out += [(i, Draft(tree.tokens, tree.probs, tree.parents))
                     for (i, _), tree in zip(sampled, trees, strict=True)]
         return out
+
+    def capture_graphs(self, max_rows: int, max_k: int, max_span: int | None = None) -> int:
+        """On an accelerator, capture now, before serving, the drafting graphs of calls of up to `max_rows`
+        sequences asking up to `max_k` tokens (eagle_head_graphs.HeadGraphs.capture_ahead): chains of every K as
+        _chains rounds it, or trees of every node limit as tree_shape shapes them. Returns how many were
+        captured; 0 where drafting runs eagerly."""
+        if self.tree_nodes is None:
+            graphs, parameters = self.chain_graphs, [power_of_two_at_least(k) for k in range(1, max_k + 1)]
+        else:
+            rows = self._draft_rows().weight.shape[0]
+            graphs = self.tree_graphs
+            parameters = [tree_shape(self.tree_topk, self.tree_depth, [limit], rows, bucketed=True)
+                          for limit in range(1, min(max_k, self.tree_nodes) + 1)]
+        return 0 if graphs is None else graphs.capture_ahead(max_rows, parameters, max_span)
 
     def _padded(self, rows: Sequence[ChainStart], room: int) -> ChainInputs:
         """What an eager chain or tree reads: the rows' committed caches padded to one length, with `room` columns
@@ -382,7 +397,8 @@ def guessed_path(draft: Draft) -> tuple[int, ...]:
 
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     """The registry's entry point: the head and the target's vocabulary weights (load_proposer), on CPU through the
-    kernels a draft step measured fastest, on an accelerator with its drafting captured as graphs."""
+    kernels a draft step measured fastest, on an accelerator with its drafting captured as graphs (before serving,
+    for up to draft_max_num_seqs sequences; none with enforce_eager)."""
     proposer = load_proposer(config)
     head, embed = proposer.head, proposer.embed
     if proposer.device.type == "cpu":  # the head's matmuls through the kernels measured fastest here (head_kernels.py)
@@ -391,11 +407,15 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
         head.fuse_sibling_linears()
     shape = (head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, embed.weight.dtype,
              proposer.device)
+    if config.enforce_eager:
+        return proposer
     proposer.chain_graphs = HeadGraphs.for_device(
         lambda inputs, k: draft_chains(head, embed, proposer._draft_rows(), inputs, k), *shape)
     proposer.tree_graphs = HeadGraphs.for_device(
         lambda inputs, tree: tree_candidates(head, embed, proposer._draft_rows(), inputs, *tree, proposer.vocab_size),
         *shape)
+    with torch.no_grad():
+        proposer.capture_graphs(config.draft_max_num_seqs, config.num_speculative_tokens, config.max_model_len)
     return proposer
 
 
