@@ -5,8 +5,9 @@ CPU too, where both modes are the same eager path). One model is loaded once; fo
 captured: step graphs, invariant: captured and --batch-invariant) an in-process engine measures
 - the decode step at batch 1: ms per step (step_profile's timers), and, on CUDA, kernel launches, stream syncs and
   host-to-device copies per step from torch.profiler (a request of 64 tokens less one of 32, so no prefill);
-- tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with ngram (K = 4), and the
-  code edit at 1 request (the answer is nearly the prompt: n-gram drafts land), once more with ngram at K = 8;
+- tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with the default drafter
+  (`--method`: what `specserve serve` drafts with here, suffix where arctic-inference is installed, else ngram;
+  K = 4), and the code edit at 1 request (the answer is nearly the prompt: its drafts land), once more at K = 8;
   captured, also with each shipped EAGLE head (EAGLE-1 and EAGLE-3, K = 4; EAGLE-3's trees of 24 tokens, top-8,
   depth 4) on the same device; with each run's steps split into phases, and how many steps and rows asked for
   drafts and how many rows had one;
@@ -32,6 +33,7 @@ import torch
 from services.bench.hardware import describe_hardware
 from services.bench.prompts import chat_token_ids, code_edit_message
 from services.bench.step_profile import PROMPT, profile_runner
+from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
 from services.common.speculative_config import SpeculativeConfig
 from services.eagle.chat_prompts import chat_prompt_messages
 from services.inprocess import LocalEngineOptions, build_local_engine
@@ -45,7 +47,7 @@ from services.verifier.spec_stats import SpecDecodeStats
 
 MODES = ("eager", "captured", "invariant")  # invariant: captured and batch-invariant (--batch-invariant)
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
-# The code edit once more with ngram asking for 8 tokens a step: on a captured step a width of 9 costs what 5 does
+# The code edit once more with the drafter asking for 8 tokens a step: on a captured step a width of 9 costs what 5 does
 # (step_host_profile), and on the edit 8 tokens a step commit 4.1 tokens a step against K = 4's 3.1 (greedy, CPU)
 LONG_K, EDIT_LONG = 8, "edit, K = 8"
 # EAGLE rows: each shipped head's chains, and its EAGLE-2 trees of this shape (the tree rows of make bench-eagle)
@@ -317,7 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the captured mode's EAGLE rows: a shipped head's chains (K = 4), or its EAGLE-2 trees "
                              f"({TREE_NODES} tokens, top-{TREE_TOPK}, depth 4); none: --eagle alone")
     parser.add_argument("--no-eagle", dest="eagle", action="store_const", const=[], help="no EAGLE rows")
+    parser.add_argument("--method", choices=("ngram", "suffix"), default=None,
+                        help="the drafter of the speculation rows (default: serve's, suffix where it installs)")
     args = parser.parse_args(argv)
+    args.method = args.method or first_runnable(SERVE_PREFERENCE, NGRAM)[0]
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     device = next(loaded.model.parameters()).device
     for key, value in describe_hardware().items():
@@ -349,12 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = LocalEngineOptions(model=args.model, device=args.device, dtype=args.dtype,
                                      max_num_seqs=max(args.loads), enable_prefix_caching=False,
                                      enforce_eager=mode == "eager",
-                                     batch_invariant=mode == "invariant", speculative_config=NGRAM)
+                                     batch_invariant=mode == "invariant",
+                                     speculative_config=NGRAM.model_copy(update={"method": args.method}))
         rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens,
                                                               {EDIT_LONG: LONG_K}))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
               + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""), flush=True)
-        print_throughput("ngram", rows[mode][3])
+        print_throughput(args.method, rows[mode][3])
         for row in args.eagle if mode == "captured" else ():
             tree = row.endswith("-tree")
             eagle = replace(options, speculative_config=SpeculativeConfig(

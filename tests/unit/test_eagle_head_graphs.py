@@ -11,7 +11,7 @@ import torch
 from services.common.proposer import DraftInput
 from services.drafter.eagle_head_graphs import AHEAD_POSITIONS, MAX_ROWS, MIN_SPAN, HeadGraphs, draft_chains
 from services.drafter.eagle_tree_candidates import tree_candidates
-from services.drafter.methods.eagle import EagleProposer
+from services.drafter.methods.eagle import WARM_UP_SEQUENCE, EagleProposer
 from tests.tiny_heads import reduced_vocabulary_eagle_head
 from tests.tiny_models import tiny_llama
 
@@ -104,7 +104,8 @@ def test_shapes_up_to_the_servers_rows_are_captured_ahead():
     reads at most AHEAD_POSITIONS, and no further than the longest sequence but the floor; each parameter once."""
     shapes = HeadGraphs.shapes_ahead(5, [1, 2, 2, 4])
     assert {rows for rows, _, _ in shapes} == {1, 2, 4, 8} and len(shapes) == len(set(shapes))
-    assert {(span, k) for rows, span, k in shapes if rows == 8} == {(s, k) for s in (512, 1024, 2048) for k in (1, 2, 4)}
+    eight = {(span, k) for rows, span, k in shapes if rows == 8}
+    assert eight == {(span, k) for span in (512, 1024, 2048) for k in (1, 2, 4)}
     assert max(rows * span for rows, span, _ in shapes) == AHEAD_POSITIONS
     assert {(rows, span) for rows, span, _ in HeadGraphs.shapes_ahead(4, [1], max_span=1500)} == {
         (1, 4096), (2, 2048), (4, 1024), (4, 2048)}
@@ -112,15 +113,17 @@ def test_shapes_up_to_the_servers_rows_are_captured_ahead():
 
 
 def test_graphs_captured_ahead_serve_every_call_without_a_capture():
-    """A proposer's graphs captured before serving (capture_graphs: up to 4 rows, K up to 4) take calls of 1 to 3
-    rows and K 1 to 4 with no capture more, graphs of one shape sharing its static buffers yet drafting what eager
-    chains draft, call after call."""
+    """A proposer's graphs captured before serving (capture_graphs: up to 4 rows, K up to 4) take its warm-up and
+    calls of 1 to 3 rows and K 1 to 4 with no capture more, graphs of one shape sharing its static buffers yet
+    drafting what eager chains draft, call after call."""
     backend = ReplayingBackend()
     target, eager, captured = proposers(backend)
     assert captured.capture_graphs(4, 4, max_span=100) == 9  # rows 1, 2, 4 at their floors x K 1, 2, 4
     graphs = captured.chain_graphs._graphs
     assert graphs[(4, 1024, 1)].inputs is graphs[(4, 1024, 4)].inputs
     assert backend.captures == 9
+    assert captured.warm_up(4) > 0 and backend.replays == 2  # a made-up sequence's first asks, kept nowhere
+    assert not captured.prefix_cache._blocks and captured._sequences.keys() == {WARM_UP_SEQUENCE}
     generator = torch.Generator().manual_seed(6)
     sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 9), ("b", 30), ("c", 5))}
     for step, (count, k) in enumerate([(3, 2), (3, 4), (1, 1), (2, 3), (3, 4)]):
@@ -134,7 +137,7 @@ def test_graphs_captured_ahead_serve_every_call_without_a_capture():
         assert all(len(chain) == k for chain in expected)
         for s, chain in zip(chosen, expected, strict=True):
             sequences[s] += chain[:1] + [step + 1]
-    assert backend.captures == 9 and backend.replays == 5
+    assert backend.captures == 9 and backend.replays == 7 and WARM_UP_SEQUENCE not in captured._sequences
 
 
 def test_captured_trees_draft_what_eager_trees_draft_and_reuse_their_graph():
@@ -194,6 +197,8 @@ def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
             lambda inputs, tree: tree_candidates(head, embed, captured._draft_rows(), inputs, *tree, V), *shape)
         graphs = captured.tree_graphs if options else captured.chain_graphs
         ahead = 0 if options else captured.capture_graphs(2, 4, max_span=64)  # trees: captured as calls come
+        if not options:
+            captured.warm_up(4)
         seconds = graphs.capture_seconds
         generator = torch.Generator().manual_seed(9)
         sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 9), ("b", 40))}

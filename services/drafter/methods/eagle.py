@@ -51,7 +51,7 @@ from services.drafter.eagle_head_graphs import ChainInputs, HeadGraphs, draft_ch
 from services.drafter.eagle_tree_candidates import tree_candidates, tree_columns
 from services.drafter.eagle_trees import TreeStart, padded_caches, sampled_trees, sent_trees, tree_shape
 from services.drafter.head_kernels import use_chosen_kernels
-from services.drafter.head_prefix_cache import HeadPrefixCache
+from services.drafter.head_prefix_cache import BLOCK, HeadPrefixCache
 from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import DraftRows, EagleHead
 from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
@@ -245,6 +245,25 @@ class EagleProposer:
                           for limit in range(1, min(max_k, self.tree_nodes) + 1)]
         return 0 if graphs is None else graphs.capture_ahead(max_rows, parameters, max_span)
 
+    @torch.no_grad()
+    def warm_up(self, k: int) -> float:
+        """Draft twice (a new sequence, then a step on) for a made-up sequence on the compute thread asks run on,
+        then forget it; returns the seconds it took. Why: a process's first asks pay one-time costs beyond graph
+        captures (on CUDA the compute thread's own cuBLAS handle, the first eager kernels' set-up), and on an H200
+        the first asks of both EAGLE drafters missed the verifier's 0.5 s draft deadline, after which the verifier
+        asked them only by probes for most of a run. The sequence is shorter than a head prefix-cache block, so
+        nothing of it is kept."""
+        if self._compute is None:
+            self._compute = worker_thread()
+        tokens = list(range(1, BLOCK))
+        states = torch.zeros(len(tokens), self.state_width)
+        started = time.perf_counter()
+        for n in (len(tokens) - 1, len(tokens)):
+            item = DraftInput(WARM_UP_SEQUENCE, tokens[:n], k, states[: n - 1])
+            self._compute.submit(self._draft_all, [item]).result()
+        self.release(WARM_UP_SEQUENCE)
+        return time.perf_counter() - started
+
     def _padded(self, rows: Sequence[ChainStart], room: int) -> ChainInputs:
         """What an eager chain or tree reads: the rows' committed caches padded to one length, with `room` columns
         more for the chain's or tree's own K/V, and where each starts."""
@@ -363,6 +382,9 @@ class EagleProposer:
         return [row[: next((i for i, t in enumerate(row) if t >= self.vocab_size), len(row))] for row in by_row]
 
 
+WARM_UP_SEQUENCE = object()  # warm_up's sequence: an id no request has
+
+
 def _forced_tokens(forced: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's forced tokens, padded to the longest ([B, F] int64), and where a row has one ([B, F] bool)."""
     width = max(map(len, forced))
@@ -398,7 +420,7 @@ def guessed_path(draft: Draft) -> tuple[int, ...]:
 def build_proposer(config: SpeculativeConfig) -> EagleProposer:
     """The registry's entry point: the head and the target's vocabulary weights (load_proposer), on CPU through the
     kernels a draft step measured fastest, on an accelerator with its drafting captured as graphs (before serving,
-    for up to draft_max_num_seqs sequences; none with enforce_eager)."""
+    for up to draft_max_num_seqs sequences; none with enforce_eager); then its first asks drafted (warm_up)."""
     proposer = load_proposer(config)
     head, embed = proposer.head, proposer.embed
     if proposer.device.type == "cpu":  # the head's matmuls through the kernels measured fastest here (head_kernels.py)
@@ -407,15 +429,16 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
         head.fuse_sibling_linears()
     shape = (head.config.num_key_value_heads, head.config.head_dim, head.config.hidden_size, embed.weight.dtype,
              proposer.device)
-    if config.enforce_eager:
-        return proposer
-    proposer.chain_graphs = HeadGraphs.for_device(
-        lambda inputs, k: draft_chains(head, embed, proposer._draft_rows(), inputs, k), *shape)
-    proposer.tree_graphs = HeadGraphs.for_device(
-        lambda inputs, tree: tree_candidates(head, embed, proposer._draft_rows(), inputs, *tree, proposer.vocab_size),
-        *shape)
+    if not config.enforce_eager:
+        proposer.chain_graphs = HeadGraphs.for_device(
+            lambda inputs, k: draft_chains(head, embed, proposer._draft_rows(), inputs, k), *shape)
+        proposer.tree_graphs = HeadGraphs.for_device(
+            lambda inputs, tree: tree_candidates(head, embed, proposer._draft_rows(), inputs, *tree,
+                                                 proposer.vocab_size), *shape)
     with torch.no_grad():
         proposer.capture_graphs(config.draft_max_num_seqs, config.num_speculative_tokens, config.max_model_len)
+    seconds = proposer.warm_up(proposer.tree_nodes or config.num_speculative_tokens)
+    logger.info("first asks drafted in %.2f s (warm-up)", seconds)
     return proposer
 
 
