@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.common.proposer import DraftInput
+from services.drafter.eagle_catch_up import MAX_POSITIONS, MIN_POSITIONS, CatchUpGraphs, catch_up_body
 from services.drafter.eagle_head_graphs import AHEAD_POSITIONS, MAX_ROWS, MIN_SPAN, HeadGraphs, draft_chains
 from services.drafter.eagle_tree_candidates import tree_candidates
 from services.drafter.methods.eagle import WARM_UP_SEQUENCE, EagleProposer
@@ -34,7 +35,9 @@ class ReplayingBackend:
 
         def replay() -> None:
             self.replays += 1
-            drafted.copy_(forward())
+            again = forward()
+            for output, new in zip(*((o,) if torch.is_tensor(o) else o for o in (drafted, again)), strict=True):
+                output.copy_(new)
 
         return replay, drafted
 
@@ -140,6 +143,32 @@ def test_graphs_captured_ahead_serve_every_call_without_a_capture():
     assert backend.captures == 9 and backend.replays == 7 and WARM_UP_SEQUENCE not in captured._sequences
 
 
+def test_the_catch_up_replays_a_graph_per_padded_size_and_drafts_what_eager_catch_up_drafts():
+    """New positions' features and K/V through graphs of 8, 16, ... positions (eagle_catch_up.py): a new sequence of
+    70 tokens, then steady steps, draft what the eager catch-up gives, whatever the padding rows hold."""
+    backend = ReplayingBackend()
+    target, eager, captured = proposers(backend)
+    head, embed = captured.head, captured.embed
+    captured.catch_up_graphs = CatchUpGraphs(catch_up_body(head, embed), backend, captured.state_width,
+                                             torch.float32, torch.device("cpu"))
+    assert captured.catch_up_graphs.capture_ahead(128) == 5  # 8, 16, 32, 64, 128
+    assert CatchUpGraphs.size_for(3) == MIN_POSITIONS and CatchUpGraphs.size_for(MAX_POSITIONS + 1) is None
+    generator = torch.Generator().manual_seed(11)
+    sequences = {s: torch.randint(0, V, (n,), generator=generator).tolist() for s, n in (("a", 70), ("b", 6))}
+    for step in range(4):
+        with torch.no_grad():
+            states = {s: target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+                      for s, ids in sequences.items()}
+        inputs = [DraftInput(s, ids, 3, states[s]) for s, ids in sequences.items()]
+        for graph in captured.catch_up_graphs._graphs.values():
+            graph.states.fill_(1e4)
+        assert [list(d.token_ids) for d in captured._draft_all(inputs)] == [
+            list(d.token_ids) for d in eager._draft_all(inputs)]
+        for s in sequences:
+            sequences[s] += [step + 1, step + 2]
+    assert backend.captures == 5 + 1 and backend.replays == 4 + 4  # the chain graph (2 rows, K 4), once
+
+
 def test_captured_trees_draft_what_eager_trees_draft_and_reuse_their_graph():
     """Deterministic EAGLE-2 trees replay one graph of (rows, span, (topk, depth)) per shape, node for node what
     the eager candidates give, whatever an earlier replay left in the static buffers."""
@@ -178,9 +207,9 @@ def test_captured_trees_draft_what_eager_trees_draft_and_reuse_their_graph():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures real CUDA graphs")
 @torch.no_grad()
 def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
-    """Real CUDA graphs (TorchGraphs): chains (captured ahead) and deterministic trees (as calls come), replayed
-    for calls of two rows, then of one row whose cache grew, equal what the same proposer drafts eagerly on the
-    GPU."""
+    """Real CUDA graphs (TorchGraphs): chains and their catch-up (captured ahead) and deterministic trees (as calls
+    come), replayed for calls of two rows, then of one row whose cache grew, equal what the same proposer drafts
+    eagerly on the GPU."""
     device = torch.device("cuda")
     target = tiny_llama(seed=5, vocab_size=V).to(device)
     head = reduced_vocabulary_eagle_head(target, V).to(device)
@@ -195,6 +224,9 @@ def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
             lambda inputs, k: draft_chains(head, embed, captured._draft_rows(), inputs, k), *shape)
         captured.tree_graphs = HeadGraphs.for_device(
             lambda inputs, tree: tree_candidates(head, embed, captured._draft_rows(), inputs, *tree, V), *shape)
+        if not options:  # chains with their catch-up captured too
+            captured.catch_up_graphs = CatchUpGraphs.for_device(catch_up_body(head, embed), captured.state_width,
+                                                                torch.float32, device)
         graphs = captured.tree_graphs if options else captured.chain_graphs
         ahead = 0 if options else captured.capture_graphs(2, 4, max_span=64)  # trees: captured as calls come
         if not options:
@@ -214,5 +246,6 @@ def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():
                 sequences[s] += tokens[:1] + [step + 1]
         if options:
             assert len(graphs) == 2 and graphs.capture_seconds > 0
-        else:  # rows 1 and 2 x K 1, 2 and 4, all before the calls
-            assert ahead == len(graphs) == 6 and graphs.capture_seconds == seconds > 0
+        else:  # rows 1 and 2 x K 1, 2 and 4, and catch-ups of 8 to 512 positions, all before the calls
+            assert ahead == len(graphs) + len(captured.catch_up_graphs) == 6 + 7
+            assert graphs.capture_seconds == seconds > 0

@@ -64,7 +64,8 @@ def test_batched_chains_over_a_reduced_vocabulary_equal_each_sequence_alone():
     head.keys_values = lambda embeddings, *rest: batches.append(embeddings.shape[1]) or keys_values(embeddings, *rest)
     drafts = proposer._draft_all(inputs)
     assert {s: list(d.token_ids) for s, d in zip(sequences, drafts, strict=True)} == expected
-    assert batches == [(9 - 2) + (2 - 2) + (17 - 2)]  # every sequence's committed positions in one batch
+    # every sequence's new positions in one batch: the committed ones and the last (its K/V a chain's first step)
+    assert batches == [(9 - 1) + (2 - 1) + (17 - 1)]
     assert all(t in set(head.draft_vocab.tolist()) for chain in expected.values() for t in chain)
     # a step later, with more tokens committed (the cache catches up), still the same as alone
     sequences["a"] += expected["a"][:2] + [7]
@@ -95,11 +96,11 @@ def test_a_repeated_prefix_takes_the_head_cache_and_drafts_the_same():
         fed.clear()
         draft = proposer._draft_all([DraftInput(name, sequences[name], 4, states[name])])[0]
         assert list(draft.token_ids) == expected[name], name
-        catch_up = fed[0]  # the committed positions the cache does not hold, fed before the chain
+        catch_up = fed[0]  # the positions the cache does not hold, fed before the chain (the last one's K/V too)
         if name == "second":  # 32 of its 43 positions (two full blocks of 16) came from the cache
-            assert catch_up == len(sequences[name]) - 2 - 32 and proposer.prefix_cache.hits == 32
+            assert catch_up == len(sequences[name]) - 1 - 32 and proposer.prefix_cache.hits == 32
         else:
-            assert catch_up == len(sequences[name]) - 2, name
+            assert catch_up == len(sequences[name]) - 1, name
 
 
 def test_a_sequence_head_cache_grows_in_place_and_drafts_as_alone_at_every_call():

@@ -47,6 +47,7 @@ from services.common.method_options import DEFAULT_EAGLE_TOPK
 from services.common.speculative_config import SpeculativeConfig
 from services.common.token_trees import leaf_paths
 from services.drafter.draft_pipelining import PreDraft, PreDraftRunner, PreDrafts, wants_predraft
+from services.drafter.eagle_catch_up import CatchUpGraphs, catch_up_body
 from services.drafter.eagle_head_graphs import ChainInputs, HeadGraphs, draft_chains
 from services.drafter.eagle_tree_candidates import tree_candidates, tree_columns
 from services.drafter.eagle_trees import TreeStart, padded_caches, sampled_trees, sent_trees, tree_shape
@@ -128,6 +129,7 @@ class EagleProposer:
     # on an accelerator, chains and deterministic trees replay captured graphs (eagle_head_graphs.py); None: eager
     chain_graphs: HeadGraphs | None = None
     tree_graphs: HeadGraphs | None = None
+    catch_up_graphs: CatchUpGraphs | None = None  # and the catch-up of new positions (eagle_catch_up.py)
 
     @property
     def capabilities(self) -> ProposerCapabilities:
@@ -234,8 +236,9 @@ class EagleProposer:
     def capture_graphs(self, max_rows: int, max_k: int, max_span: int | None = None) -> int:
         """On an accelerator, capture now, before serving, the drafting graphs of calls of up to `max_rows`
         sequences asking up to `max_k` tokens (eagle_head_graphs.HeadGraphs.capture_ahead): chains of every K as
-        _chains rounds it, or trees of every node limit as tree_shape shapes them. Returns how many were
-        captured; 0 where drafting runs eagerly."""
+        _chains rounds it, or trees of every node limit as tree_shape shapes them; and the catch-up of every
+        padded number of new positions (eagle_catch_up.py). Returns how many were captured; 0 where drafting
+        runs eagerly."""
         if self.tree_nodes is None:
             graphs, parameters = self.chain_graphs, [power_of_two_at_least(k) for k in range(1, max_k + 1)]
         else:
@@ -243,7 +246,8 @@ class EagleProposer:
             graphs = self.tree_graphs
             parameters = [tree_shape(self.tree_topk, self.tree_depth, [limit], rows, bucketed=True)
                           for limit in range(1, min(max_k, self.tree_nodes) + 1)]
-        return 0 if graphs is None else graphs.capture_ahead(max_rows, parameters, max_span)
+        drafting = 0 if graphs is None else graphs.capture_ahead(max_rows, parameters, max_span)
+        return drafting + (0 if self.catch_up_graphs is None else self.catch_up_graphs.capture_ahead())
 
     @torch.no_grad()
     def warm_up(self, k: int) -> float:
@@ -303,12 +307,10 @@ class EagleProposer:
 
     def _catch_up(self, items: Sequence[DraftInput]) -> list[ChainStart | None]:
         """Feed each sequence's newly committed positions into its cache; per item, where its chain starts, or None
-        when it cannot draft now (no states yet, or K = 0). The new positions' K/V of every sequence are computed
-        in one batch (EagleHead.keys_values), not by a whole head step per sequence: for 8 sequences of 4 new
-        positions the shipped head took 19.6 ms that way on a 2-core CPU and 1.9 ms batched, and on a GPU each
-        of those steps was a hundred-odd kernel launches. Likewise every sequence's new states move to the head's
-        device, convert and pass through the head's feature projection (an EAGLE-3 head's fc) together: row by
-        row that was three launches a sequence, outside the captured chain."""
+        when it cannot draft now (no states yet, or K = 0). Every sequence's new positions go through the head as one
+        batch (eagle_catch_up.py: their features and K/V), on an accelerator one captured graph: for 8 sequences of
+        4 new positions the shipped head took 19.6 ms a whole head step per sequence on a 2-core CPU and 1.9 ms
+        batched, and on a GPU the batch's eager launches were most of an ask's host work."""
         ready = []  # (index, item, its sequence, n, its states from position seq.fed on)
         for i, item in enumerate(items):
             tokens, states = item.token_ids, item.hidden_states
@@ -327,39 +329,39 @@ class EagleProposer:
         starts: list[ChainStart | None] = [None] * len(items)
         if not ready:
             return starts
-        features = self._features([unfed for *_, unfed in ready]).split([len(unfed) for *_, unfed in ready])
-        pending = [(seq, item.token_ids, n, fed[:-1]) for (_, item, seq, n, _), fed in zip(ready, features, strict=True)
-                   if seq.fed < n - 1]
-        if pending:  # commit positions fed..n-2 of each: [x_{t+1}; f_t]
-            self._feed_committed(pending)
-        for (i, item, seq, n, _), fed in zip(ready, features, strict=True):
-            starts[i] = ChainStart(seq.cache, n - 1, int(item.token_ids[n]), fed[-1:], item.num_speculative_tokens)
+        # position t (fed .. n - 1 of each) holds [embed(x_{t+1}); f_t]; the last one's K/V are not kept (a chain
+        # computes them as its first step)
+        ids = torch.from_numpy(np.concatenate([np.asarray(item.token_ids[seq.fed + 1 : n + 1], dtype=np.int64)
+                                               for _, item, seq, n, _ in ready]))
+        positions = torch.from_numpy(np.concatenate([np.arange(seq.fed, n) for _, _, seq, n, _ in ready]))
+        features, keys, values = self._new_positions(ids, [unfed for *_, unfed in ready], positions)
+        counts = [len(unfed) for *_, unfed in ready]
+        ends = np.cumsum(counts) - 1
+        last = features[torch.from_numpy(ends).to(features.device)]  # [rows, H]: each chain's first feature
+        for row, ((i, item, seq, n, _), k, v) in enumerate(zip(ready, keys.split(counts, dim=2),
+                                                              values.split(counts, dim=2), strict=True)):
+            if seq.fed < n - 1:  # commit positions fed..n-2: copied into its buffers, no view of the batch kept
+                seq.append(k[:, :, :-1], v[:, :, :-1])
+                seq.published = self.prefix_cache.publish(item.token_ids, seq.cache, seq.fed, seq.published)
+            starts[i] = ChainStart(seq.cache, n - 1, int(item.token_ids[n]), last[row : row + 1],
+                                   item.num_speculative_tokens)
         return starts
 
-    def _features(self, states: list[torch.Tensor]) -> torch.Tensor:
-        """The head's features (EagleHead.target_features) of every row's new target states, end to end on its
-        device in its dtype; from the host without waiting (pinned), as the verifier's inputs."""
-        def moved(rows: torch.Tensor) -> torch.Tensor:
-            return rows if rows.device == self.device else to_device(rows, self.device)
-
+    def _new_positions(self, ids: torch.Tensor, states: list[torch.Tensor], positions: torch.Tensor):
+        """The head's features [N, H] and K/V [1, kv heads, N, D] of new positions (token ids and positions [N] on
+        the host; each sequence's states, on the host or the device): a captured graph's where there is one for
+        this many, else eagerly, end to end on the head's device in its dtype, from the host without waiting
+        (pinned), as the verifier's inputs."""
         same = all(rows.device == states[0].device for rows in states)
-        joined = moved(torch.cat(states)) if same else torch.cat([moved(rows) for rows in states])
-        return self.head.target_features(joined.to(self.embed.weight.dtype))
-
-    def _feed_committed(self, pending: list[tuple[HeadSequence, Sequence[int], int, torch.Tensor]]) -> None:
-        """Positions fed..n-2 of every pending sequence into its cache, their K/V computed as one batch; each
-        entry's head features start at position fed."""
-        ids = to_device(torch.tensor([t for seq, tokens, n, _ in pending for t in tokens[seq.fed + 1 : n]]),
-                        self.device)
-        features = torch.cat([fed for *_, fed in pending])
-        positions = np.concatenate([np.arange(seq.fed, n - 1) for seq, _, n, _ in pending])
-        keys, values = self.head.keys_values(self.embed(ids[None]), features[None],
-                                             to_device(torch.from_numpy(positions), self.device))
-        sizes = [n - 1 - seq.fed for seq, _, n, _ in pending]
-        for (seq, tokens, n, _), k, v in zip(pending, keys.split(sizes, dim=2), values.split(sizes, dim=2),
-                                             strict=True):
-            seq.append(k, v)  # copied into its buffers: no view keeps the whole batch alive
-            seq.published = self.prefix_cache.publish(tokens, seq.cache, seq.fed, seq.published)
+        joined = torch.cat(states) if same else torch.cat([rows.to(self.device) for rows in states])
+        if self.catch_up_graphs is not None:
+            replayed = self.catch_up_graphs.run(ids, joined, positions)
+            if replayed is not None:
+                return replayed
+        if joined.device != self.device:
+            joined = to_device(joined, self.device)
+        body = catch_up_body(self.head, self.embed)
+        return body(to_device(ids, self.device), joined.to(self.embed.weight.dtype), to_device(positions, self.device))
 
     def _chains(self, rows: list[ChainStart], forced: list[tuple[int, ...]] | None = None,
                 stop: Callable[[], bool] | None = None) -> list[list[int]] | None:
@@ -435,6 +437,8 @@ def build_proposer(config: SpeculativeConfig) -> EagleProposer:
         proposer.tree_graphs = HeadGraphs.for_device(
             lambda inputs, tree: tree_candidates(head, embed, proposer._draft_rows(), inputs, *tree,
                                                  proposer.vocab_size), *shape)
+        proposer.catch_up_graphs = CatchUpGraphs.for_device(catch_up_body(head, embed), proposer.state_width,
+                                                            embed.weight.dtype, proposer.device)
     with torch.no_grad():
         proposer.capture_graphs(config.draft_max_num_seqs, config.num_speculative_tokens, config.max_model_len)
     seconds = proposer.warm_up(proposer.tree_nodes or config.num_speculative_tokens)
