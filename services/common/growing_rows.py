@@ -40,14 +40,18 @@ class GrowingRows:
 
     def append(self, rows: Any) -> None:
         """Append `rows` [m, H] (a numpy array or a torch tensor, like those before)."""
-        count = rows.shape[0]
-        if count == 0:
-            return
+        if rows.shape[0]:
+            self.extend(rows.shape[0], rows)[:] = rows
+
+    def extend(self, count: int, like: Any) -> Any:
+        """Count in `count` more rows made like `like` and return their place in the buffer, for the caller to
+        write before the next read: a drafter then writes the new rows of many sequences in one grouped copy."""
         needed = self._length + count
         if self._buffer is None or needed > self._buffer.shape[0]:
-            self._grow(rows, grown_capacity(self._length, needed))
-        self._buffer[self._length : needed] = rows
+            self._grow(like, grown_capacity(self._length, needed))
+        rows = self._buffer[self._length : needed]
         self._length = needed
+        return rows
 
     def view(self) -> Any:
         """The rows so far as one [n, H] array (a view into the buffer; None while empty)."""

@@ -34,7 +34,7 @@ MIN_POSITIONS = 8
 MAX_POSITIONS = 512
 
 # (token ids [N], target states [N, W] in the head's dtype, head positions [N]) -> (features [N, H], keys and
-# values [1, kv heads, N, D]): what catch_up_body computes
+# values [N, kv heads, D], position-major as a sequence's head cache holds them): what catch_up_body computes
 CatchUpBody = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
@@ -43,7 +43,7 @@ def catch_up_body(head, embed: torch.nn.Module) -> CatchUpBody:
     def body(ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor):
         features = head.target_features(states)
         keys, values = head.keys_values(embed(ids[None]), features[None], positions)
-        return features, keys, values
+        return features, keys[0].transpose(0, 1).contiguous(), values[0].transpose(0, 1).contiguous()
 
     return body
 
@@ -110,7 +110,7 @@ class CatchUpGraphs:
         captured.states[:count].copy_(source, non_blocking=True)  # rows past count keep what they held
         captured.replay()
         features, keys, values = captured.outputs
-        return features[:count], keys[:, :, :count], values[:, :, :count]
+        return features[:count], keys[:count], values[:count]
 
     def _capture(self, size: int) -> _Captured | None:
         started = time.perf_counter()

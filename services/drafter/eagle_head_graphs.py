@@ -235,28 +235,37 @@ class HeadGraphs:
         return captured
 
     def _static_inputs(self, rows: int, span: int) -> ChainInputs:
-        """Zeroed buffers: a padding row reads nothing but its own new position, and masked columns stay finite."""
+        """Zeroed buffers: a padding row reads nothing but its own new position, and masked columns stay finite.
+        The caches are held position-major, [rows, span, kv heads, D], as a sequence's own head cache is
+        (HeadSequence), and the body reads them as [rows, kv heads, span, D] views: each row's copy in is then
+        between two blocks of one layout, which _fill's one grouped copy needs."""
         options = {"device": self.device}
-        keys = torch.zeros(rows, self._kv_heads, span, self._head_dim, dtype=self._dtype, **options)
-        return ChainInputs(keys, torch.zeros_like(keys), torch.zeros(rows, span, dtype=torch.bool, **options),
+        keys = torch.zeros(rows, span, self._kv_heads, self._head_dim, dtype=self._dtype, **options)
+        keys, values = keys.transpose(1, 2), torch.zeros_like(keys).transpose(1, 2)
+        return ChainInputs(keys, values, torch.zeros(rows, span, dtype=torch.bool, **options),
                            torch.zeros(rows, dtype=torch.int64, **options),
                            torch.zeros(rows, 1, self._hidden, dtype=self._dtype, **options),
                            torch.zeros(rows, dtype=torch.int64, **options))
 
     @staticmethod
     def _fill(inputs: ChainInputs, rows: Sequence[ChainRow]) -> None:
-        """Copy the rows into the static buffers (device to device for the caches; the small host parts from pinned
-        memory without waiting). Rows past len(rows) keep what they held: their results are never read."""
+        """Copy the rows into the static buffers (device to device for the caches, all in one grouped copy; the
+        small host parts from pinned memory without waiting). Rows past len(rows) keep what they held: their results
+        are never read."""
         span = inputs.mask.shape[1]
         lengths = torch.tensor([0 if r.cache is None else r.cache[0].shape[2] for r in rows])
         mask = torch.zeros(inputs.mask.shape, dtype=torch.bool)
         mask[: len(rows)] = torch.arange(span)[None, :] < lengths[:, None]
         inputs.mask.copy_(pinned(mask), non_blocking=True)
+        into, sources = [], []
         for r, row in enumerate(rows):
             if row.cache is not None:
                 length = row.cache[0].shape[2]
-                inputs.keys[r, :, :length] = row.cache[0][0]
-                inputs.values[r, :, :length] = row.cache[1][0]
+                for static, cache in zip((inputs.keys, inputs.values), row.cache, strict=True):
+                    into.append(static[r, :, :length].transpose(0, 1))  # [length, kv heads, D], one block
+                    sources.append(cache[0].transpose(0, 1))
+        if into:  # on CUDA one grouped kernel where a copy each was two launches a row
+            torch._foreach_copy_(into, sources)
         count = len(rows)
         inputs.tokens[:count].copy_(pinned(torch.tensor([r.token for r in rows])), non_blocking=True)
         inputs.positions[:count].copy_(pinned(torch.tensor([r.position for r in rows])), non_blocking=True)

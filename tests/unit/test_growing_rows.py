@@ -40,3 +40,16 @@ def test_appends_cost_amortised_constant_copies_not_the_history_each_time():
         buffers.add(rows.view().data_ptr())
     assert len(buffers) <= 8  # 64 -> 128 -> ... -> 4096
     assert torch.equal(rows.view()[:, 0], torch.arange(4096.0))
+
+
+def test_extended_rows_are_written_in_place_by_the_caller_and_grow_like_appends():
+    """extend(count) counts the rows in and hands back their place in the buffer (a drafter fills many sequences'
+    places in one grouped copy): written there, they read back as appended ones, across a regrowth too."""
+    rows, expected = GrowingRows(), []
+    for start in range(0, 3 * MIN_CAPACITY, 24):
+        chunk = torch.arange(start, start + 24, dtype=torch.float32)[:, None].expand(24, 3)
+        place = rows.extend(24, chunk)
+        assert place.shape == (24, 3) and len(rows) == start + 24
+        torch._foreach_copy_([place], [chunk])
+        expected.append(chunk)
+    assert torch.equal(rows.view(), torch.cat(expected))

@@ -338,17 +338,26 @@ class EagleProposer:
         counts = [len(unfed) for *_, unfed in ready]
         ends = np.cumsum(counts) - 1
         last = features[torch.from_numpy(ends).to(features.device)]  # [rows, H]: each chain's first feature
-        for row, ((i, item, seq, n, _), k, v) in enumerate(zip(ready, keys.split(counts, dim=2),
-                                                              values.split(counts, dim=2), strict=True)):
-            if seq.fed < n - 1:  # commit positions fed..n-2: copied into its buffers, no view of the batch kept
-                seq.append(k[:, :, :-1], v[:, :, :-1])
-                seq.published = self.prefix_cache.publish(item.token_ids, seq.cache, seq.fed, seq.published)
+        # commit positions fed..n-2 of each: copied into its buffers (no view of the batch kept), every sequence's
+        # in one grouped copy (on CUDA one kernel where they were two launches a sequence)
+        into, new_rows, committed = [], [], []
+        for (_, item, seq, n, _), k, v in zip(ready, keys.split(counts), values.split(counts), strict=True):
+            if seq.fed < n - 1:
+                for buffer, rows in ((seq.keys, k[:-1]), (seq.values, v[:-1])):
+                    into.append(buffer.extend(len(rows), rows))
+                    new_rows.append(rows)
+                committed.append((item, seq))
+        if into:
+            torch._foreach_copy_(into, new_rows)
+        for item, seq in committed:
+            seq.published = self.prefix_cache.publish(item.token_ids, seq.cache, seq.fed, seq.published)
+        for row, (i, item, seq, n, _) in enumerate(ready):
             starts[i] = ChainStart(seq.cache, n - 1, int(item.token_ids[n]), last[row : row + 1],
                                    item.num_speculative_tokens)
         return starts
 
     def _new_positions(self, ids: torch.Tensor, states: list[torch.Tensor], positions: torch.Tensor):
-        """The head's features [N, H] and K/V [1, kv heads, N, D] of new positions (token ids and positions [N] on
+        """The head's features [N, H] and K/V [N, kv heads, D] of new positions (token ids and positions [N] on
         the host; each sequence's states, on the host or the device): a captured graph's where there is one for
         this many, else eagerly, end to end on the head's device in its dtype, from the host without waiting
         (pinned), as the verifier's inputs."""
