@@ -138,9 +138,29 @@ def span_floor(rows: int) -> int:
 
 
 @dataclass
+class _StaticInputs:
+    """The buffers a graph of (rows, span) reads, zeroed at first (masked columns stay finite). The caches are held
+    position-major, [rows, span, kv heads, D], as a sequence's own head cache is (HeadSequence), so that each
+    row's copy in is between two blocks of one layout, which _fill's one grouped copy needs; tokens, positions and
+    cache lengths [3, rows] go in as one copy, and the mask is made from the lengths inside the graph."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    packed: torch.Tensor
+    features: torch.Tensor
+
+    def read(self) -> ChainInputs:
+        """What the body reads (inside the capture: the mask is computed on each replay)."""
+        span = self.keys.shape[1]
+        mask = torch.arange(span, device=self.packed.device)[None, :] < self.packed[2][:, None]
+        return ChainInputs(self.keys.transpose(1, 2), self.values.transpose(1, 2), mask, self.packed[0],
+                           self.features, self.packed[1])
+
+
+@dataclass
 class _Captured:
     replay: Callable[[], None]
-    inputs: ChainInputs  # the static buffers the replay reads
+    inputs: _StaticInputs  # the static buffers the replay reads
     output: torch.Tensor  # [rows, ...], written by each replay
 
 
@@ -152,7 +172,7 @@ class HeadGraphs:
         self._kv_heads, self._head_dim, self._hidden = kv_heads, head_dim, hidden
         self._dtype, self.device = dtype, device
         self._graphs: dict[tuple[int, int, Hashable], _Captured] = {}
-        self._inputs: dict[tuple[int, int], ChainInputs] = {}  # per (rows, span): the static buffers its graphs read
+        self._inputs: dict[tuple[int, int], _StaticInputs] = {}  # per (rows, span): what its graphs read
         self._uncapturable: set[tuple[int, int, Hashable]] = set()
         self.capture_seconds = 0.0
 
@@ -217,59 +237,49 @@ class HeadGraphs:
 
     def _capture(self, key: tuple[int, int, Hashable], ahead: bool = False) -> _Captured | None:
         started = time.perf_counter()
-        inputs = self._inputs.get(key[:2])
-        if inputs is None:
-            inputs = self._inputs[key[:2]] = self._static_inputs(*key[:2])
+        static = self._inputs.get(key[:2])
+        if static is None:
+            static = self._inputs[key[:2]] = self._static_inputs(*key[:2])
         try:
-            replay, output = self._backend.capture(lambda: self._body(inputs, key[2]))
+            replay, output = self._backend.capture(lambda: self._body(static.read(), key[2]))
         except Exception:  # noqa: BLE001 - a capture the platform refuses costs speed, never a draft
             logger.exception("capturing EAGLE drafting of %d rows x %d positions (%s) failed; that shape drafts "
                              "eagerly", *key)
             self._uncapturable.add(key)
             return None
-        captured = self._graphs[key] = _Captured(replay, inputs, output)
+        captured = self._graphs[key] = _Captured(replay, static, output)
         seconds = time.perf_counter() - started
         self.capture_seconds += seconds
         logger.log(logging.DEBUG if ahead else logging.INFO, "captured EAGLE drafting of %d rows x %d positions "
                    "(%s) in %.2f s (%d graphs)", *key, seconds, len(self._graphs))
         return captured
 
-    def _static_inputs(self, rows: int, span: int) -> ChainInputs:
-        """Zeroed buffers: a padding row reads nothing but its own new position, and masked columns stay finite.
-        The caches are held position-major, [rows, span, kv heads, D], as a sequence's own head cache is
-        (HeadSequence), and the body reads them as [rows, kv heads, span, D] views: each row's copy in is then
-        between two blocks of one layout, which _fill's one grouped copy needs."""
+    def _static_inputs(self, rows: int, span: int) -> _StaticInputs:
         options = {"device": self.device}
         keys = torch.zeros(rows, span, self._kv_heads, self._head_dim, dtype=self._dtype, **options)
-        keys, values = keys.transpose(1, 2), torch.zeros_like(keys).transpose(1, 2)
-        return ChainInputs(keys, values, torch.zeros(rows, span, dtype=torch.bool, **options),
-                           torch.zeros(rows, dtype=torch.int64, **options),
-                           torch.zeros(rows, 1, self._hidden, dtype=self._dtype, **options),
-                           torch.zeros(rows, dtype=torch.int64, **options))
+        return _StaticInputs(keys, torch.zeros_like(keys), torch.zeros(3, rows, dtype=torch.int64, **options),
+                             torch.zeros(rows, 1, self._hidden, dtype=self._dtype, **options))
 
     @staticmethod
-    def _fill(inputs: ChainInputs, rows: Sequence[ChainRow]) -> None:
-        """Copy the rows into the static buffers (device to device for the caches, all in one grouped copy; the
-        small host parts from pinned memory without waiting). Rows past len(rows) keep what they held: their results
-        are never read."""
-        span = inputs.mask.shape[1]
-        lengths = torch.tensor([0 if r.cache is None else r.cache[0].shape[2] for r in rows])
-        mask = torch.zeros(inputs.mask.shape, dtype=torch.bool)
-        mask[: len(rows)] = torch.arange(span)[None, :] < lengths[:, None]
-        inputs.mask.copy_(pinned(mask), non_blocking=True)
+    def _fill(static: _StaticInputs, rows: Sequence[ChainRow]) -> None:
+        """Copy the rows into the static buffers: the caches device to device, all in one grouped copy; tokens,
+        positions and cache lengths as one copy from pinned memory, without waiting; the features. Rows past
+        len(rows) read nothing of their caches (length 0): their results are never read."""
+        count = len(rows)
         into, sources = [], []
         for r, row in enumerate(rows):
             if row.cache is not None:
                 length = row.cache[0].shape[2]
-                for static, cache in zip((inputs.keys, inputs.values), row.cache, strict=True):
-                    into.append(static[r, :, :length].transpose(0, 1))  # [length, kv heads, D], one block
+                for buffer, cache in zip((static.keys, static.values), row.cache, strict=True):
+                    into.append(buffer[r, :length])  # [length, kv heads, D], one block, as the sequence's own
                     sources.append(cache[0].transpose(0, 1))
         if into:  # on CUDA one grouped kernel where a copy each was two launches a row
             torch._foreach_copy_(into, sources)
-        count = len(rows)
-        inputs.tokens[:count].copy_(pinned(torch.tensor([r.token for r in rows])), non_blocking=True)
-        inputs.positions[:count].copy_(pinned(torch.tensor([r.position for r in rows])), non_blocking=True)
-        inputs.features[:count] = torch.stack([r.feature for r in rows])
+        packed = torch.zeros(static.packed.shape, dtype=torch.int64)
+        packed[:, :count] = torch.tensor([(r.token, r.position, 0 if r.cache is None else r.cache[0].shape[2])
+                                          for r in rows]).T
+        static.packed.copy_(pinned(packed), non_blocking=True)
+        static.features[:count] = torch.stack([r.feature for r in rows])
 
     def __len__(self) -> int:
         return len(self._graphs)
