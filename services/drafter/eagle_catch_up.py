@@ -106,7 +106,9 @@ class CatchUpGraphs:
         indices = torch.zeros(2, size, dtype=torch.int64)
         indices[0, :count], indices[1, :count] = ids, positions
         captured.indices.copy_(pinned(indices), non_blocking=True)
-        source = states if states.device.type != "cpu" else pinned(states)
+        # from the host in the head's dtype already: a copy that converts too goes through a pageable temporary,
+        # which makes the host wait for the device
+        source = states if states.device.type != "cpu" else pinned(states.to(self._dtype))
         captured.states[:count].copy_(source, non_blocking=True)  # rows past count keep what they held
         captured.replay()
         features, keys, values = captured.outputs
