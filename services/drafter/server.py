@@ -85,6 +85,9 @@ def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=s,
                         help="draft_model: positions per KV slot; longer sequences get no draft (default: the "
                         "model's context, capped at 2048)")
+    parser.add_argument("--enforce-eager", dest="enforce_eager", action=argparse.BooleanOptionalAction, default=s,
+                        help="draft_model, eagle: on a GPU or NPU, run eagerly instead of replaying graphs captured "
+                        "at start-up (default off)")
     parser.add_argument("--compute-thread", dest="compute_thread", choices=["auto", "main", "worker"], default=s,
                         help="draft_model: thread for the draft model's forwards; auto (default) measures both, "
                         "as the verifier does")

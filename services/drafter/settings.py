@@ -14,8 +14,8 @@ from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import TlsServerSettings
 
 # Setting -> the SpeculativeConfig field it overrides. The model flags keep the names every specserve command
-# uses for a model (--model, --device, --dtype, --max-num-seqs, --max-model-len); in a drafter process there is
-# only one model, the draft model, so they mean its settings.
+# uses for a model (--model, --device, --dtype, --max-num-seqs, --max-model-len, --enforce-eager); in a drafter
+# process there is only one model, the draft model (or EAGLE head), so they mean its settings.
 CONFIG_OVERRIDES = MappingProxyType({
     "method": "method",
     "num_speculative_tokens": "num_speculative_tokens",
@@ -26,6 +26,7 @@ CONFIG_OVERRIDES = MappingProxyType({
     "dtype": "draft_dtype",
     "max_num_seqs": "draft_max_num_seqs",
     "max_model_len": "max_model_len",
+    "enforce_eager": "enforce_eager",
 })
 
 
@@ -47,6 +48,7 @@ class DrafterSettings(TlsServerSettings):
     dtype: str | None = None  # draft_model: auto | float32 | bfloat16 | float16
     max_num_seqs: int | None = Field(None, ge=1)  # draft_model: sequences with a KV slot (the rest are evicted)
     max_model_len: int | None = Field(None, ge=2)  # draft_model: positions per KV slot
+    enforce_eager: bool | None = None  # draft_model, eagle: on an accelerator, no captured graphs
     compute_thread: Literal["auto", "main", "worker"] = "auto"  # draft_model: thread for the forwards; auto: measured
     host: str = "127.0.0.1"
     port: int = Field(50061, ge=0, le=65535)  # 0: a free port

@@ -321,10 +321,11 @@ def test_drafter_flags_configure_the_draft_model():
     add_drafter_flags(parser)
     settings = settings_from_args(parser.parse_args([
         "--method", "draft_model", "--model", "qwen2.5-coder-0.5b-instruct", "--device", "cpu",
-        "--dtype", "float32", "--max-num-seqs", "3", "--max-model-len", "1024",
+        "--dtype", "float32", "--max-num-seqs", "3", "--max-model-len", "1024", "--enforce-eager",
     ]))
     draft = DraftModelSettings.from_config(settings.speculation)
     assert draft == DraftModelSettings("qwen2.5-coder-0.5b-instruct", "cpu", "float32", 3, 1024)
+    assert settings.speculation.enforce_eager
     defaults = DraftModelSettings.from_config(SpeculativeConfig.parse('{"method": "draft_model", "model": "m"}'))
     assert (defaults.device, defaults.dtype, defaults.max_num_seqs, defaults.max_model_len) == ("auto", "auto", 16, None)
     with pytest.raises(ValueError, match="needs a 'model'"):
