@@ -361,16 +361,18 @@ class EagleProposer:
         the host; each sequence's states, on the host or the device): a captured graph's where there is one for
         this many, else eagerly, end to end on the head's device in its dtype, from the host without waiting
         (pinned), as the verifier's inputs."""
+        def moved(rows: torch.Tensor) -> torch.Tensor:
+            return rows if rows.device == self.device else to_device(rows, self.device)
+
         same = all(rows.device == states[0].device for rows in states)
-        joined = torch.cat(states) if same else torch.cat([rows.to(self.device) for rows in states])
+        joined = torch.cat(states) if same else torch.cat([moved(rows) for rows in states])
         if self.catch_up_graphs is not None:
             replayed = self.catch_up_graphs.run(ids, joined, positions)
             if replayed is not None:
                 return replayed
-        if joined.device != self.device:
-            joined = to_device(joined, self.device)
         body = catch_up_body(self.head, self.embed)
-        return body(to_device(ids, self.device), joined.to(self.embed.weight.dtype), to_device(positions, self.device))
+        return body(to_device(ids, self.device), moved(joined).to(self.embed.weight.dtype),
+                    to_device(positions, self.device))
 
     def _chains(self, rows: list[ChainStart], forced: list[tuple[int, ...]] | None = None,
                 stop: Callable[[], bool] | None = None) -> list[list[int]] | None:
