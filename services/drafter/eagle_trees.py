@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.common.token_trees import renumbered_parents
@@ -110,15 +111,32 @@ def tree_shape(topk: int, depth: int, limits: Sequence[int], draft_rows: int,
 
 
 def sent_trees(packed: torch.Tensor, limits: Sequence[int]) -> list[SentTree]:
-    """Each row's `limits[b]` likeliest valid nodes of what tree_candidates packed (one copy to the host)."""
+    """Each row's `limits[b]` likeliest valid nodes of what tree_candidates packed (one copy to the host): ties go
+    to the shallower node, then the first listed; sent by depth, likelier first, parents renumbered. In numpy over
+    every row: a call of 8 rows of top-8, depth-4 candidates (200 nodes each) took 3.4 ms node by node in Python
+    on a 2-core CPU, on a GPU host as long as the tree's graph."""
+    array = packed.cpu().numpy()
+    tokens, parents = array[:, 0].astype(np.int64), array[:, 1].astype(np.int64)
+    log_probs, valid = array[:, 2], array[:, 3] != 0
+    depths = _depths(parents)
     trees = []
-    for (tokens, parents, log_probs, valid), limit in zip(packed.tolist(), limits, strict=True):
-        depths: list[int] = []
-        for parent in parents:  # a parent comes before its children
-            depths.append(0 if parent < 0 else depths[int(parent)] + 1)
-        nodes = [_Node(int(t), int(p), d, lp) for t, p, d, lp in zip(tokens, parents, depths, log_probs, strict=True)]
-        trees.append(_best(nodes, [i for i, v in enumerate(valid) if v], limit))
+    for b, limit in enumerate(limits):
+        candidates = np.flatnonzero(valid[b])
+        best = candidates[np.lexsort((depths[b, candidates], -log_probs[b, candidates]))[:limit]]
+        order = best[np.lexsort((-log_probs[b, best], depths[b, best]))]
+        trees.append(SentTree(tokens[b, order].tolist(), renumbered_parents(parents[b].tolist(), order.tolist()),
+                              [math.exp(float(p)) for p in log_probs[b, order]]))
     return trees
+
+
+def _depths(parents: np.ndarray) -> np.ndarray:
+    """Each node's depth [B, N] from its parent's index ([B, N], -1 at the roots), a level a pass."""
+    depths = np.zeros_like(parents)
+    above, rows = parents.copy(), np.arange(parents.shape[0])[:, None]
+    while (has := above >= 0).any():
+        depths += has
+        above = np.where(has, parents[rows, np.maximum(above, 0)], -1)
+    return depths
 
 
 @dataclass(frozen=True)
@@ -188,15 +206,6 @@ def sampled_trees(head, embed: torch.nn.Module, draft_rows: DraftRows, starts: S
     return [SampledTree([n.token for n in tree.nodes], [n.parent for n in tree.nodes],
                         torch.stack(rows) if rows else torch.zeros(0, vocab_size))
             for tree, rows in zip(trees, q_rows, strict=True)]
-
-
-def _best(nodes: list[_Node], candidates: Sequence[int], limit: int) -> SentTree:
-    """The `limit` likeliest of the `candidates` nodes (ties: the shallower, then the first listed), by depth then
-    likelier first, parents renumbered."""
-    best = sorted(candidates, key=lambda i: (-nodes[i].log_prob, nodes[i].depth))[:limit]
-    order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].log_prob))
-    return SentTree([nodes[i].token for i in order], renumbered_parents([node.parent for node in nodes], order),
-                    [math.exp(nodes[i].log_prob) for i in order])
 
 
 def padded_caches(head, rows: Sequence[tuple[KV | None, Sequence[KV]]], room: int = 0) -> tuple[KV, torch.Tensor]:
