@@ -55,7 +55,8 @@ from services.verifier.structured_output import GrammarCompiler, OutputConstrain
 logger = logging.getLogger(__name__)
 
 PROFILE_MAX_ROWS = 16  # the start-up cost profile's widest batch (larger ones are extrapolated, then observed)
-PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8 (also the widest graph captured before the first step)
+PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8 (and the narrowest widest graph captured before the first
+# step: _widest_captured)
 
 
 class EngineOverloadedError(RuntimeError):
@@ -137,10 +138,16 @@ class Engine:
             self._graphs_captured = True
             started = time.perf_counter()
             captured = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.runner.capture_graphs, PROFILE_MAX_WIDTH, captured_verify.PROTOTYPES)
+                self._executor, self.runner.capture_graphs, self._widest_captured(), captured_verify.PROTOTYPES)
             if captured:
                 logger.info("captured %d step graphs in %.1f s", captured, time.perf_counter() - started)
         await self._profile_step_cost()
+
+    def _widest_captured(self) -> int:
+        """The widest row captured before the first step: 1 + K for K = 8 (PROFILE_MAX_WIDTH), or 1 + the most
+        tokens a drafter declared it answers where that is more (a token tree of 24 nodes verifies 25 positions,
+        whose graphs would otherwise be captured inside the first steps that verify one)."""
+        return max(PROFILE_MAX_WIDTH, 1 + max(self._drafter_limits().values(), default=0))
 
     async def _profile_step_cost(self) -> None:
         """Time a few verify shapes once, before the first step (at start, or at the first step of an engine

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from services.common.proposer import ProposerCapabilities
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.runner import RowInput
 from services.modeling.step_graphs import GraphSettings, StepGraphs
@@ -130,6 +131,28 @@ def test_graphs_with_tails_are_captured_ahead():
     assert runner.capture_graphs(5, captured_verify.PROTOTYPES) == 0
     assert {key[3] for key in runner.graphs._graphs} == {None, ("verify", False), ("verify", True)}
     assert not runner.cache.keys[:, :, : runner.cache.block_size].any()  # the padding went to the sink
+
+
+class DeclaresItsWidth(RandomProposer):
+    """A drafter that declares the most tokens it answers (a remote drafter's Info does: a tree's node count)."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__(VOCAB, seed=0)
+        self.capabilities = ProposerCapabilities(max_speculative_tokens=most)
+
+
+@pytest.mark.parametrize(("most", "widest"), [(0, 9), (4, 9), (24, 25)])
+async def test_the_engine_captures_ahead_as_wide_as_its_drafters_answer(most, widest):
+    """Before its first step the engine captures rows as wide as K = 8's verify, or as a drafter's widest answer
+    plus its committed token where that is wider (a token tree of 24 nodes), so no step waits on such a capture."""
+    runner, _ = graphed_runner(tiny_llama())
+    asked = []
+    capture = runner.capture_graphs
+    runner.capture_graphs = lambda width, tails: asked.append(width) or capture(min(width, 5), tails)
+    config = EngineConfig(max_num_batched_tokens=24, log_stats_interval_s=0)
+    async with Engine(runner, config, {"wide": DeclaresItsWidth(most)}, eos_token_ids=()):
+        pass
+    assert asked == [widest]
 
 
 async def test_through_the_engine_greedy_and_sampled_output_is_unchanged():
