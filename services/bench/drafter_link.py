@@ -79,17 +79,9 @@ async def over_the_link(address: str, rows: int, context: int, capabilities, ste
                                   hidden_size=capabilities.hidden_size)
     proposer = await RemoteProposer.connect(config)
     try:
-        width = proposer_state_width(capabilities)
-        return await timed_calls(proposer, rows, context, width, steps, warm_up)
+        return await timed_calls(proposer, rows, context, capabilities.state_width, steps, warm_up)
     finally:
         await proposer.close()
-
-
-def proposer_state_width(capabilities) -> int:
-    """The width of the states a drafter reads a token (its layers side by side), 0 for one that reads none."""
-    if not capabilities.needs_hidden_states:
-        return 0
-    return capabilities.hidden_size * len(capabilities.hidden_layers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rows in rows_list:
             local_proposer = build_proposer(config)
             capabilities = local_proposer.capabilities
-            local = asyncio.run(timed_calls(local_proposer, rows, context, proposer_state_width(capabilities),
-                                            steps, warm_up))
+            local = asyncio.run(timed_calls(local_proposer, rows, context, capabilities.state_width, steps, warm_up))
             with drafter_process(argv_tail, lambda message: None) as (address, _):
                 linked = asyncio.run(over_the_link(address, rows, context, capabilities, steps, warm_up))
             what = "the ask" if eagle else "the lookup"

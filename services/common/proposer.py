@@ -87,6 +87,11 @@ class ProposerCapabilities:
     max_speculative_tokens: int = 0
 
     @property
+    def state_width(self) -> int:
+        """The width of the target states it reads a token (its layers side by side); 0 for one that reads none."""
+        return self.hidden_size * len(self.hidden_layers) if self.needs_hidden_states else 0
+
+    @property
     def vocabulary(self) -> tuple[int, str]:
         """(vocab_size, tokenizer_fingerprint), as vocabulary_mismatch compares them."""
         return self.vocab_size, self.tokenizer_fingerprint

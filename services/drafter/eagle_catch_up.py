@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.modeling.captured_shapes import CapturedShapes
 from services.modeling.host_copies import pinned
 from services.modeling.step_graphs import GraphBackend, TorchGraphs, power_of_two_at_least
 
@@ -61,9 +62,8 @@ class CatchUpGraphs:
                  device: torch.device) -> None:
         self._body, self._backend = body, backend
         self._width, self._dtype, self.device = state_width, dtype, device
-        self._graphs: dict[int, _Captured] = {}
-        self._uncapturable: set[int] = set()
-        self.capture_seconds = 0.0
+        self._captures: CapturedShapes[_Captured] = CapturedShapes("the EAGLE catch-up (positions)")
+        self._graphs = self._captures.graphs  # by padded number of positions
 
     @classmethod
     def for_device(cls, body: CatchUpBody, state_width: int, dtype: torch.dtype,
@@ -85,9 +85,9 @@ class CatchUpGraphs:
         while size <= min(max_positions, MAX_POSITIONS):
             sizes.append(size)
             size *= 2
-        sizes = [s for s in sizes if s not in self._graphs and s not in self._uncapturable]
+        sizes = [s for s in sizes if not self._captures.known(s)]
         started = time.perf_counter()
-        captured = sum(self._capture(size) is not None for size in sizes)
+        captured = sum(self._captures.get(s, lambda s=s: self._capture(s), ahead=True) is not None for s in sizes)
         if sizes:
             logger.info("captured %d of %d EAGLE catch-up graphs ahead (up to %d positions) in %.1f s", captured,
                         len(sizes), sizes[-1], time.perf_counter() - started)
@@ -98,9 +98,7 @@ class CatchUpGraphs:
         sliced to N (views of the graph's outputs: the next replay overwrites them); None: run it eagerly."""
         count = ids.shape[0]
         size = self.size_for(count)
-        if size is None or size in self._uncapturable:
-            return None
-        captured = self._graphs.get(size) or self._capture(size)
+        captured = None if size is None else self._captures.get(size, lambda: self._capture(size))
         if captured is None:
             return None
         indices = torch.zeros(2, size, dtype=torch.int64)
@@ -114,19 +112,16 @@ class CatchUpGraphs:
         features, keys, values = captured.outputs
         return features[:count], keys[:count], values[:count]
 
-    def _capture(self, size: int) -> _Captured | None:
-        started = time.perf_counter()
+    @property
+    def capture_seconds(self) -> float:
+        return self._captures.seconds
+
+    def _capture(self, size: int) -> _Captured:
+        """The body captured over zeroed buffers of `size` positions (raises where the platform refuses)."""
         indices = torch.zeros(2, size, dtype=torch.int64, device=self.device)
         states = torch.zeros(size, self._width, dtype=self._dtype, device=self.device)
-        try:
-            replay, outputs = self._backend.capture(lambda: self._body(indices[0], states, indices[1]))
-        except Exception:  # noqa: BLE001 - a capture the platform refuses costs speed, never a draft
-            logger.exception("capturing the EAGLE catch-up of %d positions failed; it runs eagerly", size)
-            self._uncapturable.add(size)
-            return None
-        captured = self._graphs[size] = _Captured(replay, indices, states, outputs)
-        self.capture_seconds += time.perf_counter() - started
-        return captured
+        replay, outputs = self._backend.capture(lambda: self._body(indices[0], states, indices[1]))
+        return _Captured(replay, indices, states, outputs)
 
     def __len__(self) -> int:
-        return len(self._graphs)
+        return len(self._captures)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from services.modeling.eagle_head import DraftRows
+from services.modeling.captured_shapes import CapturedShapes
 from services.modeling.host_copies import pinned
 from services.modeling.step_graphs import GraphBackend, TorchGraphs, power_of_two_at_least
 
@@ -171,10 +172,9 @@ class HeadGraphs:
         self._backend = backend
         self._kv_heads, self._head_dim, self._hidden = kv_heads, head_dim, hidden
         self._dtype, self.device = dtype, device
-        self._graphs: dict[tuple[int, int, Hashable], _Captured] = {}
+        self._captures: CapturedShapes[_Captured] = CapturedShapes("EAGLE drafting (rows, span, parameter)")
+        self._graphs = self._captures.graphs  # by (rows, span, the body's parameter)
         self._inputs: dict[tuple[int, int], _StaticInputs] = {}  # per (rows, span): what its graphs read
-        self._uncapturable: set[tuple[int, int, Hashable]] = set()
-        self.capture_seconds = 0.0
 
     @classmethod
     def for_device(cls, body: HeadBody, kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
@@ -210,10 +210,10 @@ class HeadGraphs:
 
     def capture_ahead(self, max_rows: int, parameters: Iterable[Hashable], max_span: int | None = None) -> int:
         """Capture now, before any call, the graphs of shapes_ahead not captured yet; returns how many were."""
-        shapes = [key for key in self.shapes_ahead(max_rows, parameters, max_span)
-                  if key not in self._graphs and key not in self._uncapturable]
+        shapes = [key for key in self.shapes_ahead(max_rows, parameters, max_span) if not self._captures.known(key)]
         started = time.perf_counter()
-        captured = sum(self._capture(key, ahead=True) is not None for key in shapes)
+        captured = sum(self._captures.get(key, lambda key=key: self._capture(key), ahead=True) is not None
+                       for key in shapes)
         if shapes:
             logger.info("captured %d of %d EAGLE drafting graphs ahead (up to %d rows; %s) in %.1f s", captured,
                         len(shapes), shapes[-1][0], ", ".join(map(str, dict.fromkeys(k[2] for k in shapes))),
@@ -224,35 +224,24 @@ class HeadGraphs:
         """The body's output for `rows` ([len(rows), ...] on the device); None where they must run eagerly."""
         span = max((0 if r.cache is None else r.cache[0].shape[2] for r in rows), default=0)
         key = self.shape_for(len(rows), span, parameter)
-        if key is None or key in self._uncapturable:
-            return None
-        captured = self._graphs.get(key)
+        captured = None if key is None else self._captures.get(key, lambda: self._capture(key))
         if captured is None:
-            captured = self._capture(key)
-            if captured is None:
-                return None
+            return None
         self._fill(captured.inputs, rows)
         captured.replay()
         return captured.output[: len(rows)]
 
-    def _capture(self, key: tuple[int, int, Hashable], ahead: bool = False) -> _Captured | None:
-        started = time.perf_counter()
+    @property
+    def capture_seconds(self) -> float:
+        return self._captures.seconds
+
+    def _capture(self, key: tuple[int, int, Hashable]) -> _Captured:
+        """The body captured over the static buffers of its (rows, span) (raises where the platform refuses)."""
         static = self._inputs.get(key[:2])
         if static is None:
             static = self._inputs[key[:2]] = self._static_inputs(*key[:2])
-        try:
-            replay, output = self._backend.capture(lambda: self._body(static.read(), key[2]))
-        except Exception:  # noqa: BLE001 - a capture the platform refuses costs speed, never a draft
-            logger.exception("capturing EAGLE drafting of %d rows x %d positions (%s) failed; that shape drafts "
-                             "eagerly", *key)
-            self._uncapturable.add(key)
-            return None
-        captured = self._graphs[key] = _Captured(replay, static, output)
-        seconds = time.perf_counter() - started
-        self.capture_seconds += seconds
-        logger.log(logging.DEBUG if ahead else logging.INFO, "captured EAGLE drafting of %d rows x %d positions "
-                   "(%s) in %.2f s (%d graphs)", *key, seconds, len(self._graphs))
-        return captured
+        replay, output = self._backend.capture(lambda: self._body(static.read(), key[2]))
+        return _Captured(replay, static, output)
 
     def _static_inputs(self, rows: int, span: int) -> _StaticInputs:
         options = {"device": self.device}
@@ -282,4 +271,4 @@ class HeadGraphs:
         static.features[:count] = torch.stack([r.feature for r in rows])
 
     def __len__(self) -> int:
-        return len(self._graphs)
+        return len(self._captures)

@@ -55,8 +55,7 @@ from services.verifier.structured_output import GrammarCompiler, OutputConstrain
 logger = logging.getLogger(__name__)
 
 PROFILE_MAX_ROWS = 16  # the start-up cost profile's widest batch (larger ones are extrapolated, then observed)
-PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8 (and the narrowest widest graph captured before the first
-# step: _widest_captured)
+PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8 (graphs are captured ahead at least this wide)
 
 
 class EngineOverloadedError(RuntimeError):

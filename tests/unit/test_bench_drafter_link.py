@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.bench.drafter_link import K, proposer_state_width, timed_calls
+from services.bench.drafter_link import K, timed_calls
 from services.common.proposer import Draft, ProposerCapabilities
 
 
@@ -30,5 +30,5 @@ def test_calls_grow_a_token_at_a_time_with_a_state_row_per_token_run():
 
 def test_the_state_width_is_the_layers_a_drafter_reads_side_by_side():
     eagle3 = ProposerCapabilities(vocab_size=10, needs_hidden_states=True, hidden_size=8, hidden_layers=(2, 5, -1))
-    assert proposer_state_width(eagle3) == 24
-    assert proposer_state_width(ProposerCapabilities(vocab_size=10)) == 0
+    assert eagle3.state_width == 24
+    assert ProposerCapabilities(vocab_size=10).state_width == 0

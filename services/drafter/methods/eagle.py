@@ -160,20 +160,25 @@ class EagleProposer:
         return self.predrafts.counts
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
-        if self._compute is None:
-            self._compute = worker_thread()
+        compute = self._compute_thread()
         wanted = [wants_predraft(item, self.pipelining) for item in inputs]
         # A pre-draft reads its inputs after this call returned, when the caller appends to token_ids: a snapshot.
         inputs = [replace(item, token_ids=tuple(item.token_ids)) if want else item
                   for item, want in zip(inputs, wanted, strict=True)]
         self.predrafting.call_arrived()
-        drafts = await asyncio.get_running_loop().run_in_executor(self._compute, self._draft_all, inputs)
+        drafts = await asyncio.get_running_loop().run_in_executor(compute, self._draft_all, inputs)
         # a tree's guess is its first path (the head's likeliest chain, as far as the tree kept it) accepted whole
         ahead = [(item, guessed_path(draft)) for item, draft, want in zip(inputs, drafts, wanted, strict=True)
                  if want and draft.token_ids]
         if ahead:
-            self.predrafting.start(self._compute, self._predraft, ahead)
+            self.predrafting.start(compute, self._predraft, ahead)
         return drafts
+
+    def _compute_thread(self) -> Executor:
+        """The one thread every tensor operation runs on (made at the first need)."""
+        if self._compute is None:
+            self._compute = worker_thread()
+        return self._compute
 
     def release(self, seq_id: Hashable) -> None:
         with self._lock:
@@ -257,14 +262,13 @@ class EagleProposer:
         the first asks of both EAGLE drafters missed the verifier's 0.5 s draft deadline, after which the verifier
         asked them only by probes for most of a run. The sequence is shorter than a head prefix-cache block, so
         nothing of it is kept."""
-        if self._compute is None:
-            self._compute = worker_thread()
+        compute = self._compute_thread()
         tokens = list(range(1, BLOCK))
         states = torch.zeros(len(tokens), self.state_width)
         started = time.perf_counter()
         for n in (len(tokens) - 1, len(tokens)):
             item = DraftInput(WARM_UP_SEQUENCE, tokens[:n], k, states[: n - 1])
-            self._compute.submit(self._draft_all, [item]).result()
+            compute.submit(self._draft_all, [item]).result()
         self.release(WARM_UP_SEQUENCE)
         return time.perf_counter() - started
 
