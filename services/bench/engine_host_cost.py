@@ -1,6 +1,7 @@
 """What the engine's own host work costs a step, with the model taken out: the ceiling a fast accelerator meets.
 
-Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel] [--link]`. On an H100
+Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel|chat] [--link]
+[--simulated-step-ms BASE ROW TOKEN]`. On an H100
 SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the
 host, committing, the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
 ScriptedRunner: a "model" that answers instantly with logits that continue a fixed token script, so that the time
@@ -9,6 +10,10 @@ speculation and with ngram (K = 4): tokens/s, forwards, and host ms per forward.
 
 `--text novel` scripts text that never repeats, so the n-gram drafter never has a draft (new chat text, where it
 mostly has none): what speculation costs where it cannot pay, which adaptive speculation should keep near nothing.
+`--text chat` scripts the case between them that new chat text is (scripted_model.py): about half the rows have an
+n-gram draft and a token or two of it is accepted. `--simulated-step-ms BASE ROW TOKEN` sleeps a device step time
+of that shape in each forward, as a host waits on its accelerator (`2.4 0.035 0.002`: the H200's captured
+SmolLM2-135M step), so that speculation against none is weighed as on that device, on a machine without one.
 `--link` reaches the drafter as deployed, a `specserve drafter` process over gRPC, so each drafting call costs a
 round trip (in process, the lookup alone).
 
@@ -23,101 +28,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import time
-from collections.abc import Hashable, Sequence
-
-import torch
+from collections.abc import Sequence
 
 from services.bench.drafter_process import drafter_process
 from services.bench.hardware import describe_hardware
 from services.common.speculative_config import SpeculativeConfig
+from services.bench.scripted_model import SCRIPT_PERIOD, SCRIPTS, ScriptedRunner, Script, SimulatedDevice
 from services.inprocess import local_proposers
-from services.modeling.runner import ForwardOutput, KVUsage, RowInput
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
-
-SCRIPT_PERIOD = 40
-CONFIDENT = 30.0  # the scripted token's logit; every other token's is 0
-
-
-def script_token(position: int, vocab: int, period: int = SCRIPT_PERIOD) -> int:
-    """The token the scripted model puts at `position`: a period of `period` distinct tokens (at most `vocab`)."""
-    return (position % period * 7919 + 13) % vocab
-
-
-class ScriptedRunner:
-    """A ModelRunner whose forward costs next to nothing: at every position it predicts the script's next token."""
-
-    supports_trees = False
-    device = torch.device("cpu")
-
-    def __init__(self, max_num_seqs: int, vocab_size: int, max_model_len: int = 8192, period: int = SCRIPT_PERIOD
-                 ) -> None:
-        self.vocab_size = vocab_size
-        self.period = period
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.forwards = 0
-        self.forward_s = 0.0
-        self._lengths: dict[Hashable, int] = {}
-
-    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
-        self._lengths[seq_id] = 0
-        return 0
-
-    def remove_sequence(self, seq_id: Hashable) -> None:
-        self._lengths.pop(seq_id, None)
-
-    def num_free_slots(self) -> int:
-        return self.max_num_seqs - len(self._lengths)
-
-    def length(self, seq_id: Hashable) -> int:
-        return self._lengths[seq_id]
-
-    def truncate(self, seq_id: Hashable, length: int) -> None:
-        self._lengths[seq_id] = length
-
-    def kv_blocks_needed(self, seq_id: Hashable | None, length: int) -> int:
-        return 0
-
-    def kv_blocks_available(self) -> int:
-        return 1 << 30
-
-    def reserve(self, seq_id: Hashable, length: int) -> None:
-        pass
-
-    def capture_graphs(self, max_width: int, tails: Sequence = ()) -> int:
-        return 0
-
-    @property
-    def kv_usage(self) -> KVUsage:
-        return KVUsage(1, 0, 0, 16, None)
-
-    def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
-        started = time.perf_counter()
-        self.forwards += 1
-        logits = torch.zeros(len(rows), max(row.num_logits for row in rows), self.vocab_size)
-        for b, row in enumerate(rows):
-            start, fed = self._lengths[row.seq_id], len(row.token_ids)
-            for i in range(row.num_logits):  # logits i belong to fed position fed - num_logits + i
-                position = start + fed - row.num_logits + i + 1
-                logits[b, i, script_token(position, self.vocab_size, self.period)] = CONFIDENT
-            self._lengths[row.seq_id] = start + fed
-        self.forward_s += time.perf_counter() - started
-        return ForwardOutput(logits=logits, hidden_states=torch.zeros(len(rows), max(len(r.token_ids) for r in rows), 1))
-
+from services.verifier.spec_stats import SpecDecodeStats
 
 async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True, novel: bool = False,
-                   drafter: str | None = None) -> dict[str, float]:
+                   drafter: str | None = None, text: str | None = None, simulated: SimulatedDevice | None = None
+                   ) -> dict[str, float]:
     """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round. adaptive: the engine's
     default adaptive speculation, whose K follows the step costs it measures (so the number of forwards depends on
-    the machine and its load); False: K = 4 at every step. novel: text that never repeats within the vocabulary
-    (each request's prompt and output must fit in it). drafter: the address of an ngram drafter process to reach
-    over gRPC; None: the lookup in process."""
-    period = vocab if novel else SCRIPT_PERIOD
-    runner = ScriptedRunner(rows, vocab, period=period)
+    the machine and its load); False: K = 4 at every step. text: the script (scripted_model.SCRIPTS; default
+    "novel" where `novel`, else "repeating"; novel text must fit each request's prompt and output in the
+    vocabulary). drafter: the address of an ngram drafter process to reach over gRPC; None: the lookup in process.
+    simulated: a device step time slept in each forward (None: the forward answers at once)."""
+    script = Script(text or ("novel" if novel else "repeating"), vocab)
+    runner = ScriptedRunner(rows, script, simulated=simulated)
     if drafter is None:
         proposers = local_proposers(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     else:
@@ -129,7 +65,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     prompt_length = 2 * SCRIPT_PERIOD
 
     async def one(name: str, offset: int) -> list[int]:
-        prompt = tuple(script_token(p, vocab, period) for p in range(prompt_length + offset))
+        prompt = tuple(script.token(p) for p in range(prompt_length + offset))
         request = GenerationRequest(name, prompt, SamplingParams(max_tokens=tokens, temperature=0.0), speculation)
         out: list[int] = []
         async for output in engine.generate(request):
@@ -139,15 +75,20 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     async with engine:
         await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
         forwards, forward_s, started, asked = runner.forwards, runner.forward_s, time.perf_counter(), calls.count
+        before = copy.deepcopy(engine.stats_by_method.get("ngram")) or SpecDecodeStats()
         outputs = await asyncio.gather(*(one(f"run-{i}", i) for i in range(rows)))
         seconds = time.perf_counter() - started
+        after = engine.stats_by_method.get("ngram") or SpecDecodeStats()
     if drafter is not None:
         await proposers["ngram"].close()
     steps = runner.forwards - forwards
     return {"tokens": sum(map(len, outputs)), "seconds": seconds, "forwards": steps,
             "drafter_calls": calls.count - asked,
+            "drafts": after.num_drafts - before.num_drafts,
+            "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
+            "accepted": after.num_accepted_tokens - before.num_accepted_tokens,
             "host_ms_per_forward": 1000 * (seconds - (runner.forward_s - forward_s)) / max(steps, 1),
-            "follows_script": all(out == [script_token(prompt_length + i + j, vocab, period) for j in range(len(out))]
+            "follows_script": all(out == [script.token(prompt_length + i + j) for j in range(len(out))]
                                   for i, out in enumerate(outputs))}
 
 
@@ -170,14 +111,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--text", choices=("repeating", "novel"), default="repeating")
+    parser.add_argument("--text", choices=SCRIPTS, default="repeating")
     parser.add_argument("--link", action="store_true", help="the ngram drafter as a process, over gRPC")
+    parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
+                        help="sleep a device step time in each forward: BASE ms + ROW ms a row beyond the first + "
+                             "TOKEN ms a token beyond one a row (the H200's captured step: 2.4 0.035 0.002)")
     args = parser.parse_args(argv)
-    novel = args.text == "novel"
-    if novel and args.vocab < 2 * SCRIPT_PERIOD + max(args.rows) + args.tokens:
+    if args.text == "novel" and args.vocab < 2 * SCRIPT_PERIOD + max(args.rows) + args.tokens:
         parser.error("--text novel needs a vocabulary larger than a request's prompt and output (raise --vocab)")
+    simulated = SimulatedDevice(*args.simulated_step_ms) if args.simulated_step_ms else None
     for key, value in describe_hardware().items():
         print(f"{key}: {value}")
+    if simulated is not None:
+        print(f"simulated device step: {simulated}")
     with contextlib.ExitStack() as stack:
         drafter = None
         if args.link:
@@ -186,11 +132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rows in args.rows:
             rates = {}
             for speculate in (False, True):
-                figures = asyncio.run(run_case(rows, speculate, args.tokens, args.vocab, novel=novel, drafter=drafter))
+                figures = asyncio.run(run_case(rows, speculate, args.tokens, args.vocab, drafter=drafter,
+                                               text=args.text, simulated=simulated))
                 rates[speculate] = figures["tokens"] / figures["seconds"]
+                drafts = figures["drafts"]
+                verified = (f", {drafts} drafts verified ({figures['draft_tokens'] / drafts:.1f} tokens, "
+                            f"{figures['accepted'] / drafts:.2f} accepted)" if drafts else "")
                 print(f"{rows:>3} rows, {args.text} text, {'ngram K=4' if speculate else 'no speculation'}"
                       f"{' over gRPC' if speculate and args.link else ''}: {rates[speculate]:7.0f} tok/s, "
-                      f"{figures['forwards']} forwards, {figures['drafter_calls']} drafter calls, "
+                      f"{figures['forwards']} forwards, {figures['drafter_calls']} drafter calls{verified}, "
                       f"{figures['host_ms_per_forward']:.2f} ms of host work a forward"
                       + ("" if figures["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"), flush=True)
             print(f"{rows:>3} rows, {args.text} text: ngram / none {rates[True] / rates[False]:.2f}x", flush=True)

@@ -24,3 +24,21 @@ async def test_on_novel_text_over_the_link_the_script_is_followed_and_the_drafte
         drafted = await run_case(rows=2, speculate=True, tokens=100, vocab=512, novel=True, drafter=address)
     assert drafted["follows_script"] and drafted["tokens"] == 200
     assert drafted["drafter_calls"] < 30  # the first asks and a few probes in 100 steps
+
+
+async def test_the_chat_script_gives_some_drafts_a_token_or_two_and_the_simulated_device_takes_its_time():
+    """--text chat: n-gram drafts of it are neither always right (repeating) nor never there (novel); the output
+    still follows the script. --simulated-step-ms: each forward takes at least the simulated step."""
+    from services.bench.scripted_model import ScriptedRunner, Script, SimulatedDevice
+    from services.modeling.runner import RowInput
+
+    drafted = await run_case(rows=4, speculate=True, tokens=64, vocab=512, adaptive=False, text="chat")
+    assert drafted["follows_script"] and drafted["tokens"] == 256
+    accepted_a_draft = drafted["accepted"] / drafted["drafts"]
+    assert drafted["drafts"] > 20 and 0.2 < accepted_a_draft < 2.5, drafted
+    device = SimulatedDevice(base_ms=20.0, row_ms=1.0, token_ms=0.5)
+    runner = ScriptedRunner(4, Script("chat", 512), simulated=device)
+    for seq in range(4):
+        runner.add_sequence(seq)
+    runner.forward([RowInput(seq, [1, 2, 3], 3) for seq in range(4)])
+    assert runner.forward_s >= device.seconds(rows=4, tokens=12) == (20.0 + 3 * 1.0 + 8 * 0.5) / 1000

@@ -1,0 +1,140 @@
+"""A model that costs next to nothing and says what a script says: what the engine-host-cost bench drives the
+engine with, so that the time measured is the engine's own (or, with a simulated device, the engine's own plus a
+step time of the shape an accelerator's captured step has).
+
+Three scripts: `repeating` (a period of 40 tokens: n-gram drafts from the context are right), `novel` (no token
+repeats within the vocabulary: n-gram drafting never has a draft) and `chat`, the case between them that serving
+new chat text is: phrases that recur with words changed, so that an n-gram drafter mostly has a draft from some
+earlier occurrence and a token or two of it is accepted (about half the rows drafting, 0.6 tokens accepted a
+draft of 4 on the H200's chats, stop 53)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.modeling.runner import ForwardOutput, KVUsage, RowInput
+
+SCRIPT_PERIOD = 40
+CONFIDENT = 30.0  # the scripted token's logit; every other token's is 0
+SCRIPTS = ("repeating", "novel", "chat")
+CHAT_PHRASE = 6  # tokens a phrase
+CHAT_PHRASES = 12  # distinct phrases the chat script draws from
+CHAT_CHANGED_PERCENT = 30  # of a chat phrase's tokens, the share replaced by a token of nowhere in particular
+
+
+def _mix(value: int) -> int:
+    """An integer hash (Knuth's multiplicative, then a fold): scripted, not random, so runs repeat exactly."""
+    value = (value * 2654435761) & 0xFFFFFFFF
+    return value ^ (value >> 15)
+
+
+@dataclass(frozen=True)
+class Script:
+    kind: str
+    vocab: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCRIPTS:
+            raise ValueError(f"script must be one of {SCRIPTS}, got {self.kind!r}")
+
+    def token(self, position: int) -> int:
+        """The token the scripted model puts at `position`."""
+        if self.kind == "repeating":
+            return script_token(position, self.vocab)
+        if self.kind == "novel":
+            return script_token(position, self.vocab, period=self.vocab)
+        if _mix(position * 3 + 1) % 100 < CHAT_CHANGED_PERCENT:
+            return _mix(position * 5 + 2) % self.vocab
+        phrase = _mix(position // CHAT_PHRASE) % CHAT_PHRASES
+        return _mix(phrase * CHAT_PHRASE + position % CHAT_PHRASE + 7) % self.vocab
+
+
+def script_token(position: int, vocab: int, period: int = SCRIPT_PERIOD) -> int:
+    """The token at `position` of a period of `period` distinct tokens (at most `vocab`)."""
+    return (position % period * 7919 + 13) % vocab
+
+
+@dataclass(frozen=True)
+class SimulatedDevice:
+    """A step time of an accelerator's shape, slept inside the forward, as a host waits on its device:
+    `base_ms` + `row_ms` a row beyond the first + `token_ms` a token beyond one a row. The default is the H200's
+    captured SmolLM2-135M step in bf16 (stop 53: 2.4 ms at 1 row, 2.8 at 8, 4.7 at 64 on the device; 0.5 ms more
+    at 64 rows verifying 4 drafts each)."""
+
+    base_ms: float = 2.4
+    row_ms: float = 0.035
+    token_ms: float = 0.002
+
+    def seconds(self, rows: int, tokens: int) -> float:
+        return (self.base_ms + self.row_ms * (rows - 1) + self.token_ms * (tokens - rows)) / 1000.0
+
+
+class ScriptedRunner:
+    """A ModelRunner whose forward costs next to nothing (or a simulated device's time): at every position it
+    predicts the script's next token."""
+
+    supports_trees = False
+    device = torch.device("cpu")
+
+    def __init__(self, max_num_seqs: int, script: Script, max_model_len: int = 8192,
+                 simulated: SimulatedDevice | None = None) -> None:
+        self.vocab_size = script.vocab
+        self.script = script
+        self.simulated = simulated
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.forwards = 0
+        self.forward_s = 0.0
+        self._lengths: dict[Hashable, int] = {}
+
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
+        self._lengths[seq_id] = 0
+        return 0
+
+    def remove_sequence(self, seq_id: Hashable) -> None:
+        self._lengths.pop(seq_id, None)
+
+    def num_free_slots(self) -> int:
+        return self.max_num_seqs - len(self._lengths)
+
+    def length(self, seq_id: Hashable) -> int:
+        return self._lengths[seq_id]
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        self._lengths[seq_id] = length
+
+    def kv_blocks_needed(self, seq_id: Hashable | None, length: int) -> int:
+        return 0
+
+    def kv_blocks_available(self) -> int:
+        return 1 << 30
+
+    def reserve(self, seq_id: Hashable, length: int) -> None:
+        pass
+
+    def capture_graphs(self, max_width: int, tails: Sequence = ()) -> int:
+        return 0
+
+    @property
+    def kv_usage(self) -> KVUsage:
+        return KVUsage(1, 0, 0, 16, None)
+
+    def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
+        started = time.perf_counter()
+        self.forwards += 1
+        width = max(len(row.token_ids) for row in rows)
+        logits = torch.zeros(len(rows), max(row.num_logits for row in rows), self.vocab_size)
+        for b, row in enumerate(rows):
+            start, fed = self._lengths[row.seq_id], len(row.token_ids)
+            for i in range(row.num_logits):  # logits i belong to fed position fed - num_logits + i
+                position = start + fed - row.num_logits + i + 1
+                logits[b, i, self.script.token(position)] = CONFIDENT
+            self._lengths[row.seq_id] = start + fed
+        if self.simulated is not None:  # the rows run padded to the widest, as the engine's decode rows do
+            time.sleep(max(0.0, self.simulated.seconds(len(rows), len(rows) * width) - (time.perf_counter() - started)))
+        self.forward_s += time.perf_counter() - started
+        return ForwardOutput(logits=logits, hidden_states=torch.zeros(len(rows), width, 1))
