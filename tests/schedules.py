@@ -10,6 +10,7 @@ from services.verifier.draft_collection import ProposedDraft
 from services.verifier.request_state import RequestState
 from services.verifier.speculation_planner import SpeculationPlanner
 from services.verifier.step_cost import StepCostModel
+from services.verifier.step_planning import PrefillBacklog
 
 
 class RandomSchedulePlanner(SpeculationPlanner):
@@ -20,7 +21,8 @@ class RandomSchedulePlanner(SpeculationPlanner):
         self.rng = random.Random(seed)
         self.lengths_used: set[int] = set()
 
-    def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> list[ProposedDraft]:
+    def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft],
+                      backlog: PrefillBacklog | None = None) -> list[ProposedDraft]:
         out = []
         for draft in drafts:
             k = self.rng.randint(0, len(draft.tokens))

@@ -49,7 +49,7 @@ from services.verifier.spec_stats import PeriodicStatsLogger, SpecDecodeStats
 from services.verifier.speculation_planner import SpeculationPlanner
 from services.verifier.step_cost import StepCostModel, profile_step_cost
 from services.verifier.step_execution import SampledRow, StepResult, execute_isolating_faults
-from services.verifier.step_planning import PrefillChunk, plan_prefill, speculation_cap
+from services.verifier.step_planning import PrefillBacklog, PrefillChunk, plan_prefill, speculation_cap
 from services.verifier.structured_output import GrammarCompiler, OutputConstraintError, build_constraint
 
 logger = logging.getLogger(__name__)
@@ -362,16 +362,18 @@ class Engine:
         )
         decode = [s for s in self._running if not s.prefilling]
         caps = [self._speculation_cap(s, limits) for s in decode]
-        asks = self.planner.draft_requests(decode, caps)
-        decode_tokens = sum(1 + k for k in asks)
-        prefill = plan_prefill(self._running, decode_tokens, self.config.max_num_batched_tokens)
-        if not decode and not prefill:
+        backlog = PrefillBacklog.of(self._running, self.config.max_num_batched_tokens)
+        if not decode and not backlog.waiting:
             return
+        asks = self.planner.draft_requests(decode, caps, backlog)
         drafting_started = time.perf_counter()
         proposed = await self.drafts.collect(decode, asks)
         drafting_s = time.perf_counter() - drafting_started
         self.planner.observe_drafting(max(asks, default=0), drafting_s)
-        drafts = self.planner.choose_drafts(decode, proposed)
+        drafts = self.planner.choose_drafts(decode, proposed, backlog)
+        # planned once the drafts are in hand: a row asked for drafts that has none leaves its room to the prompts
+        decode_tokens = sum(1 + len(d.tokens) for d in drafts)
+        prefill = plan_prefill(self._running, decode_tokens, self.config.max_num_batched_tokens)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(
             self._executor, execute_isolating_faults, self.runner, prefill, decode, drafts

@@ -65,7 +65,7 @@ def plan_prefill(running: Sequence[RequestState], decode_tokens: int, max_num_ba
     token prefills (vLLM's partial-prefill limits serve the same end). The oldest long prompt keeps at least a
     quarter of the budget every step, so a stream of short prompts cannot stall it; long prompts share what is left
     in arrival order. Chunks come back in running order."""
-    budget = max(max_num_batched_tokens - decode_tokens, max_num_batched_tokens // 4, 1)
+    budget = prefill_room(max_num_batched_tokens, decode_tokens)
     prefilling = [state for state in running if state.prefilling]
     short = [state for state in prefilling if remaining_prefill(state) <= budget // 2]
     long = [state for state in prefilling if remaining_prefill(state) > budget // 2]
@@ -91,6 +91,33 @@ def plan_prefill(running: Sequence[RequestState], decode_tokens: int, max_num_ba
             chunks.append(PrefillChunk(state, state.token_ids[start : start + n], final=start + n == target,
                                        start=start, resumes=state.num_output_tokens > 0))
     return chunks
+
+
+def prefill_room(max_num_batched_tokens: int, decode_tokens: int) -> int:
+    """The prompt tokens a step may prefill beside its decode rows' `decode_tokens`: the budget they leave, but
+    never less than a quarter of it."""
+    return max(max_num_batched_tokens - decode_tokens, max_num_batched_tokens // 4, 1)
+
+
+@dataclass(frozen=True)
+class PrefillBacklog:
+    """The prompt tokens running requests still have to prefill, against the step's token budget: what a step's
+    drafts compete with. Where the budget binds, every draft token fed pushes a prompt token to a later step."""
+
+    waiting: int = 0
+    max_num_batched_tokens: int = 1
+
+    @classmethod
+    def of(cls, running: Sequence[RequestState], max_num_batched_tokens: int) -> PrefillBacklog:
+        return cls(sum(remaining_prefill(s) for s in running if s.prefilling), max_num_batched_tokens)
+
+    def displaced(self, narrow_tokens: int, wide_tokens: int) -> int:
+        """Prompt tokens a step whose decode rows feed `wide_tokens` leaves for a later step that one feeding
+        `narrow_tokens` would have prefilled."""
+        return max(0, self.prefilled(narrow_tokens) - self.prefilled(wide_tokens))
+
+    def prefilled(self, decode_tokens: int) -> int:
+        return min(self.waiting, prefill_room(self.max_num_batched_tokens, decode_tokens))
 
 
 def remaining_prefill(state: RequestState) -> int:

@@ -158,7 +158,7 @@ class RandomTreeCuts(SpeculationPlanner):
         self.rng = random.Random(seed)
         self.kept: set[int] = set()
 
-    def choose_drafts(self, decode, drafts):
+    def choose_drafts(self, decode, drafts, backlog=None):
         out = []
         for draft in drafts:
             k = self.rng.randint(0, len(draft.tokens))

@@ -128,6 +128,41 @@ def test_a_speculative_step_pays_its_own_bookkeeping():
     assert planner.overhead_s == pytest.approx(0.005, rel=1e-3)
 
 
+def test_drafts_that_push_waiting_prompts_to_a_later_step_pay_for_it():
+    """Where prompts wait and the token budget binds, each draft token fed pushes a prompt token to a later step:
+    64 rows that would verify drafts with a step to themselves verify fewer or none beside a backlog, and the same
+    when the backlog fits beside the drafts."""
+    import asyncio
+
+    from services.verifier.request_state import RequestState
+    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
+    from services.verifier.step_planning import PrefillBacklog
+
+    async def states() -> list[RequestState]:
+        return [RequestState(GenerationRequest(f"r{i}", (1, 2, 3), speculation=SpeculationParams("ngram", 4)), 0,
+                             [1, 2, 3], asyncio.Queue()) for i in range(64)]
+
+    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)  # an accelerator's flat step
+    planner = SpeculationPlanner(cost, adaptive=True)
+    for _ in range(200):
+        planner.observe_overhead(0.002)
+    decode = asyncio.run(states())
+    for state in decode:
+        state.speculation = planner.start("ngram")
+        for _ in range(20):
+            state.speculation.acceptance.observe(4, 1)
+            state.speculation.drafts.observe(True)
+    alone = planner.draft_requests(decode, [4] * 64)
+    assert max(alone) >= 1
+    assert planner.draft_requests(decode, [4] * 64, PrefillBacklog(waiting=40, max_num_batched_tokens=512)) == alone
+    crowded = planner.draft_requests(decode, [4] * 64, PrefillBacklog(waiting=5000, max_num_batched_tokens=512))
+    assert max(crowded) < max(alone), (alone[0], crowded[0])
+    drafts = [ProposedDraft([5, 6, 7, 8], None) for _ in decode]
+    assert [len(d.tokens) for d in planner.choose_drafts(decode, drafts)] == [max(alone)] * 64
+    chosen = planner.choose_drafts(decode, drafts, PrefillBacklog(waiting=5000, max_num_batched_tokens=512))
+    assert all(len(d.tokens) < max(alone) for d in chosen)
+
+
 def test_a_rejected_probe_backs_off_and_an_accepted_one_resets():
     probe = ProbeSchedule()
     for _ in range(PROBE_INTERVAL):

@@ -7,7 +7,7 @@ import asyncio
 
 from services.verifier.request_state import RequestState
 from services.verifier.sampling_params import GenerationRequest, SamplingParams
-from services.verifier.step_planning import plan_prefill
+from services.verifier.step_planning import PrefillBacklog, plan_prefill
 
 
 def state(request_id: str, prompt_len: int, computed: int = 0) -> RequestState:
@@ -46,6 +46,18 @@ def test_the_budget_holds_with_decode_rows_and_long_prompts_share_it_in_arrival_
     assert sizes == {"long1": 128}  # never less than a quarter of the budget for prompts
 
 
+def test_drafts_displace_prompt_tokens_only_where_the_budget_binds():
+    running = [state("done", 10, computed=10), state("a", 300, computed=100), state("b", 500)]
+    backlog = PrefillBacklog.of(running, max_num_batched_tokens=512)
+    assert backlog.waiting == 200 + 500
+    assert backlog.displaced(narrow_tokens=64, wide_tokens=64 * 4) == 448 - 256  # each draft token pushes one out
+    assert backlog.displaced(narrow_tokens=64, wide_tokens=64 * 9) == 448 - 128  # a quarter always prefills
+    assert backlog.displaced(narrow_tokens=64, wide_tokens=64) == 0
+    small = PrefillBacklog.of([state("c", 200, computed=150)], max_num_batched_tokens=512)
+    assert small.displaced(narrow_tokens=64, wide_tokens=64 * 4) == 0  # 50 waiting fit either way
+    assert PrefillBacklog.of(running[:1], 512).waiting == 0
+
+
 async def test_a_chat_sent_after_long_prompts_gets_its_first_token_in_the_first_step():
     """On the engine: two long prompts (seven steps of prefill each at 64 tokens a step) and then a short chat,
     all at once; the chat's first token comes from the first step, the long prompts' after the chat's is done;
@@ -78,3 +90,26 @@ async def test_a_chat_sent_after_long_prompts_gets_its_first_token_in_the_first_
         got = [t for o in first_step[request.request_id] + streams[request.request_id].ready_outputs()
                for t in o.token_ids]
         assert got == alone, request.request_id
+
+
+async def test_a_row_asked_for_drafts_that_has_none_leaves_its_room_to_prompts():
+    """The prompt chunks are planned once the drafts are in hand: a decoding row asked for 8 draft tokens whose
+    drafter had none feeds one token, and the other 63 of a 64-token budget prefill a waiting prompt (planned
+    before drafting, the 8 tokens asked for were held back from it: 55)."""
+    from services.modeling.llama_runner import LlamaFamilyRunner
+    from services.verifier.engine import Engine
+    from services.verifier.engine_config import EngineConfig
+    from services.verifier.sampling_params import SpeculationParams
+    from tests.proposers import EmptyProposer
+    from tests.tiny_models import tiny_llama
+
+    runner = LlamaFamilyRunner(tiny_llama(seed=4), max_num_seqs=4, max_model_len=512)
+    engine = Engine(runner, EngineConfig(max_num_batched_tokens=64, adaptive_speculation=False,
+                                         log_stats_interval_s=0), {"empty": EmptyProposer()})
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    engine.add_request(GenerationRequest("chat", (7, 8, 9), greedy, SpeculationParams("empty", 8)))
+    await engine.step()  # the chat's prefill gives its first token: it decodes from the next step on
+    engine.add_request(GenerationRequest("long", tuple(3 + i % 80 for i in range(400)), greedy))
+    await engine.step()
+    (long,) = [s for s in engine._running if s.request_id == "long"]
+    assert long.num_computed == 63
