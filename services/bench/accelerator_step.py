@@ -5,7 +5,8 @@ CPU too, where both modes are the same eager path). One model is loaded once; fo
 captured: step graphs, invariant: captured and --batch-invariant) an in-process engine measures
 - the decode step at batch 1: ms per step (step_profile's timers), and, on CUDA, kernel launches, stream syncs and
   host-to-device copies per step from torch.profiler (a request of 64 tokens less one of 32, so no prefill);
-- tokens/s at 1, 8 and 64 concurrent greedy chat requests, without speculation and with the default drafter
+- tokens/s at 1, 8 and 64 concurrent greedy chat requests (sent all at once, one closed batch; `--rounds R`: each
+  client sends R in turn, a steady load), without speculation and with the default drafter
   (`--method`: what `specserve serve` drafts with here, suffix where arctic-inference is installed, else ngram;
   K = 4), and the code edit at 1 request (the answer is nearly the prompt: its drafts land), once more at K = 8;
   captured, also with each shipped EAGLE head (EAGLE-1 and EAGLE-3, K = 4; EAGLE-3's trees of 24 tokens, top-8,
@@ -88,18 +89,26 @@ def step_counts(loaded: LoadedModel, mode: str, prompt: Sequence[int], tokens: i
 
 
 async def generate_all(engine, prompts: Sequence[Sequence[int]], max_tokens: int,
-                       speculation: SpeculationParams) -> tuple[float, list[tuple[int, ...]]]:
-    """All prompts at once; (tokens/s, each output's tokens)."""
-    async def one(i: int, prompt: Sequence[int]) -> tuple[int, ...]:
-        request = GenerationRequest(f"r{i}", tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                                    speculation)
+                       speculation: SpeculationParams, clients: int | None = None
+                       ) -> tuple[float, list[tuple[int, ...]]]:
+    """All prompts, `clients` at a time, each client sending its next as its last ends (None: all at once); (tokens/s,
+    each output's tokens, in the prompts' order)."""
+    async def one(i: int) -> None:
+        request = GenerationRequest(f"r{i}", tuple(prompts[i]), SamplingParams(max_tokens=max_tokens,
+                                                                              temperature=0.0), speculation)
         out: list[int] = []
         async for output in engine.generate(request):
             out += output.token_ids
-        return tuple(out)
+        outputs[i] = tuple(out)
 
+    async def client() -> None:
+        for i in waiting:  # one iterator shared by the clients: each prompt is sent once
+            await one(i)
+
+    outputs: list[tuple[int, ...]] = [()] * len(prompts)
+    waiting = iter(range(len(prompts)))
     started = time.perf_counter()
-    outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    await asyncio.gather(*(client() for _ in range(min(clients or len(prompts), len(prompts)))))
     return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
 
 
@@ -216,21 +225,24 @@ class StepPhases:
 
 
 def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load: dict[str, list],
-               max_tokens: int, k_by_load: dict[str, int] | None = None
+               max_tokens: int, k_by_load: dict[str, int] | None = None, clients: dict[str, int] | None = None
                ) -> dict[str, tuple[float, float, int, int, str]]:
     """Per load: (tok/s none, tok/s with options' speculative method, outputs identical, outputs, what the steps
     did: forwards and ms per forward of each run; with speculation, the drafts verified and accepted). A load in
-    `k_by_load` asks for that many draft tokens a step instead of the options' K (a request may ask for any)."""
+    `k_by_load` asks for that many draft tokens a step instead of the options' K (a request may ask for any); a load in
+    `clients` sends its prompts that many at a time (generate_all; otherwise all at once)."""
     method = options.speculative_config.method
     k_by_load = k_by_load or {}
     default_k = options.speculative_config.num_speculative_tokens
     speculation_by_load = {load: SpeculationParams(method, k_by_load.get(load, default_k)) for load in prompts_by_load}
     engine, _ = build_local_engine(options, loaded)
     phases = StepPhases(engine)
+    clients = clients or {}
 
-    async def timed_run(prompts, speculation_params):
+    async def timed_run(load, speculation_params):
         phases.reset()
-        rate, outputs = await generate_all(engine, prompts, max_tokens, speculation_params)
+        rate, outputs = await generate_all(engine, prompts_by_load[load], max_tokens, speculation_params,
+                                           clients.get(load))
         return rate, outputs, phases.summary()
 
     async def run():
@@ -241,11 +253,12 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
             # reach them), which would otherwise fall on whichever timed run met them first, mostly speculation's
             for load, prompts in prompts_by_load.items():
                 for params in (SpeculationParams(), speculation_by_load[load]):
-                    await generate_all(engine, prompts, max_tokens, params)
+                    # one round (a client's first request) meets the shapes
+                    await generate_all(engine, prompts[: clients.get(load)], max_tokens, params)
             for load, prompts in prompts_by_load.items():
-                plain, plain_out, plain_steps = await timed_run(prompts, SpeculationParams())
+                plain, plain_out, plain_steps = await timed_run(load, SpeculationParams())
                 drafted = copy.deepcopy(engine.stats_by_method.get(method))
-                spec, spec_out, spec_steps = await timed_run(prompts, speculation_by_load[load])
+                spec, spec_out, spec_steps = await timed_run(load, speculation_by_load[load])
                 stats, before = engine.stats_by_method.get(method), drafted or SpecDecodeStats()
                 rows = stats.num_drafts - before.num_drafts if stats else 0
                 drafts = "; no drafts verified"
@@ -319,6 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the captured mode's EAGLE rows: a shipped head's chains (K = 4), or its EAGLE-2 trees "
                              f"({TREE_NODES} tokens, top-{TREE_TOPK}, depth 4); none: --eagle alone")
     parser.add_argument("--no-eagle", dest="eagle", action="store_const", const=[], help="no EAGLE rows")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="requests each client of a chat load sends, each as its last ends (1: the load's chats "
+                             "all at once, one closed batch; more: a steady load, rows ending and starting apart)")
     parser.add_argument("--method", choices=("ngram", "suffix"), default=None,
                         help="the drafter of the speculation rows (default: serve's, suffix where it installs)")
     args = parser.parse_args(argv)
@@ -330,7 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model: {loaded.model_id} on {device}, {next(loaded.model.parameters()).dtype}; torch {torch.__version__}")
     prompt = tuple(loaded.tokenizer(PROMPT)["input_ids"])
     chats = [chat_token_ids(loaded.tokenizer, m) for m in chat_prompt_messages()]  # 48; more loads repeat them
-    prompts_by_load = {str(n): [chats[i % len(chats)] for i in range(n)] for n in args.loads}
+    prompts_by_load = {str(n): [chats[i % len(chats)] for i in range(n * args.rounds)] for n in args.loads}
+    clients = {str(n): n for n in args.loads}
+    if args.rounds > 1:
+        print(f"each client of a chat load sends {args.rounds} requests, each as its last ends")
     prompts_by_load["edit"] = [chat_token_ids(loaded.tokenizer, code_edit_message())]
     prompts_by_load[EDIT_LONG] = prompts_by_load["edit"]
     if device.type != "cpu":
@@ -357,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      batch_invariant=mode == "invariant",
                                      speculative_config=NGRAM.model_copy(update={"method": args.method}))
         rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens,
-                                                              {EDIT_LONG: LONG_K}))
+                                                              {EDIT_LONG: LONG_K}, clients))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
               + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""), flush=True)
         print_throughput(args.method, rows[mode][3])
@@ -368,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 draft_dtype=args.dtype, **({"num_draft_tokens": TREE_NODES, "eagle_topk": TREE_TOPK} if tree else {})))
             chains = {load: prompts for load, prompts in prompts_by_load.items() if load != EDIT_LONG}
             nodes = {load: TREE_NODES for load in chains} if tree else None  # a request's K is its tree's budget
-            print_throughput(row, throughput(loaded, eagle, chains, args.max_tokens, nodes))
+            print_throughput(row, throughput(loaded, eagle, chains, args.max_tokens, nodes, clients))
     if "eager" in rows and "captured" in rows:
         eager, captured = rows["eager"], rows["captured"]
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "

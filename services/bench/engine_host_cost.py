@@ -44,14 +44,17 @@ from services.verifier.sampling_params import GenerationRequest, SamplingParams,
 from services.verifier.spec_stats import SpecDecodeStats
 
 async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True, novel: bool = False,
-                   drafter: str | None = None, text: str | None = None, simulated: SimulatedDevice | None = None
-                   ) -> dict[str, float]:
+                   drafter: str | None = None, text: str | None = None, simulated: SimulatedDevice | None = None,
+                   rounds: int = 1) -> dict[str, float]:
     """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round. adaptive: the engine's
     default adaptive speculation, whose K follows the step costs it measures (so the number of forwards depends on
     the machine and its load); False: K = 4 at every step. text: the script (scripted_model.SCRIPTS; default
     "novel" where `novel`, else "repeating"; novel text must fit each request's prompt and output in the
     vocabulary). drafter: the address of an ngram drafter process to reach over gRPC; None: the lookup in process.
-    simulated: a device step time slept in each forward (None: the forward answers at once)."""
+    simulated: a device step time slept in each forward (None: the forward answers at once). rounds: each of the
+    `rows` clients sends that many requests, each as the one before ends, so that rows finish and start at
+    different steps as under a steady load (1: one closed batch, whose last steps run the rows that were slowest
+    alone)."""
     script = Script(text or ("novel" if novel else "repeating"), vocab)
     runner = ScriptedRunner(rows, script, simulated=simulated)
     if drafter is None:
@@ -76,20 +79,24 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
         await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
         forwards, forward_s, started, asked = runner.forwards, runner.forward_s, time.perf_counter(), calls.count
         before = copy.deepcopy(engine.stats_by_method.get("ngram")) or SpecDecodeStats()
-        outputs = await asyncio.gather(*(one(f"run-{i}", i) for i in range(rows)))
+
+        async def client(i: int) -> list[tuple[int, list[int]]]:
+            return [(offset, await one(f"run-{offset}", offset)) for offset in range(i, rows * rounds, rows)]
+
+        outputs = [answer for answers in await asyncio.gather(*(client(i) for i in range(rows))) for answer in answers]
         seconds = time.perf_counter() - started
         after = engine.stats_by_method.get("ngram") or SpecDecodeStats()
     if drafter is not None:
         await proposers["ngram"].close()
     steps = runner.forwards - forwards
-    return {"tokens": sum(map(len, outputs)), "seconds": seconds, "forwards": steps,
+    return {"tokens": sum(len(out) for _, out in outputs), "seconds": seconds, "forwards": steps,
             "drafter_calls": calls.count - asked,
             "drafts": after.num_drafts - before.num_drafts,
             "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
             "accepted": after.num_accepted_tokens - before.num_accepted_tokens,
             "host_ms_per_forward": 1000 * (seconds - (runner.forward_s - forward_s)) / max(steps, 1),
-            "follows_script": all(out == [script.token(prompt_length + i + j) for j in range(len(out))]
-                                  for i, out in enumerate(outputs))}
+            "follows_script": all(out == [script.token(prompt_length + offset + j) for j in range(len(out))]
+                                  for offset, out in outputs)}
 
 
 class CountedCalls:
@@ -113,11 +120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--text", choices=SCRIPTS, default="repeating")
     parser.add_argument("--link", action="store_true", help="the ngram drafter as a process, over gRPC")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="requests each of the rows' clients sends, one after the other (1: one closed batch)")
     parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
                         help="sleep a device step time in each forward: BASE ms + ROW ms a row beyond the first + "
                              "TOKEN ms a token beyond one a row (the H200's captured step: 2.4 0.035 0.002)")
     args = parser.parse_args(argv)
-    if args.text == "novel" and args.vocab < 2 * SCRIPT_PERIOD + max(args.rows) + args.tokens:
+    if args.text == "novel" and args.vocab < 2 * SCRIPT_PERIOD + max(args.rows) * args.rounds + args.tokens:
         parser.error("--text novel needs a vocabulary larger than a request's prompt and output (raise --vocab)")
     simulated = SimulatedDevice(*args.simulated_step_ms) if args.simulated_step_ms else None
     for key, value in describe_hardware().items():
@@ -133,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rates = {}
             for speculate in (False, True):
                 figures = asyncio.run(run_case(rows, speculate, args.tokens, args.vocab, drafter=drafter,
-                                               text=args.text, simulated=simulated))
+                                               text=args.text, simulated=simulated, rounds=args.rounds))
                 rates[speculate] = figures["tokens"] / figures["seconds"]
                 drafts = figures["drafts"]
                 verified = (f", {drafts} drafts verified ({figures['draft_tokens'] / drafts:.1f} tokens, "
@@ -143,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{figures['forwards']} forwards, {figures['drafter_calls']} drafter calls{verified}, "
                       f"{figures['host_ms_per_forward']:.2f} ms of host work a forward"
                       + ("" if figures["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"), flush=True)
-            print(f"{rows:>3} rows, {args.text} text: ngram / none {rates[True] / rates[False]:.2f}x", flush=True)
+            rounds = f", {args.rounds} requests a client" if args.rounds > 1 else ""
+            print(f"{rows:>3} rows, {args.text} text{rounds}: ngram / none {rates[True] / rates[False]:.2f}x",
+                  flush=True)
     return 0
 
 

@@ -126,3 +126,34 @@ def test_hardware_lines_name_the_cpu_its_relevant_flags_and_torch_threads():
     assert cpu_info("Features\t: fp asimd\n")[1] == ()  # an Arm machine: none of the x86 flags
     lines = describe_hardware()
     assert lines["cpu"] and f"intra-op {torch.get_num_threads()}" in lines["torch threads"]
+
+
+async def test_a_steady_load_sends_each_prompt_once_a_client_at_a_time_and_keeps_their_order():
+    """accelerator_step --rounds: generate_all with `clients` keeps at most that many requests in flight, each client
+    sending its next as its last ends; the outputs are those of sending them all at once, in the prompts' order."""
+    from services.bench.accelerator_step import generate_all
+    from services.modeling.llama_runner import LlamaFamilyRunner
+    from services.verifier.engine import Engine
+    from services.verifier.engine_config import EngineConfig
+    from services.verifier.sampling_params import SpeculationParams
+
+    engine = Engine(LlamaFamilyRunner(tiny_llama(seed=4), max_num_seqs=4, max_model_len=512),
+                    EngineConfig(log_stats_interval_s=0), {})
+    prompts = [tuple(range(3 + i, 12 + 2 * i)) for i in range(7)]
+    in_flight, most = 0, 0
+    generate = engine.generate
+
+    async def counted(request):
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        async for output in generate(request):
+            yield output
+        in_flight -= 1
+
+    async with engine:
+        _, together = await generate_all(engine, prompts, 6, SpeculationParams())
+        engine.generate = counted
+        _, two_at_a_time = await generate_all(engine, prompts, 6, SpeculationParams(), clients=2)
+    assert two_at_a_time == together and len(together) == 7 and all(len(out) == 6 for out in together)
+    assert most == 2

@@ -28,7 +28,7 @@ async def test_on_novel_text_over_the_link_the_script_is_followed_and_the_drafte
 
 async def test_the_chat_script_gives_some_drafts_a_token_or_two_and_the_simulated_device_takes_its_time():
     """--text chat: n-gram drafts of it are neither always right (repeating) nor never there (novel); the output
-    still follows the script. --simulated-step-ms: each forward takes at least the simulated step."""
+    still follows the script, with --rounds too. --simulated-step-ms: each forward takes at least the simulated step."""
     from services.bench.scripted_model import ScriptedRunner, Script, SimulatedDevice
     from services.modeling.runner import RowInput
 
@@ -36,6 +36,8 @@ async def test_the_chat_script_gives_some_drafts_a_token_or_two_and_the_simulate
     assert drafted["follows_script"] and drafted["tokens"] == 256
     accepted_a_draft = drafted["accepted"] / drafted["drafts"]
     assert drafted["drafts"] > 20 and 0.2 < accepted_a_draft < 2.5, drafted
+    steady = await run_case(rows=2, speculate=True, tokens=32, vocab=512, text="chat", rounds=3)
+    assert steady["follows_script"] and steady["tokens"] == 2 * 3 * 32  # every request of every round, scripted
     device = SimulatedDevice(base_ms=20.0, row_ms=1.0, token_ms=0.5)
     runner = ScriptedRunner(4, Script("chat", 512), simulated=device)
     for seq in range(4):
