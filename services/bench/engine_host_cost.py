@@ -1,7 +1,7 @@
 """What the engine's own host work costs a step, with the model taken out: the ceiling a fast accelerator meets.
 
 Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel|chat] [--link]
-[--simulated-step-ms BASE ROW TOKEN]`. On an H100
+[--simulated-step-ms BASE ROW TOKEN] [--rounds R] [--after-burst N]`. On an H100
 SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the
 host, committing, the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
 ScriptedRunner: a "model" that answers instantly with logits that continue a fixed token script, so that the time
@@ -45,7 +45,7 @@ from services.verifier.spec_stats import SpecDecodeStats
 
 async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True, novel: bool = False,
                    drafter: str | None = None, text: str | None = None, simulated: SimulatedDevice | None = None,
-                   rounds: int = 1) -> dict[str, float]:
+                   rounds: int = 1, burst: int = 0) -> dict[str, float]:
     """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round. adaptive: the engine's
     default adaptive speculation, whose K follows the step costs it measures (so the number of forwards depends on
     the machine and its load); False: K = 4 at every step. text: the script (scripted_model.SCRIPTS; default
@@ -54,9 +54,10 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     simulated: a device step time slept in each forward (None: the forward answers at once). rounds: each of the
     `rows` clients sends that many requests, each as the one before ends, so that rows finish and start at
     different steps as under a steady load (1: one closed batch, whose last steps run the rows that were slowest
-    alone)."""
+    alone). burst: that many requests at once before the measured ones (after the warm-up round), so that what the
+    engine learned from a larger batch is what it starts the measured rows with."""
     script = Script(text or ("novel" if novel else "repeating"), vocab)
-    runner = ScriptedRunner(rows, script, simulated=simulated)
+    runner = ScriptedRunner(max(rows, burst), script, simulated=simulated)
     if drafter is None:
         proposers = local_proposers(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     else:
@@ -77,6 +78,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
 
     async with engine:
         await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
+        await asyncio.gather(*(one(f"burst-{i}", i) for i in range(burst)))
         forwards, forward_s, started, asked = runner.forwards, runner.forward_s, time.perf_counter(), calls.count
         before = copy.deepcopy(engine.stats_by_method.get("ngram")) or SpecDecodeStats()
 
@@ -120,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--text", choices=SCRIPTS, default="repeating")
     parser.add_argument("--link", action="store_true", help="the ngram drafter as a process, over gRPC")
+    parser.add_argument("--after-burst", type=int, default=0, metavar="N",
+                        help="serve N requests at once before the measured rows (on the same engine)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="requests each of the rows' clients sends, one after the other (1: one closed batch)")
     parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
@@ -142,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rates = {}
             for speculate in (False, True):
                 figures = asyncio.run(run_case(rows, speculate, args.tokens, args.vocab, drafter=drafter,
-                                               text=args.text, simulated=simulated, rounds=args.rounds))
+                                               text=args.text, simulated=simulated, rounds=args.rounds,
+                                               burst=args.after_burst))
                 rates[speculate] = figures["tokens"] / figures["seconds"]
                 drafts = figures["drafts"]
                 verified = (f", {drafts} drafts verified ({figures['draft_tokens'] / drafts:.1f} tokens, "
@@ -153,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{figures['host_ms_per_forward']:.2f} ms of host work a forward"
                       + ("" if figures["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"), flush=True)
             rounds = f", {args.rounds} requests a client" if args.rounds > 1 else ""
+            rounds += f", after a burst of {args.after_burst}" if args.after_burst else ""
             print(f"{rows:>3} rows, {args.text} text{rounds}: ngram / none {rates[True] / rates[False]:.2f}x",
                   flush=True)
     return 0

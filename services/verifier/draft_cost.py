@@ -55,12 +55,12 @@ class DraftCostModel:
         if len(figures) == 1:
             (seen, seconds), = figures.items()
             return seconds * k / seen
-        fixed, per_token = _line(figures)
+        fixed, per_token = nonnegative_line(figures)
         return max(0.0, fixed + per_token * k)
 
 
-def _line(points: dict[int, float]) -> tuple[float, float]:
-    """Least-squares intercept and slope through (k, seconds), neither below 0."""
+def nonnegative_line(points: dict[float, float]) -> tuple[float, float]:
+    """Least-squares intercept and slope through (x, seconds), neither below 0 (at least two points)."""
     n = len(points)
     mean_k = sum(points) / n
     mean_s = sum(points.values()) / n

@@ -360,9 +360,11 @@ class Engine:
         kv_scheduling.reserve_decode(
             self.runner, self._running, lambda s: len(s.token_ids) + self._speculation_cap(s, limits), self._preempt
         )
-        decode = [s for s in self._running if not s.prefilling]
+        decode, prefilling = [], []
+        for state in self._running:
+            (prefilling if state.prefilling else decode).append(state)
         caps = [self._speculation_cap(s, limits) for s in decode]
-        backlog = PrefillBacklog.of(self._running, self.config.max_num_batched_tokens)
+        backlog = PrefillBacklog.of(prefilling, self.config.max_num_batched_tokens)
         if not decode and not backlog.waiting:
             return
         asks = self.planner.draft_requests(decode, caps, backlog)
@@ -399,7 +401,8 @@ class Engine:
         self._reap()
         if result.verify_timing is not None and not prefill:
             shape, forward_s = result.verify_timing
-            self.planner.observe_overhead(time.perf_counter() - started - forward_s - drafting_s, shape.width > 1)
+            self.planner.observe_overhead(time.perf_counter() - started - forward_s - drafting_s, shape.width > 1,
+                                          len(decode))
         if self._stats_logger.due():
             self._stats_logger.maybe_log(self.stats)
 

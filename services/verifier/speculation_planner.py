@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance
+from services.verifier.cost_by_rows import CostByRows
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
 from services.verifier.request_state import RequestState
@@ -99,7 +100,8 @@ class SpeculationPlanner:
         self.adaptive = adaptive
         self.methods: dict[str, MethodAcceptance] = {}
         self.overhead_s = 0.0  # recent time of a decode-only step outside its verify forward and drafting
-        self.speculative_overhead_s: float | None = None  # the same for steps that verified drafts (None: not seen)
+        # what a step that verified drafts spends on top of that, by its decoding rows
+        self.speculative_extra = CostByRows(OVERHEAD_SMOOTHING)
         self.draft_cost = DraftCostModel()
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
@@ -121,7 +123,7 @@ class SpeculationPlanner:
         survivals = [self._survival(s, cap, expected_draft=True) for s, cap in zip(decode, caps, strict=True)]
         span = _span(decode)
         width = best_width(survivals, span, self.cost, self.overhead_s, self.draft_cost.predict,
-                           self.speculative_overhead_s, self._displacement(caps, span, backlog))
+                           self.speculative_overhead_s(len(decode)), self._displacement(caps, span, backlog))
         narrow = self.cost.predict(StepShape(len(decode), 1, span + 1))
         self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
@@ -160,7 +162,7 @@ class SpeculationPlanner:
                      for s, d, g in zip(decode, drafts, gains, strict=True)]
         span = _span(decode)
         width = best_width(survivals, span, self.cost, self.overhead_s,
-                           speculative_overhead_s=self.speculative_overhead_s,
+                           speculative_overhead_s=self.speculative_overhead_s(len(decode)),
                            displaced_s=self._displacement([len(d.tokens) for d in drafts], span, backlog))
         if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
             width = 2  # a probe pays for one column, which every drafted row then uses
@@ -194,17 +196,23 @@ class SpeculationPlanner:
             self.draft_cost.observe(k, seconds)
         self.draft_cost.age()
 
-    def observe_overhead(self, seconds: float, speculative: bool = False) -> None:
+    def observe_overhead(self, seconds: float, speculative: bool = False, rows: int = 1) -> None:
         """A decode-only step's wall time minus its verify forward and its drafting; `speculative`: the step
-        verified drafts. Kept apart because a speculative step's bookkeeping costs more (the second plan, drafts
-        cut and checked, several tokens a row committed): on an H100 at 64 chats the loop took 2.04 ms a step with
-        ngram against 1.57 without, and a planner that counted only the average asked at a loss (0.79x none)."""
+        verified drafts; `rows`: its decoding rows. Kept apart because a speculative step's bookkeeping costs more
+        (the second plan, drafts cut and checked, several tokens a row committed): on an H100 at 64 chats the loop
+        took 2.04 ms a step with ngram against 1.57 without, and a planner that counted only the average asked at
+        a loss (0.79x none). What it costs more grows with the rows, and is learned by rows (cost_by_rows.py)."""
         seconds = max(0.0, seconds)
         if not speculative:
             self.overhead_s += OVERHEAD_SMOOTHING * (seconds - self.overhead_s)
             return
-        previous = self.overhead_s if self.speculative_overhead_s is None else self.speculative_overhead_s
-        self.speculative_overhead_s = previous + OVERHEAD_SMOOTHING * (seconds - previous)
+        self.speculative_extra.observe(rows, seconds - self.overhead_s)
+
+    def speculative_overhead_s(self, rows: int) -> float | None:
+        """What a step of `rows` decoding rows that verifies drafts is expected to spend outside its forward and
+        its drafting (None: no such step seen yet; the plain figure stands for it)."""
+        extra = self.speculative_extra.predict(rows)
+        return None if extra is None else self.overhead_s + max(0.0, extra)
 
     def _displacement(self, limits: Sequence[int], span: int, backlog: PrefillBacklog | None
                       ) -> Callable[[int], float] | None:

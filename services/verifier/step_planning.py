@@ -108,8 +108,9 @@ class PrefillBacklog:
     max_num_batched_tokens: int = 1
 
     @classmethod
-    def of(cls, running: Sequence[RequestState], max_num_batched_tokens: int) -> PrefillBacklog:
-        return cls(sum(remaining_prefill(s) for s in running if s.prefilling), max_num_batched_tokens)
+    def of(cls, prefilling: Sequence[RequestState], max_num_batched_tokens: int) -> PrefillBacklog:
+        """`prefilling`: the running requests still prefilling."""
+        return cls(sum(map(remaining_prefill, prefilling)), max_num_batched_tokens)
 
     def displaced(self, narrow_tokens: int, wide_tokens: int) -> int:
         """Prompt tokens a step whose decode rows feed `wide_tokens` leaves for a later step that one feeding

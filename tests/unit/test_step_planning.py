@@ -47,7 +47,7 @@ def test_the_budget_holds_with_decode_rows_and_long_prompts_share_it_in_arrival_
 
 
 def test_drafts_displace_prompt_tokens_only_where_the_budget_binds():
-    running = [state("done", 10, computed=10), state("a", 300, computed=100), state("b", 500)]
+    running = [state("a", 300, computed=100), state("b", 500)]
     backlog = PrefillBacklog.of(running, max_num_batched_tokens=512)
     assert backlog.waiting == 200 + 500
     assert backlog.displaced(narrow_tokens=64, wide_tokens=64 * 4) == 448 - 256  # each draft token pushes one out
@@ -55,7 +55,7 @@ def test_drafts_displace_prompt_tokens_only_where_the_budget_binds():
     assert backlog.displaced(narrow_tokens=64, wide_tokens=64) == 0
     small = PrefillBacklog.of([state("c", 200, computed=150)], max_num_batched_tokens=512)
     assert small.displaced(narrow_tokens=64, wide_tokens=64 * 4) == 0  # 50 waiting fit either way
-    assert PrefillBacklog.of(running[:1], 512).waiting == 0
+    assert PrefillBacklog.of([], 512).waiting == 0
 
 
 async def test_a_chat_sent_after_long_prompts_gets_its_first_token_in_the_first_step():
