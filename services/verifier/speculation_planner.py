@@ -20,6 +20,10 @@ for; this plan also pays for the drafting itself (draft_cost.py: a draft model's
 more than the verify step, and a step that asks for nothing does not call the drafter). After drafting, with the drafts in hand: only rows that got a draft
 contribute gain, so the width is chosen again and drafts are cut to it.
 
+A step's draft tokens and its prompt chunks share max_num_batched_tokens: where prompts wait and that budget
+binds, each draft token fed pushes a prompt token to a later step, and both plans price it (_displacement,
+step_planning.PrefillBacklog); the engine plans the chunks once the drafts are in hand.
+
 A token tree's positions are its nodes, best first (tree_budget.py): each widens the forward by one column and is
 worth its depth's survival shared among the nodes at that depth, so a tree is cut to its best nodes as a chain is
 cut to its first tokens, and under load the planner verifies a few of them, or none. Before drafting, a tree row is
