@@ -1,6 +1,6 @@
-"""A cost that grows with a step's decoding rows, such as what a step that verifies drafts spends on its
-bookkeeping beyond a plain step's: a part per step (the second plan, the verification's launches) and a part per
-row (drafts cut and checked, several tokens committed a row).
+"""A cost that grows with a step's decoding rows: a step's bookkeeping outside its forward (planning, committing,
+the loop), and what a step that verifies drafts spends on it beyond a plain step's, each a part per step (the
+second plan, the verification's launches) and a part per row (drafts cut and checked, tokens committed).
 
 Learned per bucket of rows (1, 2-3, 4-7, ...: powers of two), each bucket an exponential moving average of the
 rows seen in it and of their cost, and predicted by a least-squares line through the buckets (neither its fixed

@@ -103,8 +103,9 @@ class SpeculationPlanner:
         self.cost = cost
         self.adaptive = adaptive
         self.methods: dict[str, MethodAcceptance] = {}
-        self.overhead_s = 0.0  # recent time of a decode-only step outside its verify forward and drafting
-        # what a step that verified drafts spends on top of that, by its decoding rows
+        # a decode-only step's time outside its verify forward and drafting, and what a step that verified drafts
+        # spends on top of that, both by the step's decoding rows
+        self.overhead = CostByRows(OVERHEAD_SMOOTHING)
         self.speculative_extra = CostByRows(OVERHEAD_SMOOTHING)
         self.draft_cost = DraftCostModel()
         self.probes = ProbeBudget()
@@ -126,13 +127,14 @@ class SpeculationPlanner:
             return list(caps)
         survivals = [self._survival(s, cap, expected_draft=True) for s, cap in zip(decode, caps, strict=True)]
         span = _span(decode)
-        width = best_width(survivals, span, self.cost, self.overhead_s, self.draft_cost.predict,
+        overhead_s = self.overhead_s(len(decode))
+        width = best_width(survivals, span, self.cost, overhead_s, self.draft_cost.predict,
                            self.speculative_overhead_s(len(decode)), self._displacement(caps, span, backlog))
         narrow = self.cost.predict(StepShape(len(decode), 1, span + 1))
         self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
         probe_call_s = self.draft_cost.predict(1) if width == 1 else 0.0
-        can_probe = self.probes.earn(narrow + self.overhead_s, self._probe_column_s + probe_call_s)
+        can_probe = self.probes.earn(narrow + overhead_s, self._probe_column_s + probe_call_s)
         asks, probed, self._opening = [], False, False
         for state, cap in zip(decode, caps, strict=True):
             row = state.speculation
@@ -165,7 +167,7 @@ class SpeculationPlanner:
         survivals = [self._survival(s, len(d.tokens)) if g is None else sorted(g, reverse=True)
                      for s, d, g in zip(decode, drafts, gains, strict=True)]
         span = _span(decode)
-        width = best_width(survivals, span, self.cost, self.overhead_s,
+        width = best_width(survivals, span, self.cost, self.overhead_s(len(decode)),
                            speculative_overhead_s=self.speculative_overhead_s(len(decode)),
                            displaced_s=self._displacement([len(d.tokens) for d in drafts], span, backlog))
         if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
@@ -205,18 +207,23 @@ class SpeculationPlanner:
         verified drafts; `rows`: its decoding rows. Kept apart because a speculative step's bookkeeping costs more
         (the second plan, drafts cut and checked, several tokens a row committed): on an H100 at 64 chats the loop
         took 2.04 ms a step with ngram against 1.57 without, and a planner that counted only the average asked at
-        a loss (0.79x none). What it costs more grows with the rows, and is learned by rows (cost_by_rows.py)."""
+        a loss (0.79x none). Both grow with the rows, and are learned by rows (cost_by_rows.py)."""
         seconds = max(0.0, seconds)
         if not speculative:
-            self.overhead_s += OVERHEAD_SMOOTHING * (seconds - self.overhead_s)
+            self.overhead.observe(rows, seconds)
             return
-        self.speculative_extra.observe(rows, seconds - self.overhead_s)
+        self.speculative_extra.observe(rows, seconds - self.overhead_s(rows))
+
+    def overhead_s(self, rows: int) -> float:
+        """What a decode-only step of `rows` decoding rows is expected to spend outside its forward and its
+        drafting (0 before any such step)."""
+        return self.overhead.predict(rows) or 0.0
 
     def speculative_overhead_s(self, rows: int) -> float | None:
         """What a step of `rows` decoding rows that verifies drafts is expected to spend outside its forward and
         its drafting (None: no such step seen yet; the plain figure stands for it)."""
         extra = self.speculative_extra.predict(rows)
-        return None if extra is None else self.overhead_s + max(0.0, extra)
+        return None if extra is None else self.overhead_s(rows) + max(0.0, extra)
 
     def _displacement(self, limits: Sequence[int], span: int, backlog: PrefillBacklog | None
                       ) -> Callable[[int], float] | None:
@@ -229,7 +236,7 @@ class SpeculationPlanner:
         if backlog is None or not backlog.waiting:
             return None
         narrow = len(limits)
-        step_s = self.cost.predict(StepShape(narrow, 1, span + 1)) + self.overhead_s
+        step_s = self.cost.predict(StepShape(narrow, 1, span + 1)) + self.overhead_s(narrow)
         per_token_s = step_s / prefill_room(backlog.max_num_batched_tokens, narrow)
 
         def displaced_s(width: int) -> float:

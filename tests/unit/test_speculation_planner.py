@@ -120,22 +120,23 @@ def test_a_speculative_step_pays_its_own_bookkeeping():
         planner.observe_overhead(0.005)
     assert planner.speculative_overhead_s(16) is None  # not seen yet: widths > 1 are weighed by the plain figure
     planner.observe_overhead(0.060, speculative=True, rows=16)  # one sample moves it from the plain figure, smoothed
-    assert planner.overhead_s == pytest.approx(0.005, rel=1e-3)
+    assert planner.overhead_s(16) == pytest.approx(0.005, rel=1e-3)
     assert planner.speculative_overhead_s(16) == pytest.approx(0.005 + 0.05 * 0.055, rel=1e-3)
     for _ in range(200):
         planner.observe_overhead(0.060, speculative=True, rows=16)
     assert planner.speculative_overhead_s(16) == pytest.approx(0.060, rel=1e-3)
-    assert planner.overhead_s == pytest.approx(0.005, rel=1e-3)
+    assert planner.overhead_s(16) == pytest.approx(0.005, rel=1e-3)
     assert planner.speculative_overhead_s(1) == pytest.approx(0.060, rel=1e-3)  # one row count seen: its figure
-    # what it costs more grows with the rows: 0.5 ms a step and 0.2 ms a row, learned at 16 rows, then at 1 (the
-    # figure of 16 rows is not charged to one request) and predicted between them
+    # both grow with the rows (a plain step 1 ms and 0.1 ms a row, a speculative one 0.5 ms and 0.2 ms a row more),
+    # learned at 16 rows, then at 1 (the figures of 16 rows are not charged to one request), predicted between
     planner = SpeculationPlanner(cost, adaptive=True)
     for rows in (16, 1):
         for _ in range(200):
-            planner.observe_overhead(0.005)
-            planner.observe_overhead(0.005 + 0.0005 + 0.0002 * rows, speculative=True, rows=rows)
+            planner.observe_overhead(0.001 + 0.0001 * rows, rows=rows)
+            planner.observe_overhead(0.0015 + 0.0003 * rows, speculative=True, rows=rows)
     for rows in (1, 8, 16):
-        assert planner.speculative_overhead_s(rows) == pytest.approx(0.005 + 0.0005 + 0.0002 * rows, rel=1e-3)
+        assert planner.overhead_s(rows) == pytest.approx(0.001 + 0.0001 * rows, rel=1e-3)
+        assert planner.speculative_overhead_s(rows) == pytest.approx(0.0015 + 0.0003 * rows, rel=1e-3)
 
 
 def test_drafts_that_push_waiting_prompts_to_a_later_step_pay_for_it():
