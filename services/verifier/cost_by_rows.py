@@ -23,10 +23,6 @@ class CostByRows:
         self._buckets: dict[int, tuple[float, float]] = {}  # rows.bit_length() -> (rows seen, seconds)
         self._line: tuple[float, float] | None = None  # (fixed, per row) through the buckets; None: not fitted
 
-    @property
-    def known(self) -> bool:
-        return bool(self._buckets)
-
     def observe(self, rows: int, seconds: float) -> None:
         bucket = max(1, rows).bit_length()
         seen = self._buckets.get(bucket)
