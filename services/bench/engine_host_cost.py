@@ -43,20 +43,21 @@ from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConf
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from services.verifier.spec_stats import SpecDecodeStats
 
-async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True, novel: bool = False,
-                   drafter: str | None = None, text: str | None = None, simulated: SimulatedDevice | None = None,
+
+async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True,
+                   drafter: str | None = None, text: str = "repeating", simulated: SimulatedDevice | None = None,
                    rounds: int = 1, burst: int = 0) -> dict[str, float]:
     """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round. adaptive: the engine's
     default adaptive speculation, whose K follows the step costs it measures (so the number of forwards depends on
-    the machine and its load); False: K = 4 at every step. text: the script (scripted_model.SCRIPTS; default
-    "novel" where `novel`, else "repeating"; novel text must fit each request's prompt and output in the
-    vocabulary). drafter: the address of an ngram drafter process to reach over gRPC; None: the lookup in process.
-    simulated: a device step time slept in each forward (None: the forward answers at once). rounds: each of the
-    `rows` clients sends that many requests, each as the one before ends, so that rows finish and start at
-    different steps as under a steady load (1: one closed batch, whose last steps run the rows that were slowest
-    alone). burst: that many requests at once before the measured ones (after the warm-up round), so that what the
-    engine learned from a larger batch is what it starts the measured rows with."""
-    script = Script(text or ("novel" if novel else "repeating"), vocab)
+    the machine and its load); False: K = 4 at every step. text: the script (scripted_model.SCRIPTS; novel text
+    must fit each request's prompt and output in the vocabulary). drafter: the address of an ngram drafter process
+    to reach over gRPC; None: the lookup in process. simulated: a device step time slept in each forward (None:
+    the forward answers at once). rounds: each of the `rows` clients sends that many requests, each as the one
+    before ends, so that rows finish and start at different steps as under a steady load (1: one closed batch,
+    whose last steps run the rows that were slowest alone). burst: that many requests at once before the measured
+    ones (after the warm-up round), so that what the engine learned from a larger batch is what it starts the
+    measured rows with."""
+    script = Script(text, vocab)
     runner = ScriptedRunner(max(rows, burst), script, simulated=simulated)
     if drafter is None:
         proposers = local_proposers(SpeculativeConfig(method="ngram", num_speculative_tokens=4))

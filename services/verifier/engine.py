@@ -375,7 +375,7 @@ class Engine:
         drafts = self.planner.choose_drafts(decode, proposed, backlog)
         # planned once the drafts are in hand: a row asked for drafts that has none leaves its room to the prompts
         decode_tokens = sum(1 + len(d.tokens) for d in drafts)
-        prefill = plan_prefill(self._running, decode_tokens, self.config.max_num_batched_tokens)
+        prefill = plan_prefill(prefilling, decode_tokens, self.config.max_num_batched_tokens)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(
             self._executor, execute_isolating_faults, self.runner, prefill, decode, drafts

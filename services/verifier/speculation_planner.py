@@ -128,9 +128,10 @@ class SpeculationPlanner:
         survivals = [self._survival(s, cap, expected_draft=True) for s, cap in zip(decode, caps, strict=True)]
         span = _span(decode)
         overhead_s = self.overhead_s(len(decode))
-        width = best_width(survivals, span, self.cost, overhead_s, self.draft_cost.predict,
-                           self.speculative_overhead_s(len(decode)), self._displacement(caps, span, backlog))
         narrow = self.cost.predict(StepShape(len(decode), 1, span + 1))
+        width = best_width(survivals, span, self.cost, overhead_s, self.draft_cost.predict,
+                           self.speculative_overhead_s(len(decode)),
+                           self._displacement(caps, narrow + overhead_s, backlog))
         self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
         probe_call_s = self.draft_cost.predict(1) if width == 1 else 0.0
@@ -166,10 +167,12 @@ class SpeculationPlanner:
         gains = [self._tree_gains(s, d) for s, d in zip(decode, drafts, strict=True)]
         survivals = [self._survival(s, len(d.tokens)) if g is None else sorted(g, reverse=True)
                      for s, d, g in zip(decode, drafts, gains, strict=True)]
-        span = _span(decode)
-        width = best_width(survivals, span, self.cost, self.overhead_s(len(decode)),
+        span, overhead_s = _span(decode), self.overhead_s(len(decode))
+        waiting = backlog is not None and backlog.waiting > 0  # else nothing is displaced: no need to predict
+        narrow_s = self.cost.predict(StepShape(len(decode), 1, span + 1)) + overhead_s if waiting else 0.0
+        width = best_width(survivals, span, self.cost, overhead_s,
                            speculative_overhead_s=self.speculative_overhead_s(len(decode)),
-                           displaced_s=self._displacement([len(d.tokens) for d in drafts], span, backlog))
+                           displaced_s=self._displacement([len(d.tokens) for d in drafts], narrow_s, backlog))
         if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
             width = 2  # a probe pays for one column, which every drafted row then uses
             self.probes.spend(self._probe_column_s)
@@ -225,19 +228,20 @@ class SpeculationPlanner:
         extra = self.speculative_extra.predict(rows)
         return None if extra is None else self.overhead_s(rows) + max(0.0, extra)
 
-    def _displacement(self, limits: Sequence[int], span: int, backlog: PrefillBacklog | None
+    @staticmethod
+    def _displacement(limits: Sequence[int], narrow_s: float, backlog: PrefillBacklog | None
                       ) -> Callable[[int], float] | None:
         """What a width's drafts cost in prompt tokens pushed to a later step, in seconds (None: no prompt waits).
-        `limits[i]`: the most draft tokens row i feeds. A later step prefills the tokens pushed to it at no more
-        compute than this one would have, but it is one more step: priced at the narrow step's predicted time
-        (its fixed costs) for each budget's worth of prompt tokens pushed. Without it, a batch whose prompts were
+        `limits[i]`: the most draft tokens row i feeds; `narrow_s`: the step's predicted time at width 1, its
+        overhead included. A later step prefills the tokens pushed to it at no more compute than this one would
+        have, but it is one more step: priced at the narrow step's predicted time (its fixed costs) for each
+        budget's worth of prompt tokens pushed. Without it, a batch whose prompts were
         still being prefilled spent half the budget on drafts of which a quarter were accepted, and the prefill of
         64 chats took 19 steps instead of 14 (engine_host_cost --text chat, simulated H200 step)."""
         if backlog is None or not backlog.waiting:
             return None
         narrow = len(limits)
-        step_s = self.cost.predict(StepShape(narrow, 1, span + 1)) + self.overhead_s(narrow)
-        per_token_s = step_s / prefill_room(backlog.max_num_batched_tokens, narrow)
+        per_token_s = narrow_s / prefill_room(backlog.max_num_batched_tokens, narrow)
 
         def displaced_s(width: int) -> float:
             return per_token_s * backlog.displaced(narrow, sum(1 + min(limit, width - 1) for limit in limits))

@@ -21,7 +21,7 @@ async def test_on_novel_text_over_the_link_the_script_is_followed_and_the_drafte
     from services.bench.drafter_process import drafter_process
 
     with drafter_process(["--method", "ngram", "--num-speculative-tokens", "4"], lambda message: None) as (address, _):
-        drafted = await run_case(rows=2, speculate=True, tokens=100, vocab=512, novel=True, drafter=address)
+        drafted = await run_case(rows=2, speculate=True, tokens=100, vocab=512, text="novel", drafter=address)
     assert drafted["follows_script"] and drafted["tokens"] == 200
     assert drafted["drafter_calls"] < 30  # the first asks and a few probes in 100 steps
 
