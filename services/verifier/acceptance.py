@@ -98,14 +98,14 @@ class AcceptanceEstimate:
     method: MethodAcceptance
     counts: PositionCounts = field(default_factory=lambda: PositionCounts(REQUEST_DECAY))
     # (versions of this request's and the method's counts, positions) -> survival, as computed last
-    _cached: tuple[tuple[int, int, int], list[float]] | None = field(default=None, repr=False, compare=False)
+    _cached: tuple[tuple[int, int, int], tuple[float, ...]] | None = field(default=None, repr=False, compare=False)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """Record a verified draft here and in the method's prior."""
         self.counts.observe(num_draft, num_accepted)
         self.method.observe(num_draft, num_accepted)
 
-    def survival(self, num_positions: int) -> list[float]:
+    def survival(self, num_positions: int) -> tuple[float, ...]:
         """P(position j's token is accepted) for j = 1..num_positions: the product of the conditionals.
 
         Position 1 is pulled toward the method's figure; every later position toward this request's own
@@ -116,15 +116,15 @@ class AcceptanceEstimate:
 
         Computed again only when either's counts changed: the planner reads every row's survival twice a step,
         about 2.5 us a row on a 2-core EPYC, and in steps that verify nothing (most, on new text under load)
-        nothing changes."""
+        nothing changes. A tuple, so the cached figures are handed out without a copy and no caller can alter them."""
         key = (self.counts.version, self.method.counts.version, num_positions)
         if self._cached is not None and self._cached[0] == key:
-            return list(self._cached[1])
+            return self._cached[1]
         out, running = [], 1.0
         prior = self.method.first_position_rate()
         for position in range(1, num_positions + 1):
             prior = self.counts.rate(position, prior, PRIOR_WEIGHT)
             running *= prior
             out.append(running)
-        self._cached = (key, out)
-        return list(out)
+        self._cached = (key, tuple(out))
+        return self._cached[1]

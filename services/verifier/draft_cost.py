@@ -29,6 +29,9 @@ class DraftCostModel:
     seconds_by_k: dict[int, float] = field(default_factory=dict)  # moving average of collection seconds per k
     measured_at: dict[int, int] = field(default_factory=dict)  # the step each figure was last measured at
     steps: int = 0  # steps aged so far
+    # what the line predict() uses was fitted on (steps, figures, when measured) -> that line: a plan asks for
+    # several k a step, and the figures change at most once a step
+    _fitted: tuple[tuple, tuple[float, float]] | None = field(default=None, repr=False, compare=False)
 
     def observe(self, k: int, seconds: float) -> None:
         """Collecting drafts of at most `k` tokens took `seconds` (a missed deadline reports the deadline)."""
@@ -50,13 +53,23 @@ class DraftCostModel:
         """Expected seconds to collect drafts of at most `k` tokens; 0 for k = 0 or before any observation."""
         if k <= 0 or not self.seconds_by_k:
             return 0.0
-        figures = {seen: seconds * 0.5 ** (self._age(seen) / HALF_LIFE_STEPS)
-                   for seen, seconds in self.seconds_by_k.items()}
-        if len(figures) == 1:
-            (seen, seconds), = figures.items()
-            return seconds * k / seen
-        fixed, per_token = nonnegative_line(figures)
+        fixed, per_token = self._line()
         return max(0.0, fixed + per_token * k)
+
+    def _line(self) -> tuple[float, float]:
+        """Fixed seconds and seconds a token through the aged figures, fitted again only when a step has passed
+        or a figure changed."""
+        key = (self.steps, tuple(self.seconds_by_k.items()), tuple(self.measured_at.items()))
+        if self._fitted is None or self._fitted[0] != key:
+            figures = {seen: seconds * 0.5 ** (self._age(seen) / HALF_LIFE_STEPS)
+                       for seen, seconds in self.seconds_by_k.items()}
+            if len(figures) == 1:
+                (seen, seconds), = figures.items()
+                line = (0.0, seconds / seen)
+            else:
+                line = nonnegative_line(figures)
+            self._fitted = (key, line)
+        return self._fitted[1]
 
 
 def nonnegative_line(points: dict[float, float]) -> tuple[float, float]:

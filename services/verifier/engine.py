@@ -357,13 +357,14 @@ class Engine:
         self._reap()
         self._admit()
         limits = self._drafter_limits()
+        caps_by_id = {s.request_id: self._speculation_cap(s, limits) for s in self._running}  # once a row a step
         kv_scheduling.reserve_decode(
-            self.runner, self._running, lambda s: len(s.token_ids) + self._speculation_cap(s, limits), self._preempt
+            self.runner, self._running, lambda s: len(s.token_ids) + caps_by_id[s.request_id], self._preempt
         )
         decode, prefilling = [], []
         for state in self._running:
             (prefilling if state.prefilling else decode).append(state)
-        caps = [self._speculation_cap(s, limits) for s in decode]
+        caps = [caps_by_id[s.request_id] for s in decode]
         backlog = PrefillBacklog.of(prefilling, self.config.max_num_batched_tokens)
         if not decode and not backlog.waiting:
             return
