@@ -152,18 +152,19 @@ class SpeculationPlanner:
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
         probe_call_s = self.draft_cost.predict(1) if width == 1 else 0.0
         can_probe = self.probes.earn(narrow + overhead_s, self._probe_column_s + probe_call_s)
-        asks, probed, self._opening = [], False, False
+        asks, probed, opening = [], False, False
         for state, cap in zip(decode, caps, strict=True):
             row = state.speculation
             ask = min(cap, width - 1)
             if row is not None:
-                row.probing = can_probe and cap > 0 and ask == 0 and row.probe.due
-                ask = 1 if row.probing else ask
-                row.asked = ask > 0
-                probed = probed or row.probing
-                self._opening = self._opening or (row.asked and not row.asked_before)
-                row.asked_before = row.asked_before or row.asked
+                probing = can_probe and ask == 0 and cap > 0 and row.probe.due
+                if probing:
+                    ask, probed = 1, True
+                row.probing, row.asked = probing, ask > 0
+                if ask > 0 and not row.asked_before:
+                    opening = row.asked_before = True
             asks.append(ask)
+        self._opening = opening
         if probed:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
         return asks
