@@ -11,7 +11,7 @@ import pytest
 from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance, PositionCounts
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.row_speculation import PROBE_INTERVAL, PROBE_INTERVAL_MAX, ProbeSchedule
-from services.verifier.speculation_planner import SpeculationPlanner, best_width
+from services.verifier.speculation_planner import SpeculationPlanner, best_width, column_gains
 from services.verifier.step_cost import StepCostModel, StepShape, non_negative_least_squares
 
 
@@ -91,6 +91,18 @@ def test_a_column_is_worth_what_all_rows_gain_from_it():
     one_good = [[0.95 ** j for j in range(1, 9)]] + [[]] * 7  # seven rows without a draft
     all_good = [[0.95 ** j for j in range(1, 9)]] * 8
     assert best_width(one_good, 256, cost) < best_width(all_good, 256, cost)
+
+
+def test_a_row_counts_as_often_as_its_weight_says():
+    cost = cpu_like_cost()
+    good = [0.95 ** j for j in range(1, 9)]
+    mixed = [good[:8], good[:3], good[:5]]  # rows of different caps: a column counts only the rows that reach it
+    assert column_gains(mixed) == pytest.approx([sum(r[j] for r in mixed if len(r) > j) for j in range(8)])
+    assert column_gains(mixed, [1.0, 0.0, 0.5]) == pytest.approx(
+        [good[j] + (0.5 * good[j] if j < 5 else 0.0) for j in range(8)])
+    # before drafting, rows whose proposer rarely has a draft are weighted down: a batch of them is not asked
+    assert best_width([good] * 8, 256, cost, weights=[1.0] * 8) == best_width([good] * 8, 256, cost)
+    assert best_width([good] * 8, 256, cost, weights=[0.02] * 8) == 1
 
 
 def test_a_survival_is_computed_again_whenever_its_counts_or_its_methods_change():
