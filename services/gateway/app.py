@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,9 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.gateway import chat_routes, completion_routes, model_routes, tokenize_routes
 from services.gateway import schemas as s
-from services.gateway.errors import ApiError, from_grpc, install_error_handlers, internal_error
+from services.gateway.errors import ApiError, from_grpc, install_error_handlers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install_openapi
+from services.gateway.request_counter import RequestCounter
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.tools.parsers import tool_call_format
@@ -38,7 +38,6 @@ _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "
            "/version"}
 MODEL_ROUTE = "/v1/models/{model}"  # one metrics label for every model id asked for
 
-logger = logging.getLogger("specserve.gateway")
 
 
 def create_app(settings: GatewaySettings, tokenizer: Any = None, client: VerifierClient | None = None) -> FastAPI:
@@ -61,19 +60,11 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     install_openapi(app, [s.CompletionRequest, s.ChatCompletionRequest, *tokenize_routes.REQUEST_MODELS],
                     [s.CompletionChunk, s.ChatCompletionChunk])
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        """Counts every response, a bug's 500 included: an exception no handler knows reaches this middleware
-        through call_next, so it is logged (once, with its traceback) and answered here."""
-        try:
-            response = await call_next(request)
-        except Exception:
-            logger.exception("unhandled error in %s %s", request.method, request.url.path)
-            response = internal_error().response()
-        path = request.url.path
+    def count(path: str, status: int) -> None:
         path = path if path in _ROUTES else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
-        state.metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
+        state.metrics.requests.labels(path, str(status)).inc()
+
+    app.add_middleware(RequestCounter, count=count)
 
     async def require_api_key(request: Request) -> None:
         key = settings.api_key

@@ -111,10 +111,11 @@ def logprob_to_proto(item: TokenLogprob):
 
 
 def output_to_proto(output: RequestOutput, method: str):
-    """`method`: the method the request drafted with ("" when speculation was off)."""
-    return verifier_pb2.GenerateResponse(
+    """`method`: the method the request drafted with ("" when speculation was off). Repeated fields are filled only
+    when there is something in them: built from empty lists each time, they were half of this function's 5.8 us
+    (upb, 2-core EPYC), paid on the verifier's loop thread for every request every step."""
+    message = verifier_pb2.GenerateResponse(
         token_ids=output.token_ids,
-        logprobs=[logprob_to_proto(item) for item in output.logprobs or ()],
         finish_reason=_FINISH_REASONS[output.finish_reason],
         usage=verifier_pb2.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
                                  cached_tokens=output.num_cached_tokens),
@@ -124,9 +125,13 @@ def output_to_proto(output: RequestOutput, method: str):
             num_draft_tokens=output.spec.num_draft_tokens,
             num_accepted_tokens=output.spec.num_accepted_tokens,
         ),
-        prompt_logprobs=[logprob_to_proto(item) for item in output.prompt_logprobs or ()],
         stop_token_id=output.stop_token_id,
     )
+    if output.logprobs:
+        message.logprobs.extend(logprob_to_proto(item) for item in output.logprobs)
+    if output.prompt_logprobs:
+        message.prompt_logprobs.extend(logprob_to_proto(item) for item in output.prompt_logprobs)
+    return message
 
 
 def finish_reason_from_proto(value: int) -> FinishReason | None:
