@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.modeling.block_pool import PrefixCacheStats
 from services.modeling.runner import ForwardOutput, KVUsage, RowInput
 
 SCRIPT_PERIOD = 40
@@ -121,7 +122,7 @@ class ScriptedRunner:
 
     @property
     def kv_usage(self) -> KVUsage:
-        return KVUsage(1, 0, 0, 16, None)
+        return KVUsage(1, 0, 0, 16, PrefixCacheStats())
 
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         started = time.perf_counter()

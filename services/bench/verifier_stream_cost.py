@@ -1,0 +1,129 @@
+"""What the verifier's output streams cost its engine: engine_host_cost's scripted engine behind the real gRPC
+Generate, against the same engine in process.
+
+Run: `python -m services.bench.verifier_stream_cost [--rows 8 64] [--tokens 256] [--text chat]
+[--simulated-step-ms 2.4 0.035 0.002] [--rounds 2]`. The verifier (start_verifier, its loop on this process's main
+thread) serves a ScriptedRunner whose forwards sleep the simulated device step; a client process, in the gateway's
+place, sends `rows` greedy requests at once, one Generate stream each, a round unmeasured and then `--rounds`
+measured. Printed per row count, without speculation: tokens/s of the engine in process (engine_host_cost.run_case)
+and through gRPC, and over the gRPC run's measured rounds the wall time a step took against its forward's (device)
+time and the verifier loop thread's CPU time a step.
+
+Why: the verifier's asyncio loop runs the engine's steps and also every Generate stream's sends, one message per
+request per step at tens of microseconds of grpc.aio each, and a forward's result waits in the loop's queue behind
+them. On a 2-core EPYC with the H200's simulated step, 64 streams took the engine from ~8,500 tokens/s in process
+to ~5,500 (a step 12 ms of wall around a 4.8 ms forward). Where the streams cost that much on an accelerator's host,
+they have to leave the engine's loop (one stream for many requests, or the engine on a thread of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+from services.bench.engine_host_cost import run_case
+from services.bench.hardware import describe_hardware
+from services.bench.scripted_model import SCRIPT_PERIOD, SCRIPTS, Script, ScriptedRunner, SimulatedDevice
+from services.common import protos
+
+
+async def through_grpc(rows: int, tokens: int, vocab: int, text: str, simulated: SimulatedDevice | None,
+                       rounds: int) -> dict[str, float]:
+    """The scripted engine served by a real verifier; a client process streams the requests (see the docstring)."""
+    from services.verifier.server import start_verifier
+    from services.verifier.settings import VerifierSettings
+
+    runner = ScriptedRunner(rows, Script(text, vocab), simulated=simulated)
+    facts = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=runner.max_model_len))  # the model's
+    settings = VerifierSettings(port=0, metrics_port=0, max_num_seqs=rows, max_model_len=runner.max_model_len)
+    verifier = await start_verifier(facts, "scripted", settings, runner=runner)
+    try:
+        client = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.bench.verifier_stream_cost", "--client", str(verifier.port),
+            "--rows", str(rows), "--tokens", str(tokens), "--vocab", str(vocab), "--text", text,
+            "--rounds", str(rounds), stdout=subprocess.PIPE)
+        await client.stdout.readline()  # "measuring": the unmeasured round is done
+        forwards, forward_s, cpu, started = runner.forwards, runner.forward_s, time.thread_time(), time.perf_counter()
+        measured = json.loads(await client.stdout.readline())
+        seconds, cpu = time.perf_counter() - started, time.thread_time() - cpu
+        if await client.wait():
+            raise RuntimeError(f"the client process failed (exit {client.returncode})")
+        steps = runner.forwards - forwards
+        return {"tokens": measured["tokens"], "follows_script": measured["follows_script"],
+                "tokens_per_s": measured["tokens"] / measured["seconds"], "step_ms": 1000 * seconds / steps,
+                "forward_ms": 1000 * (runner.forward_s - forward_s) / steps, "loop_cpu_ms": 1000 * cpu / steps}
+    finally:
+        await verifier.stop()
+
+
+async def client(port: int, rows: int, tokens: int, vocab: int, text: str, rounds: int) -> dict[str, float]:
+    """The gateway's part: one Generate stream a request, `rows` at once; a round unmeasured, then `rounds`."""
+    import grpc
+
+    pb, pb_grpc = protos.load("verifier")
+    script = Script(text, vocab)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.VerifierStub(channel)
+
+        async def one(name: str, offset: int) -> tuple[int, bool]:
+            """(tokens generated, whether they are the script's continuation of the prompt)"""
+            length = 2 * SCRIPT_PERIOD + offset
+            request = pb.GenerateRequest(request_id=name, prompt_token_ids=[script.token(p) for p in range(length)],
+                                         sampling=pb.SamplingParams(max_tokens=tokens, temperature=0.0),
+                                         speculation=pb.SpeculationParams(method="none"))
+            out = [t async for message in stub.Generate(request) for t in message.token_ids]
+            return len(out), out == [script.token(length + j) for j in range(len(out))]
+
+        await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
+        print("measuring", flush=True)
+        started = time.perf_counter()
+        answers = []
+        for r in range(rounds):
+            answers += await asyncio.gather(*(one(f"run-{r}-{i}", r * rows + i) for i in range(rows)))
+        return {"tokens": sum(n for n, _ in answers), "seconds": time.perf_counter() - started,
+                "follows_script": all(followed for _, followed in answers)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.bench.verifier_stream_cost",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--text", choices=SCRIPTS, default="chat")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds of `rows` requests at once")
+    parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
+                        default=[2.4, 0.035, 0.002],
+                        help="the device step slept in each forward (default: the H200's captured SmolLM2 step)")
+    parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the client process
+    args = parser.parse_args(argv)
+    if args.client is not None:
+        figures = asyncio.run(client(args.client, args.rows[0], args.tokens, args.vocab, args.text, args.rounds))
+        print(json.dumps(figures), flush=True)
+        return 0
+    simulated = SimulatedDevice(*args.simulated_step_ms)
+    for key, value in describe_hardware().items():
+        print(f"{key}: {value}")
+    print(f"simulated device step: {simulated}")
+    for rows in args.rows:
+        local = asyncio.run(run_case(rows, False, args.tokens, args.vocab, text=args.text, simulated=simulated,
+                                     rounds=args.rounds))
+        remote = asyncio.run(through_grpc(rows, args.tokens, args.vocab, args.text, simulated, args.rounds))
+        in_process = local["tokens"] / local["seconds"]
+        print(f"{rows:>3} rows, no speculation: {in_process:7.0f} tok/s in process, {remote['tokens_per_s']:7.0f} "
+              f"through gRPC ({remote['tokens_per_s'] / in_process:.2f}x); through gRPC a step took "
+              f"{remote['step_ms']:.2f} ms of wall around a {remote['forward_ms']:.2f} ms forward, "
+              f"{remote['loop_cpu_ms']:.2f} ms of the loop thread's CPU"
+              + ("" if local["follows_script"] and remote["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
