@@ -10,10 +10,11 @@ and through gRPC, and over the gRPC run's measured rounds the wall time a step t
 time and the verifier loop thread's CPU time a step.
 
 Why: the verifier's asyncio loop runs the engine's steps and also every Generate stream's sends, one message per
-request per step at tens of microseconds of grpc.aio each, and a forward's result waits in the loop's queue behind
-them. On a 2-core EPYC with the H200's simulated step, 64 streams took the engine from ~8,500 tokens/s in process
-to ~5,500 (a step 12 ms of wall around a 4.8 ms forward). Where the streams cost that much on an accelerator's host,
-they have to leave the engine's loop (one stream for many requests, or the engine on a thread of its own).
+request per step at tens of microseconds of grpc.aio each, holding the interpreter lock that the compute thread
+needs to start a forward. On a 2-core EPYC with the H200's simulated step, 64 streams ran at 0.60-0.75x of the
+engine in process (a step 7.5-10.7 ms of wall around a 4.7 ms forward, the forward starting later in its step).
+Where the streams cost that much on an accelerator's host, they have to leave the engine's loop and its lock: one
+stream carrying many requests' outputs a step, or the engine in a process of its own.
 """
 
 from __future__ import annotations
