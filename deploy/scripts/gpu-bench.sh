@@ -12,6 +12,8 @@
 #   tests/unit/test_eagle_head_graphs.py tests/unit/test_accelerator_kernels.py
 # What the drafter link adds to an EAGLE ask there: BENCH=drafter_link BENCH_S=240 bash deploy/scripts/gpu-bench.sh
 #   --method eagle3 --device cuda --dtype bfloat16 --rows 1 8 --contexts 300
+# What the verifier's per-request output streams cost on that host's CPU (a simulated device step, no GPU used):
+#   BENCH=verifier_stream_cost BENCH_S=120 bash deploy/scripts/gpu-bench.sh --rows 8 64
 set -uo pipefail
 if [ ! -d /tmp/site/transformers ]; then
     setup=$(ls .gpu/p*/setup.sh 2>/dev/null | sort -V | tail -1)
