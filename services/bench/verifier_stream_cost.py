@@ -35,8 +35,9 @@ from services.common import protos
 
 
 async def through_grpc(rows: int, tokens: int, vocab: int, text: str, simulated: SimulatedDevice | None,
-                       rounds: int) -> dict[str, float]:
-    """The scripted engine served by a real verifier; a client process streams the requests (see the docstring)."""
+                       rounds: int, many: bool = False) -> dict[str, float]:
+    """The scripted engine served by a real verifier; a client process streams the requests (see the docstring),
+    on a Generate stream each or (`many`) on one GenerateMany stream a round."""
     from services.verifier.server import start_verifier
     from services.verifier.settings import VerifierSettings
 
@@ -48,7 +49,7 @@ async def through_grpc(rows: int, tokens: int, vocab: int, text: str, simulated:
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.bench.verifier_stream_cost", "--client", str(verifier.port),
             "--rows", str(rows), "--tokens", str(tokens), "--vocab", str(vocab), "--text", text,
-            "--rounds", str(rounds), stdout=subprocess.PIPE)
+            "--rounds", str(rounds), *(["--many"] if many else []), stdout=subprocess.PIPE)
         await client.stdout.readline()  # "measuring": the unmeasured round is done
         forwards, forward_s, cpu, started = runner.forwards, runner.forward_s, time.thread_time(), time.perf_counter()
         measured = json.loads(await client.stdout.readline())
@@ -63,8 +64,9 @@ async def through_grpc(rows: int, tokens: int, vocab: int, text: str, simulated:
         await verifier.stop()
 
 
-async def client(port: int, rows: int, tokens: int, vocab: int, text: str, rounds: int) -> dict[str, float]:
-    """The gateway's part: one Generate stream a request, `rows` at once; a round unmeasured, then `rounds`."""
+async def client(port: int, rows: int, tokens: int, vocab: int, text: str, rounds: int, many: bool) -> dict[str, float]:
+    """The gateway's part: `rows` requests at once, a round unmeasured, then `rounds`; each request on a Generate
+    stream of its own, or (`many`) all of a round's on one GenerateMany stream."""
     import grpc
 
     pb, pb_grpc = protos.load("verifier")
@@ -72,21 +74,37 @@ async def client(port: int, rows: int, tokens: int, vocab: int, text: str, round
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.VerifierStub(channel)
 
-        async def one(name: str, offset: int) -> tuple[int, bool]:
-            """(tokens generated, whether they are the script's continuation of the prompt)"""
-            length = 2 * SCRIPT_PERIOD + offset
-            request = pb.GenerateRequest(request_id=name, prompt_token_ids=[script.token(p) for p in range(length)],
-                                         sampling=pb.SamplingParams(max_tokens=tokens, temperature=0.0),
-                                         speculation=pb.SpeculationParams(method="none"))
-            out = [t async for message in stub.Generate(request) for t in message.token_ids]
-            return len(out), out == [script.token(length + j) for j in range(len(out))]
+        def request(name: str, offset: int):
+            return pb.GenerateRequest(
+                request_id=name, prompt_token_ids=[script.token(p) for p in range(2 * SCRIPT_PERIOD + offset)],
+                sampling=pb.SamplingParams(max_tokens=tokens, temperature=0.0),
+                speculation=pb.SpeculationParams(method="none"))
 
-        await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
+        async def one(sent) -> list[int]:
+            return [t async for message in stub.Generate(sent) for t in message.token_ids]
+
+        async def round_of(tag: str, first: int) -> list[tuple[int, bool]]:
+            """(tokens generated, whether they are the script's continuation of the prompt) per request"""
+            sent = [request(f"{tag}-{i}", first + i) for i in range(rows)]
+            if many:
+                outputs: dict[str, list[int]] = {r.request_id: [] for r in sent}
+                async for message in stub.GenerateMany(iter([pb.StreamRequest(start=r) for r in sent])):
+                    for update in message.updates:
+                        if update.HasField("error"):
+                            raise RuntimeError(f"{update.request_id}: {update.error.message}")
+                        outputs[update.request_id] += update.output.token_ids
+                answers = [outputs[r.request_id] for r in sent]
+            else:
+                answers = await asyncio.gather(*(one(r) for r in sent))
+            return [(len(out), out == [script.token(len(r.prompt_token_ids) + j) for j in range(len(out))])
+                    for r, out in zip(sent, answers, strict=True)]
+
+        await round_of("warm", 0)
         print("measuring", flush=True)
         started = time.perf_counter()
         answers = []
         for r in range(rounds):
-            answers += await asyncio.gather(*(one(f"run-{r}-{i}", r * rows + i) for i in range(rows)))
+            answers += await round_of(f"run-{r}", r * rows)
         return {"tokens": sum(n for n, _ in answers), "seconds": time.perf_counter() - started,
                 "follows_script": all(followed for _, followed in answers)}
 
@@ -103,9 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=[2.4, 0.035, 0.002],
                         help="the device step slept in each forward (default: the H200's captured SmolLM2 step)")
     parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the client process
+    parser.add_argument("--many", action="store_true", help=argparse.SUPPRESS)  # ... on one GenerateMany stream
     args = parser.parse_args(argv)
     if args.client is not None:
-        figures = asyncio.run(client(args.client, args.rows[0], args.tokens, args.vocab, args.text, args.rounds))
+        figures = asyncio.run(client(args.client, args.rows[0], args.tokens, args.vocab, args.text, args.rounds,
+                                     args.many))
         print(json.dumps(figures), flush=True)
         return 0
     simulated = SimulatedDevice(*args.simulated_step_ms)
@@ -115,14 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rows in args.rows:
         local = asyncio.run(run_case(rows, False, args.tokens, args.vocab, text=args.text, simulated=simulated,
                                      rounds=args.rounds))
-        remote = asyncio.run(through_grpc(rows, args.tokens, args.vocab, args.text, simulated, args.rounds))
         in_process = local["tokens"] / local["seconds"]
-        print(f"{rows:>3} rows, no speculation: {in_process:7.0f} tok/s in process, {remote['tokens_per_s']:7.0f} "
-              f"through gRPC ({remote['tokens_per_s'] / in_process:.2f}x); through gRPC a step took "
-              f"{remote['step_ms']:.2f} ms of wall around a {remote['forward_ms']:.2f} ms forward, "
-              f"{remote['loop_cpu_ms']:.2f} ms of the loop thread's CPU"
-              + ("" if local["follows_script"] and remote["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"),
-              flush=True)
+        print(f"{rows:>3} rows, no speculation: {in_process:7.0f} tok/s in process", flush=True)
+        for many in (False, True):
+            remote = asyncio.run(through_grpc(rows, args.tokens, args.vocab, args.text, simulated, args.rounds, many))
+            print(f"{rows:>3} rows, {'one GenerateMany stream' if many else 'a Generate stream a request'}: "
+                  f"{remote['tokens_per_s']:7.0f} tok/s ({remote['tokens_per_s'] / in_process:.2f}x in process); a "
+                  f"step took {remote['step_ms']:.2f} ms of wall around a {remote['forward_ms']:.2f} ms forward, "
+                  f"{remote['loop_cpu_ms']:.2f} ms of the loop thread's CPU"
+                  + ("" if local["follows_script"] and remote["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"),
+                  flush=True)
     return 0
 
 

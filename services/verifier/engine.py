@@ -41,7 +41,7 @@ from services.verifier.hidden_state_files import write_request_states
 from services.verifier.kept_states import KeptStates
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.random_streams import seed_to_int64
-from services.verifier.request_state import RequestState
+from services.verifier.request_state import OutputSink, RequestState
 from services.verifier.request_stream import RequestStream
 from services.verifier.sampling_params import GenerationRequest
 from services.verifier.served_hidden_layers import served_hidden_layers
@@ -224,8 +224,10 @@ class Engine:
         return len(self._waiting)
 
     # -- requests -------------------------------------------------------------------------------------------
-    def add_request(self, request: GenerationRequest) -> RequestStream:
-        """Queue a request; raises ValueError for an invalid one and EngineOverloadedError on a full queue."""
+    def add_request(self, request: GenerationRequest, outputs: OutputSink | None = None) -> RequestStream:
+        """Queue a request; raises ValueError for an invalid one and EngineOverloadedError on a full queue.
+        `outputs`: where its outputs (and a failure, as an exception) are put, as they come (None: a queue of its
+        own, which the returned stream reads; with a sink, read them there and use the stream to abort)."""
         self._validate(request)
         capacity = self.config.max_waiting_requests + self.runner.num_free_slots()
         if len(self._waiting) >= capacity:
@@ -236,7 +238,8 @@ class Engine:
         seed = request.sampling.seed
         seed = seed_to_int64(seed) if seed is not None else self._seed_source.getrandbits(63)
         state = RequestState(
-            request=request, seed=seed, token_ids=list(request.prompt_token_ids), outputs=asyncio.Queue(),
+            request=request, seed=seed, token_ids=list(request.prompt_token_ids),
+            outputs=asyncio.Queue() if outputs is None else outputs,
             constraint=build_constraint(request.sampling, self.grammars, self.runner.vocab_size, self.eos_token_ids),
         )
         spec = request.speculation

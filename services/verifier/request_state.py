@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -15,12 +16,20 @@ from services.verifier.sampling_params import GenerationRequest
 from services.verifier.structured_output import OutputConstraint
 
 
+class OutputSink(Protocol):
+    """Where the engine puts a request's outputs: its own asyncio.Queue (read by its RequestStream), or a sink that
+    gathers many requests' outputs (request_mux.py). A failure is put as an exception; nothing follows it or an
+    output with a finish reason."""
+
+    def put_nowait(self, item: RequestOutput | Exception) -> None: ...
+
+
 @dataclass
 class RequestState:
     request: GenerationRequest
     seed: int
     token_ids: list[int]  # prompt + committed output
-    outputs: asyncio.Queue[RequestOutput]
+    outputs: asyncio.Queue[RequestOutput] | OutputSink
     num_computed: int = 0  # tokens whose K/V are in the runner's cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (usage's cached_tokens)
     num_preemptions: int = 0  # times its KV blocks were taken back for others (kv_scheduling.py)

@@ -1,9 +1,12 @@
 """The Verifier gRPC servicer: protobuf in, engine call, protobuf out (wire.py). Engine errors become gRPC status
-codes in the server's interceptor, by `status_for` below. Whatever ends a Generate call early (client cancel,
-deadline, shutdown, an engine failure) aborts the request, so its KV slot is free at the next engine step."""
+codes in the server's interceptor, by `status_for` below (in GenerateMany, a request's error update carries the
+same code). Whatever ends a Generate call early (client cancel, deadline, shutdown, an engine failure) aborts the
+request, so its KV slot is free at the next engine step; a GenerateMany call ending early aborts all of its."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -11,6 +14,7 @@ import grpc
 
 from services.common.grpc_errors import default_status
 from services.verifier.engine import Engine, EngineOverloadedError, RequestIdInUseError
+from services.verifier.request_mux import RequestMux
 from services.verifier.wire import (
     DefaultSpeculation,
     DrafterReport,
@@ -18,8 +22,11 @@ from services.verifier.wire import (
     info_to_proto,
     output_to_proto,
     request_from_proto,
+    updates_to_proto,
     verifier_pb2_grpc,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def status_for(error: Exception) -> grpc.StatusCode | None:
@@ -55,6 +62,52 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 yield output_to_proto(output, method)
         finally:
             stream.abort()  # no-op when it finished; frees the slot when the client went away or it failed
+
+    async def GenerateMany(self, requests, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        """Many requests on one stream (verifier.proto): the requests read by a task of their own, each step's
+        outputs sent as one message (request_mux.py). A request refused or failed ends with an error update; the
+        call ending early aborts every request still running on it."""
+        mux = RequestMux()
+        reader = asyncio.create_task(self._read_many(requests, mux), name="specserve-generate-many-reader")
+        try:
+            while not mux.done:
+                updates = await mux.next_updates()
+                if updates:
+                    yield updates_to_proto(updates, self._status_of)
+            await reader  # the client's side ended cleanly, or its error ends the call
+        finally:
+            reader.cancel()
+            mux.abort_all()  # no-op once every request has finished; frees their slots when the client went away
+
+    async def _read_many(self, requests, mux: RequestMux) -> None:
+        try:
+            async for message in requests:
+                action = message.WhichOneof("action")
+                if action == "start":
+                    self._start(message.start, mux)
+                elif action == "abort":
+                    mux.abort(message.abort)
+        finally:
+            mux.close_input()
+
+    def _start(self, message, mux: RequestMux) -> None:
+        try:
+            generation = request_from_proto(message, message.request_id, self.default)
+        except Exception as error:  # noqa: BLE001 - this request is refused, the stream goes on
+            mux.refuse(message.request_id, error)
+            return
+        method = generation.speculation.method if generation.speculation.enabled else ""
+        mux.start(message.request_id, method, lambda sink: self.engine.add_request(generation, sink))
+
+    @staticmethod
+    def _status_of(error: Exception) -> grpc.StatusCode:
+        """status_for's code; an unexpected error is INTERNAL and logged with its traceback, as the server's
+        interceptor does for a Generate call."""
+        code = status_for(error)
+        if code is None:
+            logger.error("a GenerateMany request failed: %r", error, exc_info=error)
+            return grpc.StatusCode.INTERNAL
+        return code
 
     async def Info(self, request, context: grpc.aio.ServicerContext):
         return info_to_proto(self.facts, self.drafters(), self.engine.num_running, self.engine.num_waiting, self.default)

@@ -8,11 +8,14 @@ a bad value raises ValueError there, and the servicer maps that to INVALID_ARGUM
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import grpc
 
 from services.common.protos import load
 from services.verifier.outputs import FinishReason, RequestOutput, TokenLogprob
+from services.verifier.request_mux import Update
 from services.verifier.sampling_params import (
     GenerationRequest,
     OutputGrammar,
@@ -131,6 +134,21 @@ def output_to_proto(output: RequestOutput, method: str):
         message.logprobs.extend(logprob_to_proto(item) for item in output.logprobs)
     if output.prompt_logprobs:
         message.prompt_logprobs.extend(logprob_to_proto(item) for item in output.prompt_logprobs)
+    return message
+
+
+def updates_to_proto(updates: Sequence[Update], status_for: Callable[[Exception], grpc.StatusCode]):
+    """One GenerateMany message: each update's output as Generate sends it, or its error with the status code a
+    Generate call would have ended with (`status_for`)."""
+    message = verifier_pb2.StreamResponse()
+    for update in updates:
+        item = update.item
+        if isinstance(item, Exception):
+            error = verifier_pb2.RequestError(code=status_for(item).value[0], message=str(item) or type(item).__name__)
+            message.updates.append(verifier_pb2.RequestUpdate(request_id=update.request_id, error=error))
+        else:
+            message.updates.append(verifier_pb2.RequestUpdate(request_id=update.request_id,
+                                                              output=output_to_proto(item, update.method)))
     return message
 
 

@@ -1,0 +1,129 @@
+"""GenerateMany on a real verifier: many requests on one stream get what Generate gives each of them, in fewer
+messages; a refused or failed request ends with its own error and the others go on; an abort, or the call ending,
+frees the slots."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+
+from services.verifier.wire import verifier_pb2
+from tests.prompts import repetitive_prompt
+from tests.service.test_verifier_service import MAX_MODEL_LEN, collect, greedy, info, model, verifier, wait_until_idle
+
+__all__ = ["model"]  # the module-scoped tiny model fixture, shared with test_verifier_service
+
+
+def start(request) -> verifier_pb2.StreamRequest:
+    return verifier_pb2.StreamRequest(start=request)
+
+
+async def read_all(call) -> tuple[dict[str, list], list[int]]:
+    """Every request's updates in order, and how many updates each message carried."""
+    updates: dict[str, list] = {}
+    sizes = []
+    async for message in call:
+        sizes.append(len(message.updates))
+        for update in message.updates:
+            updates.setdefault(update.request_id, []).append(update)
+    return updates, sizes
+
+
+async def test_many_requests_on_one_stream_get_what_generate_gives_each_in_fewer_messages(model):
+    rng = random.Random(3)
+    requests = [greedy(f"r{i}", repetitive_prompt(rng, 10 + 7 * i), 20) for i in range(4)]
+    async with verifier(model) as (_, stub):
+        expected = [[t for m in await collect(stub, r) for t in m.token_ids] for r in requests]
+        renamed = [greedy(f"many-{r.request_id}", list(r.prompt_token_ids), 20) for r in requests]
+        call = stub.GenerateMany(iter([start(r) for r in renamed]), timeout=20)
+        updates, sizes = await read_all(call)
+    for request, tokens in zip(renamed, expected, strict=True):
+        got = updates[request.request_id]
+        assert [t for u in got for t in u.output.token_ids] == tokens
+        assert got[-1].output.finish_reason == verifier_pb2.FINISH_REASON_LENGTH
+        assert got[-1].output.usage.completion_tokens == 20
+        assert all(not u.HasField("error") for u in got)
+    assert max(sizes) > 1 and len(sizes) < sum(len(u) for u in updates.values())  # steps' outputs share messages
+
+
+async def test_a_refused_request_ends_alone_and_the_others_run_on(model):
+    async with verifier(model) as (_, stub):
+        hot = greedy("hot", [1, 2, 3], 4)
+        hot.sampling.temperature = -1.0
+        no_id = greedy("", [1, 2, 3], 4)
+        messages = [start(greedy("ok", [1, 2, 3], 8)), start(greedy("long", [1] * MAX_MODEL_LEN, 4)), start(hot),
+                    start(no_id), start(greedy("ok2", [4, 5, 6], 8))]
+        updates, _ = await read_all(stub.GenerateMany(iter(messages), timeout=20))
+    assert updates["long"][0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "prompt" in updates["long"][0].error.message
+    assert updates["hot"][0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "request_id" in updates[""][0].error.message
+    for name in ("ok", "ok2"):
+        assert sum(len(u.output.token_ids) for u in updates[name]) == 8
+        assert updates[name][-1].output.finish_reason == verifier_pb2.FINISH_REASON_LENGTH
+
+
+async def test_a_full_queue_and_an_engine_failure_fail_their_requests_only(model):
+    async with verifier(model, max_num_seqs=1, max_waiting_requests=0) as (running, stub):
+        sent: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (message := await sent.get()) is not None:
+                yield message
+
+        call = stub.GenerateMany(requests(), timeout=20)
+        sent.put_nowait(start(greedy("a", [1, 2, 3], 150)))
+        first = await call.read()
+        assert first.updates[0].request_id == "a"
+        sent.put_nowait(start(greedy("b", [1, 2, 3], 4)))  # no slot and no room to wait
+        refused = None
+        while refused is None:
+            message = await call.read()
+            refused = next((u for u in message.updates if u.request_id == "b"), None)
+        assert refused.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        sent.put_nowait(verifier_pb2.StreamRequest(abort="a"))
+        last = None
+        while last is None or last.output.finish_reason == verifier_pb2.FINISH_REASON_UNSPECIFIED:
+            message = await call.read()
+            last = next((u for u in message.updates if u.request_id == "a"), last)
+        assert last.output.finish_reason == verifier_pb2.FINISH_REASON_ABORT
+        await wait_until_idle(stub)
+
+        def broken_forward(rows):
+            raise RuntimeError("device fell over")
+
+        running.engine.runner.forward = broken_forward
+        sent.put_nowait(start(greedy("x", [1, 2, 3], 4)))
+        failed = None
+        while failed is None:
+            message = await call.read()
+            failed = next((u for u in message.updates if u.request_id == "x"), None)
+        assert failed.error.code == grpc.StatusCode.INTERNAL.value[0] and "device fell over" in failed.error.message
+        sent.put_nowait(None)  # half-close: nothing runs, so the stream ends
+        assert await call.read() == grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_cancelling_the_call_aborts_every_request_on_it(model):
+    async with verifier(model) as (running, stub):
+        aborted = []
+        engine_abort = running.engine.abort
+        running.engine.abort = lambda request_id: aborted.append((request_id, engine_abort(request_id))) or True
+        sent: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (message := await sent.get()) is not None:
+                yield message
+
+        call = stub.GenerateMany(requests(), timeout=20)
+        for name in ("c1", "c2"):
+            sent.put_nowait(start(greedy(name, [1, 2, 3], MAX_MODEL_LEN - 4)))
+        seen: set[str] = set()
+        while seen != {"c1", "c2"}:
+            seen |= {u.request_id for u in (await call.read()).updates}
+        assert (await info(stub)).num_running == 2
+        call.cancel()
+        await wait_until_idle(stub)
+        assert sorted(aborted) == [("c1", True), ("c2", True)]
