@@ -156,6 +156,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
     gateway = [  # without --model the gateway loads the tokenizer of the model the verifier reports
         *python, "gateway", "--host", args.host, "--port", str(args.port),
         "--verifier", f"{args.host}:{args.verifier_port}", *tls.gateway_flags,
+        "--verifier-shared-stream",  # one verifier: its requests share one GenerateMany call
     ]
     if args.model is not None:
         gateway += ["--model", args.model]

@@ -1,20 +1,20 @@
 """What the verifier's output streams cost its engine: engine_host_cost's scripted engine behind the real gRPC
-Generate, against the same engine in process.
+server, its requests on a Generate call each or on one GenerateMany call, against the same engine in process.
 
 Run: `python -m services.bench.verifier_stream_cost [--rows 8 64] [--tokens 256] [--text chat]
 [--simulated-step-ms 2.4 0.035 0.002] [--rounds 2]`. The verifier (start_verifier, its loop on this process's main
 thread) serves a ScriptedRunner whose forwards sleep the simulated device step; a client process, in the gateway's
-place, sends `rows` greedy requests at once, one Generate stream each, a round unmeasured and then `--rounds`
-measured. Printed per row count, without speculation: tokens/s of the engine in process (engine_host_cost.run_case)
-and through gRPC, and over the gRPC run's measured rounds the wall time a step took against its forward's (device)
-time and the verifier loop thread's CPU time a step.
+place, sends `rows` greedy requests at once, a round unmeasured and then `--rounds` measured, each on a Generate
+call of its own, then again all of a round's on one GenerateMany call. Printed per row count, without
+speculation: tokens/s in process (engine_host_cost.run_case) and for each way through gRPC, with, over the measured
+rounds, the wall time a step took against its forward's (device) time and the verifier loop thread's CPU a step.
+Every output is checked against the script.
 
-Why: the verifier's asyncio loop runs the engine's steps and also every Generate stream's sends, one message per
-request per step at tens of microseconds of grpc.aio each, holding the interpreter lock that the compute thread
-needs to start a forward. On a 2-core EPYC with the H200's simulated step, 64 streams ran at 0.60-0.75x of the
-engine in process (a step 7.5-10.7 ms of wall around a 4.7 ms forward, the forward starting later in its step).
-Where the streams cost that much on an accelerator's host, they have to leave the engine's loop and its lock: one
-stream carrying many requests' outputs a step, or the engine in a process of its own.
+Why: the verifier's asyncio loop runs the engine's steps and also the calls' sends, and a Generate call sends one
+message per request per step at tens of microseconds of grpc.aio each, holding the interpreter lock the compute
+thread needs to start a forward. On a 2-core EPYC with the H200's simulated step, 64 requests ran at 0.60-0.75x of
+the engine in process on a call each and 0.81-0.93x on one GenerateMany call (the gateway's
+--verifier-shared-stream).
 """
 
 from __future__ import annotations

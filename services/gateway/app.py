@@ -43,7 +43,8 @@ MODEL_ROUTE = "/v1/models/{model}"  # one metrics label for every model id asked
 def create_app(settings: GatewaySettings, tokenizer: Any = None, client: VerifierClient | None = None) -> FastAPI:
     client = client or VerifierClient(settings.verifier, info_timeout_s=settings.info_timeout_s,
                                       request_timeout_s=settings.request_timeout_s,
-                                      root_cert=settings.grpc_root_cert)
+                                      root_cert=settings.grpc_root_cert,
+                                      shared_stream=settings.verifier_shared_stream)
     state = GatewayState(settings=settings, client=client, metrics=GatewayMetrics(), tokenizer=tokenizer)
     call_format = tool_call_format(settings.tool_call_parser)  # an unknown name fails at start-up
 

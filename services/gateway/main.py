@@ -21,6 +21,10 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
     parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "
                                                    "Hermes)")
+    parser.add_argument("--verifier-shared-stream", action="store_true", default=None,
+                        help="one verifier: its requests share one GenerateMany call, so each engine step's "
+                             "outputs come as one message, not one per request (fewer host costs on the verifier's "
+                             "loop at high concurrency); not for several verifiers, as calls are what is balanced")
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
     return GatewaySettings(**given)  # flags override SPECSERVE_GATEWAY_* environment values

@@ -36,3 +36,5 @@ class GatewaySettings(BaseSettings):
     max_n: int = Field(16, ge=1)
     # How the model writes tool calls (services/gateway/tools/parsers.py); vLLM's --tool-call-parser.
     tool_call_parser: str = "hermes"
+    # One verifier: requests share one GenerateMany call instead of a Generate call each (shared_stream.py).
+    verifier_shared_stream: bool = False

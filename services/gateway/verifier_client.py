@@ -15,6 +15,8 @@ The address may name several verifiers; the channel balances over them (verifier
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,11 @@ import grpc
 
 from services.common import protos
 from services.common.tls import channel_credentials, open_channel
+from services.gateway.shared_stream import SharedStream, status_error, update_error
 from services.gateway.verifier_target import parse_verifier_target
 
 pb, pb_grpc = protos.load("verifier")
+logger = logging.getLogger(__name__)
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]  # keepalive: open_channel's policy
 # How a dropped connection reads when grpc does not report it as UNAVAILABLE (e.g. a GOAWAY mid-setup).
@@ -53,7 +57,9 @@ def _retry_of(request: Any) -> Any:
 
 class VerifierClient:
     def __init__(self, address: str, *, info_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
-                 root_cert: Path | None = None) -> None:
+                 root_cert: Path | None = None, shared_stream: bool = False) -> None:
+        """`shared_stream`: requests share one GenerateMany call (shared_stream.py) instead of a Generate call
+        each; for one verifier, since all of them go where that call went (calls are what the channel balances)."""
         self.address = address  # as given (shown by /health); the channel's target is derived from it
         self._target = parse_verifier_target(address)
         self._info_timeout_s = info_timeout_s
@@ -62,6 +68,9 @@ class VerifierClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._retiring: dict[grpc.aio.Channel, asyncio.Task] = {}  # old channels, closing once their calls end
+        self._shares_stream = shared_stream
+        self._shared: SharedStream | None = None
+        self._retiring_streams: set[asyncio.Task] = set()  # shared calls replaced, closing once their requests end
 
     def _ensure(self) -> Any:
         if self._stub is None:
@@ -87,6 +96,18 @@ class VerifierClient:
     async def generate(self, request: Any) -> AsyncIterator[Any]:
         """GenerateResponse messages of one request; closing the iterator early cancels the call. Retried once,
         on a fresh channel, when the connection failed before the first message (see the module docstring)."""
+        if self._shares_stream:
+            try:
+                async for response in self._generate_shared(request):
+                    yield response
+                return
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                # a verifier from before GenerateMany (nothing was received): a Generate call each from now on
+                logger.warning("the verifier at %s has no GenerateMany; a Generate call per request instead",
+                               self.address)
+                self._shares_stream = False
         for attempt in (0, 1):
             stub = self._ensure()
             sent = _retry_of(request) if attempt else request
@@ -105,7 +126,68 @@ class VerifierClient:
                 if not call.done():
                     call.cancel()
 
+    async def _generate_shared(self, request: Any) -> AsyncIterator[Any]:
+        """generate() over the shared GenerateMany call: the same messages, errors, deadline and retry."""
+        if not request.request_id:
+            request = _retry_of(request)
+            request.request_id = f"req-{uuid.uuid4().hex}"
+        deadline = asyncio.get_running_loop().time() + self._request_timeout_s
+        for attempt in (0, 1):
+            stream = self._shared_stream()
+            sent = _retry_of(request) if attempt else request
+            received = finished = False
+            try:
+                updates = await stream.start(sent)
+                while not finished:
+                    try:
+                        async with asyncio.timeout_at(deadline):  # around the wait only, never across a yield
+                            update = await updates.get()
+                    except TimeoutError:
+                        raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                    if isinstance(update, grpc.RpcError):
+                        raise update
+                    if update.HasField("error"):
+                        raise update_error(update.error)
+                    received = True
+                    finished = update.output.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                    yield update.output
+                return
+            except grpc.RpcError as error:
+                if received or attempt or not connection_lost(error):
+                    raise
+                self._reopen(stream.stub)
+            finally:
+                stream.finish(sent.request_id, abort=not finished)
+
+    def _shared_stream(self) -> SharedStream:
+        """The call requests share: a new one when there is none, or the last ended (on a fresh channel when its
+        connection failed) or was made on a channel since replaced (that one closes once idle)."""
+        shared = self._shared
+        if shared is not None and shared.error is not None and connection_lost(shared.error):
+            self._reopen(shared.stub)  # the connection it was on failed: a new call goes out on a fresh channel
+        stub = self._ensure()
+        if shared is None or shared.error is not None or shared.stub is not stub:
+            if shared is not None:
+                self._retire_shared(shared)
+            shared = self._shared = SharedStream(stub)
+        return shared
+
+    def _retire_shared(self, shared: SharedStream) -> None:
+        async def close_when_idle() -> None:
+            while not shared.idle and shared.error is None:
+                await asyncio.sleep(0.1)
+            await shared.close()
+
+        task = asyncio.get_running_loop().create_task(close_when_idle())
+        self._retiring_streams.add(task)
+        task.add_done_callback(self._retiring_streams.discard)
+
     async def close(self) -> None:
+        if self._shared is not None:
+            shared, self._shared = self._shared, None
+            await shared.close()
+        for task in list(self._retiring_streams):
+            task.cancel()
         if self._channel is not None:
             channel, self._channel, self._stub = self._channel, None, None
             await channel.close()

@@ -90,7 +90,7 @@ class Stack:
         self._spawn(
             "gateway",
             ["gateway", "--model", self.model, "--host", "127.0.0.1", "--port", str(self.gateway_port),
-             "--verifier", f"127.0.0.1:{self.verifier_port}"],
+             "--verifier", f"127.0.0.1:{self.verifier_port}", "--verifier-shared-stream"],
             self.gateway_port,
         )
         self.wait_healthy()

@@ -8,6 +8,7 @@ import asyncio
 import random
 
 import grpc
+import pytest
 
 from services.verifier.wire import verifier_pb2
 from tests.prompts import repetitive_prompt
@@ -127,3 +128,86 @@ async def test_cancelling_the_call_aborts_every_request_on_it(model):
         call.cancel()
         await wait_until_idle(stub)
         assert sorted(aborted) == [("c1", True), ("c2", True)]
+
+
+async def client_tokens(client, request) -> list[int]:
+    return [t async for message in client.generate(request) for t in message.token_ids]
+
+
+async def test_the_gateways_shared_stream_gives_what_a_call_each_gives_and_aborts_what_it_leaves(model):
+    """VerifierClient(shared_stream=True): requests over one GenerateMany call; a request the gateway stops reading
+    (a stop string, a client gone) is aborted on the verifier; a refusal is the Generate call's status."""
+    from contextlib import aclosing
+
+    from services.gateway.verifier_client import VerifierClient
+
+    rng = random.Random(5)
+    requests = [greedy(f"s{i}", repetitive_prompt(rng, 12 + 5 * i), 16) for i in range(5)]
+    async with verifier(model) as (running, stub):
+        separate = VerifierClient(f"127.0.0.1:{running.port}")
+        shared = VerifierClient(f"127.0.0.1:{running.port}", shared_stream=True)
+        try:
+            expected = [await client_tokens(separate, r) for r in requests]
+            renamed = [greedy(f"shared-{r.request_id}", list(r.prompt_token_ids), 16) for r in requests]
+            assert await asyncio.gather(*(client_tokens(shared, r) for r in renamed)) == expected
+
+            async with aclosing(shared.generate(greedy("left", [1, 2, 3], MAX_MODEL_LEN - 4))) as stream:
+                await anext(stream)
+                assert (await info(stub)).num_running == 1
+            await wait_until_idle(stub)  # the abort reached the verifier
+
+            too_long = greedy("too-long", [1] * MAX_MODEL_LEN, 4)
+            try:
+                await client_tokens(shared, too_long)
+                raise AssertionError("a prompt over max_model_len was served")
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in error.details()
+            assert await client_tokens(shared, renamed[0]) == expected[0]  # the stream still serves
+        finally:
+            await shared.close()
+            await separate.close()
+
+
+@pytest.mark.parametrize("after_first_message", [False, True])
+async def test_a_shared_stream_that_breaks_is_replaced_and_a_request_with_nothing_yet_retried(model, monkeypatch,
+                                                                                            after_first_message):
+    """The verifier's side of the call ends UNAVAILABLE (a connection lost): a request that had received nothing
+    goes out again, once, on a fresh channel's call, and is served; one that had tokens fails (they were sent on)."""
+    from services.gateway.verifier_client import VerifierClient
+    from services.verifier.servicer import VerifierServicer
+
+    generate_many, calls = VerifierServicer.GenerateMany, []
+
+    async def breaking_once(self, requests, context):
+        calls.append(1)
+        sent = 0
+        async for message in generate_many(self, requests, context):
+            if len(calls) == 1 and sent == int(after_first_message):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+            sent += 1
+            yield message
+        if len(calls) == 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+    monkeypatch.setattr(VerifierServicer, "GenerateMany", breaking_once)
+    async with verifier(model) as (running, stub):
+        client = VerifierClient(f"127.0.0.1:{running.port}", shared_stream=True)
+        channel = None
+        try:
+            request = greedy("r", [1, 2, 3], 6)
+            if after_first_message:
+                try:
+                    await client_tokens(client, request)
+                    raise AssertionError("a request that had tokens was retried")
+                except grpc.RpcError as error:
+                    assert error.code() == grpc.StatusCode.UNAVAILABLE
+                assert len(calls) == 1
+            else:
+                await client.info()  # opens the channel
+                channel = client._channel
+                assert channel is not None and len(await client_tokens(client, request)) == 6
+                assert len(calls) == 2 and client._channel is not channel  # a fresh channel's call
+            assert len(await client_tokens(client, greedy("next", [4, 5, 6], 6))) == 6  # and the next one works
+            await wait_until_idle(stub)
+        finally:
+            await client.close()

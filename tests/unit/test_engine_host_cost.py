@@ -48,12 +48,13 @@ async def test_the_chat_script_gives_some_drafts_a_token_or_two_and_the_simulate
 
 async def test_through_the_verifiers_grpc_streams_the_scripted_engine_is_followed_and_timed():
     """verifier_stream_cost: the same scripted engine behind a real verifier server, read by a client process
-    through one Generate stream a request; every token is the script's, and a step's wall, forward and the loop
-    thread's CPU are measured over the measured rounds."""
+    through a Generate call a request or one GenerateMany call; every token is the script's, and a step's wall,
+    forward and the loop thread's CPU are measured over the measured rounds."""
     from services.bench.scripted_model import SimulatedDevice
     from services.bench.verifier_stream_cost import through_grpc
 
-    figures = await through_grpc(rows=3, tokens=16, vocab=512, text="chat", simulated=SimulatedDevice(1.0, 0, 0),
-                                 rounds=2)
-    assert figures["follows_script"] and figures["tokens"] == 3 * 2 * 16
-    assert figures["step_ms"] >= figures["forward_ms"] >= 1.0 and figures["loop_cpu_ms"] > 0
+    for many in (False, True):  # a Generate call each, or one GenerateMany call a round
+        figures = await through_grpc(rows=3, tokens=16, vocab=512, text="chat", simulated=SimulatedDevice(1.0, 0, 0),
+                                     rounds=2, many=many)
+        assert figures["follows_script"] and figures["tokens"] == 3 * 2 * 16
+        assert figures["step_ms"] >= figures["forward_ms"] >= 1.0 and figures["loop_cpu_ms"] > 0

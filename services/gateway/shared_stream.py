@@ -1,0 +1,105 @@
+"""One GenerateMany call (verifier.proto) that the gateway's requests share, where a Generate call each would cost
+the verifier a message per request per engine step (services/bench/verifier_stream_cost.py: at 64 requests, a
+third of its throughput on a 2-core host).
+
+Requests start and abort by messages on the call; a reader task hands each update to its request's queue. When the
+call ends or breaks, every request still on it gets the call's error (UNAVAILABLE when the verifier just ended it),
+so VerifierClient treats it as it treats a Generate call that failed: retried once on a fresh channel if nothing
+was received yet, else an error for that request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import grpc
+
+from services.common import protos
+
+pb, _ = protos.load("verifier")
+
+
+def status_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """An error shaped as a failed gRPC call's, so the gateway maps it as it maps those (errors.from_grpc)."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def update_error(error: Any) -> grpc.aio.AioRpcError:
+    """A request's RequestError as the error its own Generate call would have ended with."""
+    return status_error(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
+
+
+class SharedStream:
+    def __init__(self, stub: Any) -> None:
+        self.stub = stub  # what the call was made on (VerifierClient replaces a channel that failed)
+        self._call = stub.GenerateMany()  # no deadline: it lives while requests use it; each request keeps its own
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time
+        self._pending: set[asyncio.Task] = set()  # aborts being sent
+        self.error: grpc.RpcError | None = None  # why the call ended; set once it has
+        self._reader = asyncio.create_task(self._read(), name="specserve-shared-stream")
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._call:
+                for update in message.updates:
+                    queue = self._queues.get(update.request_id)
+                    if queue is not None:
+                        queue.put_nowait(update)
+            error: grpc.RpcError = status_error(grpc.StatusCode.UNAVAILABLE, "the verifier ended the shared stream")
+        except grpc.RpcError as failure:
+            error = failure
+        self._fail(error)
+
+    def _fail(self, error: grpc.RpcError) -> None:
+        self.error = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    async def start(self, request: Any) -> asyncio.Queue:
+        """Start `request` (its request_id set) on the call; its updates, then possibly the call's error, arrive on
+        the queue returned. Raises the call's error if it has ended."""
+        if self.error is not None:
+            raise self.error
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        try:
+            async with self._write_lock:
+                await self._call.write(pb.StreamRequest(start=request))
+        except (grpc.RpcError, asyncio.InvalidStateError) as failure:
+            self._queues.pop(request.request_id, None)
+            if self.error is None:
+                self._fail(failure if isinstance(failure, grpc.RpcError)
+                           else status_error(grpc.StatusCode.UNAVAILABLE, f"the shared stream broke: {failure}"))
+            raise self.error from None
+        return queue
+
+    def finish(self, request_id: str, abort: bool) -> None:
+        """The request is done with; `abort`: it had not finished, so the verifier stops it and frees its slot (sent
+        in the background: this runs when a consumer leaves, perhaps while it is being cancelled)."""
+        self._queues.pop(request_id, None)
+        if abort and self.error is None:
+            task = asyncio.get_running_loop().create_task(self._send_abort(request_id))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def _send_abort(self, request_id: str) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+            async with self._write_lock:
+                await self._call.write(pb.StreamRequest(abort=request_id))
+
+    @property
+    def idle(self) -> bool:
+        return not self._queues
+
+    async def close(self) -> None:
+        """End the call (the verifier aborts whatever still runs on it)."""
+        self._call.cancel()
+        for task in (self._reader, *self._pending):
+            task.cancel()
+        await asyncio.gather(self._reader, *self._pending, return_exceptions=True)
