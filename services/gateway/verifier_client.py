@@ -9,7 +9,10 @@ A Generate that fails as "unavailable" before its first message (the connection 
 verifier restart, a GOAWAY) is re-issued once on a fresh channel: nothing was generated yet, so the client
 gets its answer instead of a 503. Once a message has arrived it is never retried (the tokens were sent on).
 
-The address may name several verifiers; the channel balances over them (verifier_target.py).
+The address may name several verifiers; the channel balances over them (verifier_target.py), call by call. With
+one verifier, `shared_stream` has the requests share one GenerateMany call instead (shared_stream.py): the verifier
+then sends each engine step's outputs as one message, not one per request; each request keeps the deadline, the
+retry and the abort on leaving early that a Generate call of its own has.
 """
 
 from __future__ import annotations

@@ -101,4 +101,3 @@ class RequestMux:
         for stream in list(self._running.values()):
             stream.abort()
         self._running.clear()
-
