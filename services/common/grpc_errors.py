@@ -75,11 +75,14 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
         if isinstance(error, grpc.aio.AbortError):
             raise error  # the servicer aborted with a status of its own choosing
-        code = self._status_for(error)
-        if code is None:
-            logger.exception("%s failed", method, exc_info=error)
-            code = grpc.StatusCode.INTERNAL
-            message = f"internal error in {method}: {type(error).__name__}: {error}"
-        else:
-            message = str(error) or type(error).__name__
-        await context.abort(code, message)
+        await context.abort(*status_of(error, self._status_for, method))
+
+
+def status_of(error: Exception, status_for: StatusFor, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message `error` ends a call (or one request of it, GenerateMany's) with: `status_for`'s
+    code, or INTERNAL with a one-line reason for an unexpected error, which is logged with its traceback."""
+    code = status_for(error)
+    if code is None:
+        logger.exception("%s failed", method, exc_info=error)
+        return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(error).__name__}: {error}"
+    return code, str(error) or type(error).__name__

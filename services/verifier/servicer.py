@@ -6,13 +6,12 @@ request, so its KV slot is free at the next engine step; a GenerateMany call end
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from services.common.grpc_errors import default_status
+from services.common.grpc_errors import default_status, status_of
 from services.verifier.engine import Engine, EngineOverloadedError, RequestIdInUseError
 from services.verifier.request_mux import RequestMux
 from services.verifier.wire import (
@@ -25,8 +24,6 @@ from services.verifier.wire import (
     updates_to_proto,
     verifier_pb2_grpc,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def status_for(error: Exception) -> grpc.StatusCode | None:
@@ -100,14 +97,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         mux.start(message.request_id, method, lambda sink: self.engine.add_request(generation, sink))
 
     @staticmethod
-    def _status_of(error: Exception) -> grpc.StatusCode:
-        """status_for's code; an unexpected error is INTERNAL and logged with its traceback, as the server's
-        interceptor does for a Generate call."""
-        code = status_for(error)
-        if code is None:
-            logger.error("a GenerateMany request failed: %r", error, exc_info=error)
-            return grpc.StatusCode.INTERNAL
-        return code
+    def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
+        """What a request's error update says: what the server's interceptor would have ended its Generate call
+        with."""
+        return status_of(error, status_for, "GenerateMany")
 
     async def Info(self, request, context: grpc.aio.ServicerContext):
         return info_to_proto(self.facts, self.drafters(), self.engine.num_running, self.engine.num_waiting, self.default)

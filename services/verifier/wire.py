@@ -137,14 +137,15 @@ def output_to_proto(output: RequestOutput, method: str):
     return message
 
 
-def updates_to_proto(updates: Sequence[Update], status_for: Callable[[Exception], grpc.StatusCode]):
-    """One GenerateMany message: each update's output as Generate sends it, or its error with the status code a
-    Generate call would have ended with (`status_for`)."""
+def updates_to_proto(updates: Sequence[Update], status_of: Callable[[Exception], tuple[grpc.StatusCode, str]]):
+    """One GenerateMany message: each update's output as Generate sends it, or its error with the status and
+    message a Generate call would have ended with (`status_of`)."""
     message = verifier_pb2.StreamResponse()
     for update in updates:
         item = update.item
         if isinstance(item, Exception):
-            error = verifier_pb2.RequestError(code=status_for(item).value[0], message=str(item) or type(item).__name__)
+            code, details = status_of(item)
+            error = verifier_pb2.RequestError(code=code.value[0], message=details)
             message.updates.append(verifier_pb2.RequestUpdate(request_id=update.request_id, error=error))
         else:
             message.updates.append(verifier_pb2.RequestUpdate(request_id=update.request_id,
