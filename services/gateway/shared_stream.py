@@ -40,8 +40,9 @@ class SharedStream:
         self._call = stub.GenerateMany()  # no deadline: it lives while requests use it; each request keeps its own
         self._queues: dict[str, asyncio.Queue] = {}
         self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time
-        self._pending: set[asyncio.Task] = set()  # aborts being sent
+        self._pending: set[asyncio.Task] = set()  # aborts being sent, and the closing once retired
         self.error: grpc.RpcError | None = None  # why the call ended; set once it has
+        self._retired = False  # replaced: no request starts on it any more, it closes when its last one is done
         self._reader = asyncio.create_task(self._read(), name="specserve-shared-stream")
 
     async def _read(self) -> None:
@@ -84,22 +85,31 @@ class SharedStream:
         in the background: this runs when a consumer leaves, perhaps while it is being cancelled)."""
         self._queues.pop(request_id, None)
         if abort and self.error is None:
-            task = asyncio.get_running_loop().create_task(self._send_abort(request_id))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            self._in_background(self._send_abort(request_id))
+        if self._retired and not self._queues:
+            self._in_background(self.close())
+
+    def retire(self) -> None:
+        """No request starts on this call any more (a new one replaces it): it closes once its last is done."""
+        self._retired = True
+        if not self._queues:
+            self._in_background(self.close())
+
+    def _in_background(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def _send_abort(self, request_id: str) -> None:
         with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
             async with self._write_lock:
                 await self._call.write(pb.StreamRequest(abort=request_id))
 
-    @property
-    def idle(self) -> bool:
-        return not self._queues
-
     async def close(self) -> None:
         """End the call (the verifier aborts whatever still runs on it)."""
         self._call.cancel()
-        for task in (self._reader, *self._pending):
+        current = asyncio.current_task()
+        others = [task for task in (self._reader, *self._pending) if task is not current]
+        for task in others:
             task.cancel()
-        await asyncio.gather(self._reader, *self._pending, return_exceptions=True)
+        await asyncio.gather(*others, return_exceptions=True)

@@ -73,7 +73,6 @@ class VerifierClient:
         self._retiring: dict[grpc.aio.Channel, asyncio.Task] = {}  # old channels, closing once their calls end
         self._shares_stream = shared_stream
         self._shared: SharedStream | None = None
-        self._retiring_streams: set[asyncio.Task] = set()  # shared calls replaced, closing once their requests end
 
     def _ensure(self) -> Any:
         if self._stub is None:
@@ -171,26 +170,14 @@ class VerifierClient:
         stub = self._ensure()
         if shared is None or shared.error is not None or shared.stub is not stub:
             if shared is not None:
-                self._retire_shared(shared)
+                shared.retire()
             shared = self._shared = SharedStream(stub)
         return shared
-
-    def _retire_shared(self, shared: SharedStream) -> None:
-        async def close_when_idle() -> None:
-            while not shared.idle and shared.error is None:
-                await asyncio.sleep(0.1)
-            await shared.close()
-
-        task = asyncio.get_running_loop().create_task(close_when_idle())
-        self._retiring_streams.add(task)
-        task.add_done_callback(self._retiring_streams.discard)
 
     async def close(self) -> None:
         if self._shared is not None:
             shared, self._shared = self._shared, None
             await shared.close()
-        for task in list(self._retiring_streams):
-            task.cancel()
         if self._channel is not None:
             channel, self._channel, self._stub = self._channel, None, None
             await channel.close()
