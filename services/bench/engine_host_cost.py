@@ -67,10 +67,9 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     proposers["ngram"].propose = calls
     engine = Engine(runner, EngineConfig(adaptive_speculation=adaptive), proposers)
     speculation = SpeculationParams("ngram", 4) if speculate else SpeculationParams()
-    prompt_length = 2 * SCRIPT_PERIOD
 
     async def one(name: str, offset: int) -> list[int]:
-        prompt = tuple(script.token(p) for p in range(prompt_length + offset))
+        prompt = script.prompt(offset)
         request = GenerationRequest(name, prompt, SamplingParams(max_tokens=tokens, temperature=0.0), speculation)
         out: list[int] = []
         async for output in engine.generate(request):
@@ -98,8 +97,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
             "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,
             "accepted": after.num_accepted_tokens - before.num_accepted_tokens,
             "host_ms_per_forward": 1000 * (seconds - (runner.forward_s - forward_s)) / max(steps, 1),
-            "follows_script": all(out == [script.token(prompt_length + offset + j) for j in range(len(out))]
-                                  for offset, out in outputs)}
+            "follows_script": all(script.continues(script.prompt(offset), out) for offset, out in outputs)}
 
 
 class CountedCalls:

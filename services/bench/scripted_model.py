@@ -53,6 +53,15 @@ class Script:
         phrase = _mix(position // CHAT_PHRASE) % CHAT_PHRASES
         return _mix(phrase * CHAT_PHRASE + position % CHAT_PHRASE + 7) % self.vocab
 
+    def prompt(self, offset: int) -> tuple[int, ...]:
+        """The benches' request number `offset`: the script's first 2 periods and `offset` tokens more (requests
+        of different lengths, so their steps are not all alike)."""
+        return tuple(self.token(p) for p in range(2 * SCRIPT_PERIOD + offset))
+
+    def continues(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
+        """Whether `output` is what the script says after `prompt` (a prompt of the script's own)."""
+        return list(output) == [self.token(len(prompt) + j) for j in range(len(output))]
+
 
 def script_token(position: int, vocab: int, period: int = SCRIPT_PERIOD) -> int:
     """The token at `position` of a period of `period` distinct tokens (at most `vocab`)."""

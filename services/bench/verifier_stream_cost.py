@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 from services.bench.engine_host_cost import run_case
 from services.bench.hardware import describe_hardware
-from services.bench.scripted_model import SCRIPT_PERIOD, SCRIPTS, Script, ScriptedRunner, SimulatedDevice
+from services.bench.scripted_model import SCRIPTS, Script, ScriptedRunner, SimulatedDevice
 from services.common import protos
 
 
@@ -76,7 +76,7 @@ async def client(port: int, rows: int, tokens: int, vocab: int, text: str, round
 
         def request(name: str, offset: int):
             return pb.GenerateRequest(
-                request_id=name, prompt_token_ids=[script.token(p) for p in range(2 * SCRIPT_PERIOD + offset)],
+                request_id=name, prompt_token_ids=script.prompt(offset),
                 sampling=pb.SamplingParams(max_tokens=tokens, temperature=0.0),
                 speculation=pb.SpeculationParams(method="none"))
 
@@ -96,7 +96,7 @@ async def client(port: int, rows: int, tokens: int, vocab: int, text: str, round
                 answers = [outputs[r.request_id] for r in sent]
             else:
                 answers = await asyncio.gather(*(one(r) for r in sent))
-            return [(len(out), out == [script.token(len(r.prompt_token_ids) + j) for j in range(len(out))])
+            return [(len(out), script.continues(r.prompt_token_ids, out))
                     for r, out in zip(sent, answers, strict=True)]
 
         await round_of("warm", 0)
