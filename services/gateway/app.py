@@ -44,7 +44,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     client = client or VerifierClient(settings.verifier, info_timeout_s=settings.info_timeout_s,
                                       request_timeout_s=settings.request_timeout_s,
                                       root_cert=settings.grpc_root_cert,
-                                      shared_stream=settings.verifier_shared_stream)
+                                      shared_stream=settings.verifier_shared_stream,
+                                      shared_stream_calls=settings.verifier_shared_stream_calls,
+                                      shared_stream_max_age_s=settings.verifier_shared_stream_max_age_s)
     state = GatewayState(settings=settings, client=client, metrics=GatewayMetrics(), tokenizer=tokenizer)
     call_format = tool_call_format(settings.tool_call_parser)  # an unknown name fails at start-up
 

@@ -22,9 +22,14 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "
                                                    "Hermes)")
     parser.add_argument("--verifier-shared-stream", action="store_true", default=None,
-                        help="one verifier: its requests share one GenerateMany call, so each engine step's "
-                             "outputs come as one message, not one per request (fewer host costs on the verifier's "
-                             "loop at high concurrency); not for several verifiers, as calls are what is balanced")
+                        help="requests share GenerateMany calls, so each engine step's outputs come as one message, "
+                             "not one per request (fewer host costs on the verifier's loop at high concurrency)")
+    parser.add_argument("--verifier-shared-stream-calls", type=int, metavar="N",
+                        help="with --verifier-shared-stream: how many calls, one per verifier (default: one per "
+                             "address of a --verifier list, else 1)")
+    parser.add_argument("--verifier-shared-stream-max-age-s", type=float, metavar="S",
+                        help="with --verifier-shared-stream: a call takes new requests for S seconds, then a new "
+                             "one replaces it, so calls follow verifiers that join or restart (default 60)")
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
     return GatewaySettings(**given)  # flags override SPECSERVE_GATEWAY_* environment values

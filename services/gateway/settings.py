@@ -36,5 +36,9 @@ class GatewaySettings(BaseSettings):
     max_n: int = Field(16, ge=1)
     # How the model writes tool calls (services/gateway/tools/parsers.py); vLLM's --tool-call-parser.
     tool_call_parser: str = "hermes"
-    # One verifier: requests share one GenerateMany call instead of a Generate call each (shared_stream.py).
+    # Requests share GenerateMany calls instead of a Generate call each (shared_stream.py): this many (None: one per
+    # address of a fixed --verifier list, else one; one per verifier replica is the intent), each taking new
+    # requests for verifier_shared_stream_max_age_s before a new call replaces it (shared_stream_pool.py).
     verifier_shared_stream: bool = False
+    verifier_shared_stream_calls: int | None = Field(None, ge=1)
+    verifier_shared_stream_max_age_s: float = Field(60.0, gt=0)

@@ -62,6 +62,11 @@ class SharedStream:
         for queue in self._queues.values():
             queue.put_nowait(error)
 
+    @property
+    def load(self) -> int:
+        """Requests running on the call."""
+        return len(self._queues)
+
     async def start(self, request: Any) -> asyncio.Queue:
         """Start `request` (its request_id set) on the call; its updates, then possibly the call's error, arrive on
         the queue returned. Raises the call's error if it has ended."""
@@ -91,6 +96,8 @@ class SharedStream:
 
     def retire(self) -> None:
         """No request starts on this call any more (a new one replaces it): it closes once its last is done."""
+        if self._retired:
+            return
         self._retired = True
         if not self._queues:
             self._in_background(self.close())
@@ -106,8 +113,11 @@ class SharedStream:
                 await self._call.write(pb.StreamRequest(abort=request_id))
 
     async def close(self) -> None:
-        """End the call (the verifier aborts whatever still runs on it)."""
+        """End the call (the verifier aborts whatever still runs on it; a request still waiting on it gets
+        CANCELLED)."""
         self._call.cancel()
+        if self.error is None:
+            self._fail(status_error(grpc.StatusCode.CANCELLED, "the shared stream was closed"))
         current = asyncio.current_task()
         others = [task for task in (self._reader, *self._pending) if task is not current]
         for task in others:

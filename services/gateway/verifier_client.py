@@ -10,9 +10,11 @@ verifier restart, a GOAWAY) is re-issued once on a fresh channel: nothing was ge
 gets its answer instead of a 503. Once a message has arrived it is never retried (the tokens were sent on).
 
 The address may name several verifiers; the channel balances over them (verifier_target.py), call by call. With
-one verifier, `shared_stream` has the requests share one GenerateMany call instead (shared_stream.py): the verifier
-then sends each engine step's outputs as one message, not one per request; each request keeps the deadline, the
-retry and the abort on leaving early that a Generate call of its own has.
+`shared_stream` the requests share GenerateMany calls instead (shared_stream.py), a few for all of them
+(shared_stream_pool.py: `shared_stream_calls`, one per verifier, renewed every `shared_stream_max_age_s`): a
+verifier then sends each engine step's outputs as one message, not one per request; each request keeps the
+deadline, the retry and the abort on leaving early that a Generate call of its own has. A request that a draining
+verifier refused is retried on another call, as one refused by a connection that closed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import grpc
 from services.common import protos
 from services.common.tls import channel_credentials, open_channel
 from services.gateway.shared_stream import SharedStream, status_error, update_error
+from services.gateway.shared_stream_pool import SharedStreamPool
 from services.gateway.verifier_target import parse_verifier_target
 
 pb, pb_grpc = protos.load("verifier")
@@ -60,9 +63,11 @@ def _retry_of(request: Any) -> Any:
 
 class VerifierClient:
     def __init__(self, address: str, *, info_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
-                 root_cert: Path | None = None, shared_stream: bool = False) -> None:
-        """`shared_stream`: requests share one GenerateMany call (shared_stream.py) instead of a Generate call
-        each; for one verifier, since all of them go where that call went (calls are what the channel balances)."""
+                 root_cert: Path | None = None, shared_stream: bool = False, shared_stream_calls: int | None = None,
+                 shared_stream_max_age_s: float = 60.0) -> None:
+        """`shared_stream`: requests share GenerateMany calls (shared_stream.py) instead of a Generate call each:
+        `shared_stream_calls` of them (None: one per address of a fixed list, else one), each taking new requests
+        for `shared_stream_max_age_s` (shared_stream_pool.py)."""
         self.address = address  # as given (shown by /health); the channel's target is derived from it
         self._target = parse_verifier_target(address)
         self._info_timeout_s = info_timeout_s
@@ -72,7 +77,7 @@ class VerifierClient:
         self._stub: Any = None
         self._retiring: dict[grpc.aio.Channel, asyncio.Task] = {}  # old channels, closing once their calls end
         self._shares_stream = shared_stream
-        self._shared: SharedStream | None = None
+        self._pool = SharedStreamPool(shared_stream_calls or self._target.num_addresses, shared_stream_max_age_s)
 
     def _ensure(self) -> Any:
         if self._stub is None:
@@ -157,27 +162,23 @@ class VerifierClient:
             except grpc.RpcError as error:
                 if received or attempt or not connection_lost(error):
                     raise
-                self._reopen(stream.stub)
+                if stream.error is None:
+                    self._pool.replace(stream)  # the call goes on, its verifier refused the request: it drains
+                else:
+                    self._reopen(stream.stub)
             finally:
                 stream.finish(sent.request_id, abort=not finished)
 
     def _shared_stream(self) -> SharedStream:
-        """The call requests share: a new one when there is none, or the last ended (on a fresh channel when its
-        connection failed) or was made on a channel since replaced (that one closes once idle)."""
-        shared = self._shared
-        if shared is not None and shared.error is not None and connection_lost(shared.error):
-            self._reopen(shared.stub)  # the connection it was on failed: a new call goes out on a fresh channel
-        stub = self._ensure()
-        if shared is None or shared.error is not None or shared.stub is not stub:
-            if shared is not None:
-                shared.retire()
-            shared = self._shared = SharedStream(stub)
-        return shared
+        """The call a request starts on (shared_stream_pool.py); the pool replaces calls that ended (on a fresh
+        channel when their connection failed) or were made on a channel since replaced (those close once idle)."""
+        for broken in self._pool.broken():
+            if connection_lost(broken.error):
+                self._reopen(broken.stub)  # the connection it was on failed: new calls go out on a fresh channel
+        return self._pool.pick(self._ensure())
 
     async def close(self) -> None:
-        if self._shared is not None:
-            shared, self._shared = self._shared, None
-            await shared.close()
+        await self._pool.close()
         if self._channel is not None:
             channel, self._channel, self._stub = self._channel, None, None
             await channel.close()

@@ -34,6 +34,7 @@ class VerifierTarget:
 
     target: str
     authority: str | None = None  # the name TLS checks when `target` lists resolved addresses
+    num_addresses: int = 1  # how many verifiers `target` lists (1 where gRPC resolves it: not known here)
 
     def channel_options(self) -> list[tuple[str, str]]:
         config = {
@@ -83,4 +84,4 @@ def parse_verifier_target(spec: str) -> VerifierTarget:
         target = "ipv4:" + ",".join(f"{address}:{port}" for address, port in resolved)
     else:
         target = "ipv6:" + ",".join(f"[{address}]:{port}" for address, port in resolved)
-    return VerifierTarget(target, authority=_split_host_port(entries[0])[0])
+    return VerifierTarget(target, authority=_split_host_port(entries[0])[0], num_addresses=len(resolved))

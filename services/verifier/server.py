@@ -53,6 +53,7 @@ class RunningVerifier:
     engine: Engine
     drafters: list[TrackedProposer]
     metrics: MetricsEndpoint | None = None
+    servicer: VerifierServicer | None = None
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -64,10 +65,13 @@ class RunningVerifier:
         return self.metrics.port if self.metrics is not None else None
 
     async def stop(self, drain_s: float = 0.0, grace_s: float = 5.0) -> None:
-        """NOT_SERVING, let calls in flight finish for `grace_s`, then stop the engine and drafter links."""
+        """NOT_SERVING (and GenerateMany calls start no more requests), let calls in flight finish for `grace_s`,
+        then stop the engine and drafter links."""
         if self._stopped:
             return
         self._stopped = True
+        if self.servicer is not None:
+            self.servicer.drain()
         await self.grpc.graceful_stop(drain_s, grace_s)
         await self.engine.shutdown()
         for drafter in self.drafters:
@@ -211,7 +215,7 @@ async def start_verifier(
             await drafter.close()
         raise
     endpoint = serve_metrics(metrics.registry, settings.host, settings.metrics_port)
-    running = RunningVerifier(server, engine, drafters, endpoint)
+    running = RunningVerifier(server, engine, drafters, endpoint, servicer)
     return running
 
 

@@ -1,7 +1,12 @@
 """The Verifier gRPC servicer: protobuf in, engine call, protobuf out (wire.py). Engine errors become gRPC status
 codes in the server's interceptor, by `status_for` below (in GenerateMany, a request's error update carries the
 same code). Whatever ends a Generate call early (client cancel, deadline, shutdown, an engine failure) aborts the
-request, so its KV slot is free at the next engine step; a GenerateMany call ending early aborts all of its."""
+request, so its KV slot is free at the next engine step; a GenerateMany call ending early aborts all of its.
+
+Draining (RunningVerifier.stop, before the server stops taking calls): a GenerateMany call starts no more requests
+and refuses each with UNAVAILABLE, since its client would otherwise keep sending new requests down a call that is
+about to end (a new call, a Generate call each, is steered to a SERVING verifier by the client's health check). Its
+requests already running go on, as Generate calls in flight do."""
 
 from __future__ import annotations
 
@@ -26,9 +31,16 @@ from services.verifier.wire import (
 )
 
 
+class VerifierDrainingError(RuntimeError):
+    """A request started on a GenerateMany call while the verifier drains: start it elsewhere."""
+
+
 def status_for(error: Exception) -> grpc.StatusCode | None:
-    """The proto's error contract: overloaded -> RESOURCE_EXHAUSTED, id reuse -> ALREADY_EXISTS, any other
-    invalid request -> INVALID_ARGUMENT; anything else is unexpected (INTERNAL, logged by the interceptor)."""
+    """The proto's error contract: overloaded -> RESOURCE_EXHAUSTED, id reuse -> ALREADY_EXISTS, draining ->
+    UNAVAILABLE, any other invalid request -> INVALID_ARGUMENT; anything else is unexpected (INTERNAL, logged by the
+    interceptor)."""
+    if isinstance(error, VerifierDrainingError):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(error, EngineOverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, RequestIdInUseError):
@@ -48,6 +60,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.facts = facts
         self.default = default
         self.drafters = drafters
+        self.draining = False  # set by drain(): GenerateMany calls start no more requests
+
+    def drain(self) -> None:
+        """From now on a request started on a GenerateMany call is refused with UNAVAILABLE (see the module
+        docstring); the requests running go on."""
+        self.draining = True
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -88,6 +106,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             mux.close_input()
 
     def _start(self, message, mux: RequestMux) -> None:
+        if self.draining:
+            mux.refuse(message.request_id, VerifierDrainingError("the verifier is draining; start the request on "
+                                                                 "another call"))
+            return
         try:
             generation = request_from_proto(message, message.request_id, self.default)
         except Exception as error:  # noqa: BLE001 - this request is refused, the stream goes on

@@ -1,0 +1,75 @@
+"""The GenerateMany calls the gateway's requests share (shared_stream.py), spread over the verifiers.
+
+A call goes to one verifier: the channel balances calls, not the requests inside them (verifier_target.py), so
+with several verifiers one shared call would send every request to whichever verifier it reached. The pool keeps
+`size` calls (one per verifier is the intent), made one after another so that the channel's round robin puts each
+on the next SERVING verifier, and starts each request on the call with the fewest requests running (ties taken in
+turn). A call takes new requests for `max_age_s`, then is replaced (it closes once its last request is done): the
+calls follow verifiers that join, restart or leave without the pool knowing them, and load the round robin placed
+unevenly is placed again. A call whose verifier refused a request because it is draining is replaced at once
+(`replace`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.shared_stream import SharedStream
+
+
+@dataclass
+class _Member:
+    stream: SharedStream
+    made_at: float
+
+
+class SharedStreamPool:
+    def __init__(self, size: int, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if size < 1 or max_age_s <= 0:
+            raise ValueError(f"a shared-stream pool needs size >= 1 and max_age_s > 0, got {size}, {max_age_s}")
+        self.size = size
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._members: list[_Member] = []
+        self._turn = 0  # where the search for the least-loaded call starts: ties go round
+
+    @property
+    def streams(self) -> list[SharedStream]:
+        return [member.stream for member in self._members]
+
+    def pick(self, stub: Any) -> SharedStream:
+        """The call a request starts on. Calls that ended, were made on a channel since replaced (not `stub`) or
+        are older than max_age_s are retired first, and the pool is filled up to its size with new calls on
+        `stub`."""
+        now = self._clock()
+        kept = []
+        for member in self._members:
+            if member.stream.error is None and member.stream.stub is stub and now - member.made_at < self.max_age_s:
+                kept.append(member)
+            else:
+                member.stream.retire()
+        while len(kept) < self.size:
+            kept.append(_Member(SharedStream(stub), now))
+        self._members = kept
+        start = self._turn % len(kept)
+        self._turn += 1
+        order = kept[start:] + kept[:start]
+        return min(order, key=lambda member: member.stream.load).stream
+
+    def replace(self, stream: SharedStream) -> None:
+        """Take `stream` out of the pool (its verifier drains): no request starts on it any more; the next pick makes
+        a new call in its place."""
+        self._members = [member for member in self._members if member.stream is not stream]
+        stream.retire()
+
+    def broken(self) -> list[SharedStream]:
+        """The calls in the pool that ended (the next pick replaces them)."""
+        return [member.stream for member in self._members if member.stream.error is not None]
+
+    async def close(self) -> None:
+        members, self._members = self._members, []
+        for member in members:
+            await member.stream.close()

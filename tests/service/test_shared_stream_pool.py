@@ -1,0 +1,116 @@
+"""The gateway's shared GenerateMany calls over several real verifiers (shared_stream_pool.py): requests are spread
+over both, a call is renewed once it is old, and a verifier that drains refuses new requests on its call, which go
+to the other verifier, while its running request finishes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from services.gateway.verifier_client import VerifierClient
+from services.verifier.server import start_verifier
+from tests.service.test_generate_many import client_tokens
+from tests.service.test_verifier_service import MODEL_ID, collect, greedy, model, settings, verifier, wait_until_idle
+
+__all__ = ["model"]  # the module-scoped tiny model fixture, shared with test_verifier_service
+
+
+@contextlib.asynccontextmanager
+async def two_verifiers(model):
+    first = await start_verifier(model, MODEL_ID, settings())
+    second = await start_verifier(model, MODEL_ID, settings())
+    try:
+        yield first, second
+    finally:
+        await first.stop(0, 0.5)
+        await second.stop(0, 0.5)
+
+
+def served(running) -> int:
+    """Tokens the verifier's engine has generated."""
+    return sum(running.engine.generated_tokens.values())
+
+
+async def connected(client: VerifierClient) -> None:
+    """The channel has reached its verifiers (as the gateway's start-up Info call does), so that calls made one after
+    another go round them."""
+    await client.info()
+    await asyncio.sleep(0.3)
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[1 + i, 2 + 2 * i, 3, 5 + i] for i in range(count)]
+
+
+async def expected_tokens(model, requests) -> list[list[int]]:
+    async with verifier(model) as (_, stub):
+        return [[t for m in await collect(stub, r) for t in m.token_ids] for r in requests]
+
+
+async def test_requests_spread_over_the_verifiers_and_get_what_a_call_each_gives(model):
+    requests = [greedy(f"r{i}", prompt, 12) for i, prompt in enumerate(prompts(8))]
+    expected = await expected_tokens(model, requests)
+    async with two_verifiers(model) as (first, second):
+        client = VerifierClient(f"127.0.0.1:{first.port},127.0.0.1:{second.port}", shared_stream=True)
+        try:
+            await connected(client)
+            got = await asyncio.gather(*(client_tokens(client, r) for r in requests))
+            assert got == expected
+            assert len(client._pool.streams) == 2  # one call per listed address, by default
+            assert served(first) > 0 and served(second) > 0
+            assert served(first) + served(second) == 8 * 12
+        finally:
+            await client.close()
+
+
+async def test_an_old_call_is_replaced_and_closes_once_its_requests_are_done(model):
+    async with verifier(model) as (running, stub):
+        client = VerifierClient(f"127.0.0.1:{running.port}", shared_stream=True, shared_stream_max_age_s=0.3)
+        try:
+            assert len(await client_tokens(client, greedy("a", [1, 2, 3], 6))) == 6
+            (old,) = client._pool.streams
+            await asyncio.sleep(0.4)
+            assert len(await client_tokens(client, greedy("b", [4, 5, 6], 6))) == 6
+            (new,) = client._pool.streams
+            assert new is not old
+            async with asyncio.timeout(5):
+                while not old._call.done():
+                    await asyncio.sleep(0.02)
+            assert old.error is not None  # ended on the gateway's side (cancelled), nothing ran on it any more
+            await wait_until_idle(stub)
+        finally:
+            await client.close()
+
+
+async def test_a_draining_verifier_refuses_new_requests_on_its_call_and_finishes_the_one_it_runs(model):
+    requests = [greedy(f"n{i}", prompt, 8) for i, prompt in enumerate(prompts(6))]
+    long_request = greedy("long", [7, 8, 9], 120)
+    expected = await expected_tokens(model, [*requests, long_request])
+    async with two_verifiers(model) as (first, second):
+        client = VerifierClient(f"127.0.0.1:{first.port},127.0.0.1:{second.port}", shared_stream=True)
+        try:
+            await connected(client)
+            long_tokens: list[int] = []
+
+            async def read_long() -> None:
+                async for message in client.generate(long_request):
+                    long_tokens.extend(message.token_ids)
+
+            reading = asyncio.create_task(read_long())
+            async with asyncio.timeout(5):
+                while not long_tokens:
+                    await asyncio.sleep(0.01)
+            draining = first if first.engine.num_running else second
+            other = second if draining is first else first
+            calls_before = set(client._pool.streams)
+            stopping = asyncio.create_task(draining.stop(drain_s=2.0, grace_s=10.0))
+            await asyncio.sleep(0.1)  # NOT_SERVING, and its GenerateMany calls start nothing more
+            got = await asyncio.gather(*(client_tokens(client, r) for r in requests))
+            assert got == expected[:-1]  # every new request served
+            assert set(client._pool.streams) != calls_before  # a request was refused on the draining one's call
+            await reading
+            assert long_tokens == expected[-1]  # the running request finished where it ran
+            assert served(draining) == 120 and served(other) == 6 * 8  # nothing new started on the draining one
+            await stopping
+        finally:
+            await client.close()
