@@ -120,6 +120,22 @@ def test_the_gateway_balances_over_the_headless_verifier_service(values):
 
 
 @pytest.mark.parametrize("values", ALL_VALUES)
+def test_the_gateways_requests_share_a_call_per_verifier_replica(values):
+    chart = rendered(values)
+    gateway = process_settings(chart, _deployment(chart, "gateway"))
+    replicas = _deployment(chart, "verifier")["spec"]["replicas"]
+    assert gateway.verifier_shared_stream and gateway.verifier_shared_stream_calls == replicas
+
+
+def test_gateway_settings_override_the_shared_calls():
+    chart = render({"verifier": {"replicas": 3}, "gateway": {"settings": {"verifier_shared_stream": False}}})
+    gateway = process_settings(chart, _deployment(chart, "gateway"))
+    assert not gateway.verifier_shared_stream and gateway.verifier_shared_stream_calls == 3
+    chart = render({"verifier": {"replicas": 3}, "gateway": {"settings": {"verifier_shared_stream_calls": 6}}})
+    assert process_settings(chart, _deployment(chart, "gateway")).verifier_shared_stream_calls == 6
+
+
+@pytest.mark.parametrize("values", ALL_VALUES)
 def test_probes_ask_the_ports_the_services_listen_on(values):
     chart = rendered(values)
     for deployment in chart.of_kind("Deployment"):
