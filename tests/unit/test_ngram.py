@@ -59,6 +59,15 @@ def test_the_lookup_follows_the_rule_on_any_sequence(tokens, k, lo, extra):
     assert starts.tolist() == reference_continuations(tokens, lo, lo + extra)  # the trees' continuations
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 256, 257, 65536, 1 << 24, (1 << 24) + 1, 1 << 40]), max_size=40),
+       st.integers(0, 6), st.integers(1, 5), st.integers(0, 4))
+def test_the_lookup_is_not_fooled_by_bytes_that_match_across_tokens(tokens, k, lo, extra):
+    """The lookup searches the tokens' bytes: ids whose bytes are shifted copies of each other's (256 is 1 a byte
+    later) make matches that do not start on a token, which must not count."""
+    assert lookup(tokens, k, lo, lo + extra) == reference_lookup(tokens, k, lo, lo + extra)
+
+
 def test_settings_are_validated():
     with pytest.raises(ValueError):
         NgramSettings(3, 2)
