@@ -27,6 +27,7 @@ def status_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+END_TIMEOUT_S = 5.0  # how long a retired call's verifier has to end it once it is half-closed
 
 
 def update_error(error: Any) -> grpc.aio.AioRpcError:
@@ -92,15 +93,25 @@ class SharedStream:
         if abort and self.error is None:
             self._in_background(self._send_abort(request_id))
         if self._retired and not self._queues:
-            self._in_background(self.close())
+            self._in_background(self._end())
 
     def retire(self) -> None:
-        """No request starts on this call any more (a new one replaces it): it closes once its last is done."""
+        """No request starts on this call any more (a new one replaces it): it ends once its last is done."""
         if self._retired:
             return
         self._retired = True
         if not self._queues:
-            self._in_background(self.close())
+            self._in_background(self._end())
+
+    async def _end(self) -> None:
+        """End a retired call with nothing left on it as a finished call ends: half-closed here, ended by the
+        verifier. (Cancelled, it read on a verifier that was shutting down as a servicer's unhandled error.)"""
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError, TimeoutError):
+            async with self._write_lock:
+                await self._call.done_writing()
+            async with asyncio.timeout(END_TIMEOUT_S):
+                await asyncio.wait({self._reader})
+        await self.close()  # ended (a no-op then), or cancelled if the verifier did not end it in time
 
     def _in_background(self, work) -> None:
         task = asyncio.get_running_loop().create_task(work)
