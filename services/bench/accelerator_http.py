@@ -1,10 +1,13 @@
 """Issue 29's HTTP rows: the whole stack on an accelerator, through the OpenAI API, captured steps against eager.
 
 Run: `python -m services.bench.accelerator_http --device cuda --dtype bfloat16 [--modes captured eager]
-[--loads 1 8 64]`. For each mode, the stack `specserve serve` starts (an ngram drafter with K = 4, the verifier,
-the gateway; on free ports; eager adds `--enforce-eager`) comes up, and for each load that many greedy chat
-prompts go to POST /v1/completions at once, first without speculation, then with ngram, both per request on the
-same stack (prefix caching off, so the second run does not find the first one's prompts cached). Printed: each
+[--loads 1 8 64] [--rounds R]`. For each mode, the stack `specserve serve` starts (an ngram drafter with K = 4, the
+verifier, the gateway; on free ports; eager adds `--enforce-eager`) comes up, and for each load that many greedy
+chat prompts go to POST /v1/completions at once, first without speculation, then with ngram, both per request on
+the same stack (prefix caching off, so the second run does not find the first one's prompts cached). With
+`--rounds R` each of the load's clients sends R requests, each as its last ends: a steady load, where one closed
+batch ends on the rows that ran slowest (at 64 chats with ngram, the rows that never had a draft: speculation can
+shorten the others but not the batch). Printed: each
 stack's start-up seconds (graph capture included), tokens/s of each load (completion tokens over the load's wall
 time, HTTP round trips included) without and with speculation and their ratio, then captured against eager.
 accelerator_step.py measures the same engine in process, with the step taken apart; this is what a client sees.
@@ -32,18 +35,26 @@ MODES = ("captured", "eager")
 K = NGRAM.num_speculative_tokens  # the in-process bench's drafter, so that the two read alike
 
 
-def load_rate(client: HttpClient, prompts: Sequence[Sequence[int]], max_tokens: int, k: int) -> float:
-    """Completion tokens per second of all `prompts` sent at once (K = 0: speculation off)."""
-    with ThreadPoolExecutor(len(prompts)) as pool:
+def load_rate(client: HttpClient, prompts: Sequence[Sequence[int]], max_tokens: int, k: int,
+              clients: int | None = None) -> float:
+    """Completion tokens per second of `prompts` sent by `clients` clients at once (None: one a prompt), each
+    sending its share one after another (K = 0: speculation off)."""
+    clients = clients or len(prompts)
+
+    def one_client(first: int) -> int:
+        return sum(client.complete(prompt, max_tokens, k).reported_tokens for prompt in prompts[first::clients])
+
+    with ThreadPoolExecutor(clients) as pool:
         started = time.perf_counter()
-        generations = list(pool.map(lambda prompt: client.complete(prompt, max_tokens, k), prompts))
+        tokens = sum(pool.map(one_client, range(clients)))
         seconds = time.perf_counter() - started
-    return sum(g.reported_tokens for g in generations) / seconds
+    return tokens / seconds
 
 
 def run_mode(target: HttpTarget, mode: str, prompts_by_load: dict[int, list], max_tokens: int,
              progress) -> tuple[float, dict[int, tuple[float, float]]]:
-    """(start-up seconds, per load: tok/s without speculation, with ngram K) of one stack."""
+    """(start-up seconds, per load: tok/s without speculation, with ngram K) of one stack; a load's prompts are
+    sent by `load` clients."""
     lookup = NGRAM.options
     args = launcher_args(target, K, lookup.prompt_lookup_min, lookup.prompt_lookup_max, max(prompts_by_load), 2048,
                          "auto")
@@ -54,7 +65,7 @@ def run_mode(target: HttpTarget, mode: str, prompts_by_load: dict[int, list], ma
         startup = time.perf_counter() - started
         load_rate(client, prompts_by_load[min(prompts_by_load)], 16, 0)  # warm-up, both ways
         load_rate(client, prompts_by_load[min(prompts_by_load)], 16, K)
-        rates = {load: (load_rate(client, prompts, max_tokens, 0), load_rate(client, prompts, max_tokens, K))
+        rates = {load: tuple(load_rate(client, prompts, max_tokens, k, load) for k in (0, K))
                  for load, prompts in prompts_by_load.items()}
     return startup, rates
 
@@ -68,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--loads", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="requests each client of a load sends, each as its last ends (1: one closed batch)")
     parser.add_argument("--threads", type=int, default=None,
                         help="the verifier's torch threads (default: 1 on an accelerator, this machine's cores on CPU)")
     args = parser.parse_args(argv)
@@ -75,7 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{key}: {value}")
     tokenizer = load_tokenizer(args.model)
     chats = [chat_token_ids(tokenizer, m) for m in chat_prompt_messages()]
-    prompts_by_load = {n: [chats[i % len(chats)] for i in range(n)] for n in args.loads}
+    prompts_by_load = {n: [chats[i % len(chats)] for i in range(n * args.rounds)] for n in args.loads}
+    if args.rounds > 1:
+        print(f"each client of a load sends {args.rounds} requests, each as its last ends")
     threads = args.threads or (torch.get_num_threads() if args.device == "cpu" else 1)
     target = HttpTarget(args.model, args.device, args.dtype, threads, tokenizer.decode)
     results = {}
