@@ -4,7 +4,7 @@ A call goes to one verifier: the channel balances calls, not the requests inside
 with several verifiers one shared call would send every request to whichever verifier it reached. The pool keeps
 `size` calls (one per verifier is the intent), made one after another so that the channel's round robin puts each
 on the next SERVING verifier, and starts each request on the call with the fewest requests running (ties taken in
-turn). A call takes new requests for `max_age_s`, then is replaced (it closes once its last request is done): the
+turn). A call takes new requests for `max_age_s`, then is replaced (it ends once its last request is done): the
 calls follow verifiers that join, restart or leave without the pool knowing them, and load the round robin placed
 unevenly is placed again. A call whose verifier refused a request because it is draining is replaced at once
 (`replace`).
