@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from services.common import protos
+from services.common.verifier_metadata import VERIFIER_ID_KEY
 
 pb, _ = protos.load("verifier")
 
@@ -44,10 +45,13 @@ class SharedStream:
         self._pending: set[asyncio.Task] = set()  # aborts being sent, and the closing once retired
         self.error: grpc.RpcError | None = None  # why the call ended; set once it has
         self._retired = False  # replaced: no request starts on it any more, it closes when its last one is done
+        self.verifier_id: str | None = None  # the verifier serving the call, once its initial metadata is in
         self._reader = asyncio.create_task(self._read(), name="specserve-shared-stream")
 
     async def _read(self) -> None:
         try:
+            metadata = await self._call.initial_metadata()
+            self.verifier_id = dict(metadata or ()).get(VERIFIER_ID_KEY)
             async for message in self._call:
                 for update in message.updates:
                     queue = self._queues.get(update.request_id)

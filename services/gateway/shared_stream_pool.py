@@ -8,6 +8,12 @@ turn). A call takes new requests for `max_age_s`, then is replaced (it ends once
 calls follow verifiers that join, restart or leave without the pool knowing them, and load the round robin placed
 unevenly is placed again. A call whose verifier refused a request because it is draining is replaced at once
 (`replace`).
+
+Round robin places calls among the verifiers that serve when the call is made: calls made while one of them was
+still loading, or while it restarted, all went to the others. Each call learns which verifier serves it (its
+initial metadata, services/common/verifier_metadata.py), and where two reached the same one, one of them is
+replaced, at most once every `spread_interval_s`, so that a verifier that comes (back) gets its share within
+seconds, not at the next renewal. With fewer verifiers than calls, that costs one new call per interval.
 """
 
 from __future__ import annotations
@@ -27,14 +33,17 @@ class _Member:
 
 
 class SharedStreamPool:
-    def __init__(self, size: int, max_age_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, size: int, max_age_s: float, spread_interval_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if size < 1 or max_age_s <= 0:
             raise ValueError(f"a shared-stream pool needs size >= 1 and max_age_s > 0, got {size}, {max_age_s}")
         self.size = size
         self.max_age_s = max_age_s
+        self.spread_interval_s = spread_interval_s
         self._clock = clock
         self._members: list[_Member] = []
         self._turn = 0  # where the search for the least-loaded call starts: ties go round
+        self._spread_at = 0.0  # when a call that shares its verifier with another may be replaced next
 
     @property
     def streams(self) -> list[SharedStream]:
@@ -51,6 +60,8 @@ class SharedStreamPool:
                 kept.append(member)
             else:
                 member.stream.retire()
+        if len(kept) > 1 and now >= self._spread_at:
+            kept = self._spread(kept, now)
         while len(kept) < self.size:
             kept.append(_Member(SharedStream(stub), now))
         self._members = kept
@@ -58,6 +69,22 @@ class SharedStreamPool:
         self._turn += 1
         order = kept[start:] + kept[:start]
         return min(order, key=lambda member: member.stream.load).stream
+
+    def _spread(self, members: list[_Member], now: float) -> list[_Member]:
+        """`members` less the newest call whose verifier another call already has (it is retired), if any."""
+        seen: set[str] = set()
+        duplicate = None
+        for member in sorted(members, key=lambda m: m.made_at):
+            verifier = member.stream.verifier_id
+            if verifier is not None and verifier in seen:
+                duplicate = member
+            elif verifier is not None:
+                seen.add(verifier)
+        if duplicate is None:
+            return members
+        self._spread_at = now + self.spread_interval_s
+        duplicate.stream.retire()
+        return [member for member in members if member is not duplicate]
 
     def replace(self, stream: SharedStream) -> None:
         """Take `stream` out of the pool (its verifier drains): no request starts on it any more; the next pick makes

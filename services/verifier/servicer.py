@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from services.common.grpc_errors import default_status, status_of
+from services.common.verifier_metadata import VERIFIER_ID_KEY
 from services.verifier.engine import Engine, EngineOverloadedError, RequestIdInUseError
 from services.verifier.request_mux import RequestMux
 from services.verifier.wire import (
@@ -61,6 +62,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.default = default
         self.drafters = drafters
         self.draining = False  # set by drain(): GenerateMany calls start no more requests
+        self.instance_id = uuid.uuid4().hex  # sent on each GenerateMany call (VERIFIER_ID_KEY)
 
     def drain(self) -> None:
         """From now on a request started on a GenerateMany call is refused with UNAVAILABLE (see the module
@@ -82,6 +84,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """Many requests on one stream (verifier.proto): the requests read by a task of their own, each step's
         outputs sent as one message (request_mux.py). A request refused or failed ends with an error update; the
         call ending early aborts every request still running on it."""
+        await context.send_initial_metadata(((VERIFIER_ID_KEY, self.instance_id),))
         mux = RequestMux()
         reader = asyncio.create_task(self._read_many(requests, mux), name="specserve-generate-many-reader")
         try:

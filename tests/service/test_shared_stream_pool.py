@@ -1,6 +1,7 @@
 """The gateway's shared GenerateMany calls over several real verifiers (shared_stream_pool.py): requests are spread
-over both, a call is renewed once it is old, and a verifier that drains refuses new requests on its call, which go
-to the other verifier, while its running request finishes."""
+over both, a call is renewed once it is old, a verifier that comes up after the calls were made gets its share
+within seconds, and a verifier that drains refuses new requests on its call, which go to the other verifier, while
+its running request finishes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 
 from services.gateway.verifier_client import VerifierClient
 from services.verifier.server import start_verifier
+from tests.ports import free_port
 from tests.service.test_generate_many import client_tokens
 from tests.service.test_verifier_service import MODEL_ID, collect, greedy, model, settings, verifier, wait_until_idle
 
@@ -114,3 +116,31 @@ async def test_a_draining_verifier_refuses_new_requests_on_its_call_and_finishes
             await stopping
         finally:
             await client.close()
+
+
+async def test_a_verifier_that_comes_up_late_gets_its_share_within_seconds(model):
+    """Both calls are made while only the first verifier serves, so both reach it; once the second is up, the pool
+    sees two calls on one verifier (their initial metadata) and replaces one, long before the calls' renewal."""
+    late_port = free_port()
+    first = await start_verifier(model, MODEL_ID, settings())
+    client = VerifierClient(f"127.0.0.1:{first.port},127.0.0.1:{late_port}", shared_stream=True,
+                            shared_stream_max_age_s=600)
+    client._pool.spread_interval_s = 0.2
+    late = None
+    try:
+        await connected(client)
+        assert len(await asyncio.gather(*(client_tokens(client, greedy(f"a{i}", [1, 2, i], 6)) for i in range(4)))) == 4
+        assert len({stream.verifier_id for stream in client._pool.streams}) == 1  # both calls on the first
+        late = await start_verifier(model, MODEL_ID, settings(port=late_port))
+        async with asyncio.timeout(20):
+            turn = 0
+            while not served(late):
+                await asyncio.gather(*(client_tokens(client, greedy(f"b{turn}-{i}", [3, 4, i], 4)) for i in range(4)))
+                turn += 1
+                await asyncio.sleep(0.1)
+        assert len({stream.verifier_id for stream in client._pool.streams}) == 2
+    finally:
+        await client.close()
+        await first.stop(0, 0.5)
+        if late is not None:
+            await late.stop(0, 0.5)
