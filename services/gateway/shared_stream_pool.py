@@ -33,7 +33,7 @@ class _Member:
 
 
 class SharedStreamPool:
-    def __init__(self, size: int, max_age_s: float, spread_interval_s: float = 5.0,
+    def __init__(self, size: int, max_age_s: float, spread_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if size < 1 or max_age_s <= 0:
             raise ValueError(f"a shared-stream pool needs size >= 1 and max_age_s > 0, got {size}, {max_age_s}")
