@@ -42,6 +42,7 @@ class SharedStreamPool:
         self.spread_interval_s = spread_interval_s
         self._clock = clock
         self._members: list[_Member] = []
+        self._retired: list[SharedStream] = []  # replaced calls whose last requests still run (closed with the pool)
         self._turn = 0  # where the search for the least-loaded call starts: ties go round
         self._spread_at = 0.0  # when a call that shares its verifier with another may be replaced next
 
@@ -54,12 +55,13 @@ class SharedStreamPool:
         are older than max_age_s are retired first, and the pool is filled up to its size with new calls on
         `stub`."""
         now = self._clock()
+        self._retired = [stream for stream in self._retired if not stream.ended]
         kept = []
         for member in self._members:
             if member.stream.error is None and member.stream.stub is stub and now - member.made_at < self.max_age_s:
                 kept.append(member)
             else:
-                member.stream.retire()
+                self._retire(member.stream)
         if len(kept) > 1 and now >= self._spread_at:
             kept = self._spread(kept, now)
         while len(kept) < self.size:
@@ -83,20 +85,27 @@ class SharedStreamPool:
         if duplicate is None:
             return members
         self._spread_at = now + self.spread_interval_s
-        duplicate.stream.retire()
+        self._retire(duplicate.stream)
         return [member for member in members if member is not duplicate]
 
     def replace(self, stream: SharedStream) -> None:
         """Take `stream` out of the pool (its verifier drains): no request starts on it any more; the next pick makes
         a new call in its place."""
         self._members = [member for member in self._members if member.stream is not stream]
+        self._retire(stream)
+
+    def _retire(self, stream: SharedStream) -> None:
         stream.retire()
+        self._retired.append(stream)
 
     def broken(self) -> list[SharedStream]:
         """The calls in the pool that ended (the next pick replaces them)."""
         return [member.stream for member in self._members if member.stream.error is not None]
 
     async def close(self) -> None:
-        members, self._members = self._members, []
-        for member in members:
-            await member.stream.close()
+        """Close every call, the replaced ones still ending too, so that none outlives the client (and the event
+        loop it was made on, which may close next)."""
+        streams = [member.stream for member in self._members] + self._retired
+        self._members, self._retired = [], []
+        for stream in streams:
+            await stream.close()
