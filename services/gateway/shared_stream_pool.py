@@ -11,9 +11,12 @@ unevenly is placed again. A call whose verifier refused a request because it is 
 
 Round robin places calls among the verifiers that serve when the call is made: calls made while one of them was
 still loading, or while it restarted, all went to the others. Each call learns which verifier serves it (its
-initial metadata, services/common/verifier_metadata.py), and where two reached the same one, one of them is
-replaced, at most once every `spread_interval_s`, so that a verifier that comes (back) gets its share within
-seconds, not at the next renewal. With fewer verifiers than calls, that costs one new call per interval.
+initial metadata, services/common/verifier_metadata.py), and where two reached the same one, the one with fewer
+requests running is replaced, `spread_interval_s` after the last such replacement, so that a verifier that comes
+(back) gets its share within seconds, not at the next renewal. Each replacement that finds two calls on one verifier
+again doubles that wait, up to SPREAD_BACKOFF times it (and back to it once the calls are apart): with fewer
+verifiers than calls for a long time, a replaced call comes every few seconds, not every second, each keeping its
+running requests (and a message a step of its own) until they end.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 from services.gateway.shared_stream import SharedStream
 
+SPREAD_BACKOFF = 8  # the longest wait between replacements of a call sharing a verifier, in spread_interval_s
 
 @dataclass
 class _Member:
@@ -45,6 +49,7 @@ class SharedStreamPool:
         self._retired: list[SharedStream] = []  # replaced calls whose last requests still run (closed with the pool)
         self._turn = 0  # where the search for the least-loaded call starts: ties go round
         self._spread_at = 0.0  # when a call that shares its verifier with another may be replaced next
+        self._spread_wait = spread_interval_s  # the wait after the next such replacement
 
     @property
     def streams(self) -> list[SharedStream]:
@@ -73,18 +78,19 @@ class SharedStreamPool:
         return min(order, key=lambda member: member.stream.load).stream
 
     def _spread(self, members: list[_Member], now: float) -> list[_Member]:
-        """`members` less the newest call whose verifier another call already has (it is retired), if any."""
-        seen: set[str] = set()
-        duplicate = None
-        for member in sorted(members, key=lambda m: m.made_at):
-            verifier = member.stream.verifier_id
-            if verifier is not None and verifier in seen:
-                duplicate = member
-            elif verifier is not None:
-                seen.add(verifier)
-        if duplicate is None:
+        """`members` less one of two calls on the same verifier (it is retired), if there are such."""
+        by_verifier: dict[str, list[_Member]] = {}
+        for member in members:
+            if member.stream.verifier_id is not None:
+                by_verifier.setdefault(member.stream.verifier_id, []).append(member)
+        shared = [group for group in by_verifier.values() if len(group) > 1]
+        if not shared:
+            if len(by_verifier) == len(members):  # every call known, all apart: a later pile-up is spread quickly
+                self._spread_wait = self.spread_interval_s
             return members
-        self._spread_at = now + self.spread_interval_s
+        duplicate = min(shared[0], key=lambda member: (member.stream.load, -member.made_at))
+        self._spread_at = now + self._spread_wait
+        self._spread_wait = min(2 * self._spread_wait, SPREAD_BACKOFF * self.spread_interval_s)
         self._retire(duplicate.stream)
         return [member for member in members if member is not duplicate]
 

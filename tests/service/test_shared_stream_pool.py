@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from services.gateway.shared_stream_pool import SharedStreamPool
 from services.gateway.verifier_client import VerifierClient
 from services.verifier.server import start_verifier
 from tests.ports import free_port
@@ -144,3 +145,25 @@ async def test_a_verifier_that_comes_up_late_gets_its_share_within_seconds(model
         await first.stop(0, 0.5)
         if late is not None:
             await late.stop(0, 0.5)
+
+
+async def test_calls_that_keep_meeting_on_one_verifier_are_replaced_less_and_less_often(model):
+    """Two calls and one verifier: the pool replaces one of them after 1 s, then waits 2, 4, then 8 s at most
+    between replacements (each replaced call keeps a message a step of its own while its requests run)."""
+    now = [0.0]
+    pool = SharedStreamPool(2, max_age_s=1000.0, spread_interval_s=1.0, clock=lambda: now[0])
+    replaced_at = []
+    async with verifier(model) as (_, stub):
+        try:
+            for second in range(40):
+                now[0] = float(second)
+                before = set(pool.streams)
+                pool.pick(stub)
+                if before and set(pool.streams) != before:
+                    replaced_at.append(second)
+                async with asyncio.timeout(5):
+                    while any(stream.verifier_id is None for stream in pool.streams):
+                        await asyncio.sleep(0.01)
+        finally:
+            await pool.close()
+    assert replaced_at == [1, 2, 4, 8, 16, 24, 32]
