@@ -113,43 +113,46 @@ def logprob_to_proto(item: TokenLogprob):
     )
 
 
-def output_to_proto(output: RequestOutput, method: str):
-    """`method`: the method the request drafted with ("" when speculation was off). Repeated fields are filled only
-    when there is something in them: built from empty lists each time, they were half of this function's 5.8 us
-    (upb, 2-core EPYC), paid on the verifier's loop thread for every request every step."""
-    message = verifier_pb2.GenerateResponse(
-        token_ids=output.token_ids,
-        finish_reason=_FINISH_REASONS[output.finish_reason],
-        usage=verifier_pb2.Usage(prompt_tokens=output.num_prompt_tokens, completion_tokens=output.num_output_tokens,
-                                 cached_tokens=output.num_cached_tokens),
-        speculation=verifier_pb2.SpeculationStats(
-            method=method,
-            num_drafts=output.spec.num_drafts,
-            num_draft_tokens=output.spec.num_draft_tokens,
-            num_accepted_tokens=output.spec.num_accepted_tokens,
-        ),
-        stop_token_id=output.stop_token_id,
-    )
+def output_fields(output: RequestOutput, method: str) -> dict:
+    """A GenerateResponse's fields as constructor arguments, submessages as dicts: upb builds the whole message in
+    one call, where building it from messages copied each submessage in (and a RequestUpdate copied the response
+    once more). `method`: the method the request drafted with ("" when speculation was off). Repeated fields only
+    when there is something in them. 64 outputs as one GenerateMany message took 284 us built from messages, 174 us
+    so (2-core EPYC, timeit), on the verifier's loop thread every step."""
+    spec = output.spec
+    fields = {
+        "token_ids": output.token_ids,
+        "finish_reason": _FINISH_REASONS[output.finish_reason],
+        "usage": {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": output.num_output_tokens,
+                  "cached_tokens": output.num_cached_tokens},
+        "speculation": {"method": method, "num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                        "num_accepted_tokens": spec.num_accepted_tokens},
+        "stop_token_id": output.stop_token_id,
+    }
     if output.logprobs:
-        message.logprobs.extend(logprob_to_proto(item) for item in output.logprobs)
+        fields["logprobs"] = [logprob_to_proto(item) for item in output.logprobs]
     if output.prompt_logprobs:
-        message.prompt_logprobs.extend(logprob_to_proto(item) for item in output.prompt_logprobs)
-    return message
+        fields["prompt_logprobs"] = [logprob_to_proto(item) for item in output.prompt_logprobs]
+    return fields
+
+
+def output_to_proto(output: RequestOutput, method: str):
+    """One Generate message (output_fields)."""
+    return verifier_pb2.GenerateResponse(**output_fields(output, method))
 
 
 def updates_to_proto(updates: Sequence[Update], status_of: Callable[[Exception], tuple[grpc.StatusCode, str]]):
     """One GenerateMany message: each update's output as Generate sends it, or its error with the status and
     message a Generate call would have ended with (`status_of`)."""
     message = verifier_pb2.StreamResponse()
+    add = message.updates.add
     for update in updates:
         item = update.item
         if isinstance(item, Exception):
             code, details = status_of(item)
-            error = verifier_pb2.RequestError(code=code.value[0], message=details)
-            message.updates.append(verifier_pb2.RequestUpdate(request_id=update.request_id, error=error))
+            add(request_id=update.request_id, error={"code": code.value[0], "message": details})
         else:
-            message.updates.append(verifier_pb2.RequestUpdate(request_id=update.request_id,
-                                                              output=output_to_proto(item, update.method)))
+            add(request_id=update.request_id, output=output_fields(item, update.method))
     return message
 
 

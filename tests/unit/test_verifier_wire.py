@@ -35,3 +35,24 @@ def test_logprobs_prompt_logprobs_and_the_stop_token_go_out_in_order():
     assert sent == [(5, -0.5, [(5, -0.5), (9, -1.5)]), (2, pytest.approx(-0.1), [])]
     assert [(e.token_id, e.logprob, e.rank, [(t.token_id, t.logprob) for t in e.top])
             for e in message.prompt_logprobs] == [(11, -3.0, 7, [(4, pytest.approx(-0.2))])]
+
+
+def test_a_generate_many_message_carries_each_output_as_generate_sends_it_and_each_error():
+    import grpc
+
+    from services.verifier.request_mux import Update
+    from services.verifier.wire import updates_to_proto, verifier_pb2
+
+    logprobs = (TokenLogprob(5, -0.5, ((5, -0.5), (9, -1.5))),)
+    outputs = [RequestOutput(request_id="a", token_ids=(5,), logprobs=logprobs, finish_reason=None,
+                             num_prompt_tokens=3, num_output_tokens=1, spec=SpecDecodeCounts(1, 4, 0)),
+               RequestOutput(request_id="b", token_ids=(7, 8), logprobs=None, finish_reason=FinishReason.LENGTH,
+                             num_prompt_tokens=9, num_output_tokens=20, num_cached_tokens=8, stop_token_id=None)]
+    updates = [Update("a", "ngram", outputs[0]), Update("e", "", RuntimeError("boom")), Update("b", "", outputs[1])]
+    message = updates_to_proto(updates, lambda error: (grpc.StatusCode.INTERNAL, f"failed: {error}"))
+    assert [u.request_id for u in message.updates] == ["a", "e", "b"]
+    assert message.updates[0].output == output_to_proto(outputs[0], "ngram")
+    assert message.updates[2].output == output_to_proto(outputs[1], "")
+    assert message.updates[1].error == verifier_pb2.RequestError(code=grpc.StatusCode.INTERNAL.value[0],
+                                                                 message="failed: boom")
+    assert not message.updates[1].HasField("output") and not message.updates[0].HasField("error")
