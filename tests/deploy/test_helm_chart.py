@@ -124,7 +124,7 @@ def test_the_gateways_requests_share_a_call_per_verifier_replica(values):
     chart = rendered(values)
     gateway = process_settings(chart, _deployment(chart, "gateway"))
     replicas = _deployment(chart, "verifier")["spec"]["replicas"]
-    assert gateway.verifier_shared_stream and gateway.verifier_shared_stream_calls == replicas
+    assert gateway.verifier_shared_stream and gateway.verifier_shared_stream_calls == max(1, replicas)
 
 
 def test_gateway_settings_override_the_shared_calls():
@@ -133,6 +133,8 @@ def test_gateway_settings_override_the_shared_calls():
     assert not gateway.verifier_shared_stream and gateway.verifier_shared_stream_calls == 3
     chart = render({"verifier": {"replicas": 3}, "gateway": {"settings": {"verifier_shared_stream_calls": 6}}})
     assert process_settings(chart, _deployment(chart, "gateway")).verifier_shared_stream_calls == 6
+    chart = render({"verifier": {"replicas": 0}})  # scaled to zero: one call, so that the gateway still starts
+    assert process_settings(chart, _deployment(chart, "gateway")).verifier_shared_stream_calls == 1
 
 
 @pytest.mark.parametrize("values", ALL_VALUES)
