@@ -44,7 +44,7 @@ class SharedStream:
         self._write_lock = asyncio.Lock()  # grpc.aio takes one write at a time
         self._pending: set[asyncio.Task] = set()  # aborts being sent, and the closing once retired
         self.error: grpc.RpcError | None = None  # why the call ended; set once it has
-        self._retired = False  # replaced: no request starts on it any more, it closes when its last one is done
+        self._retired = False  # replaced: no request starts on it any more, it ends when its last one is done
         self.verifier_id: str | None = None  # the verifier serving the call, once its initial metadata is in
         self._reader = asyncio.create_task(self._read(), name="specserve-shared-stream")
 

@@ -171,7 +171,7 @@ class VerifierClient:
 
     def _shared_stream(self) -> SharedStream:
         """The call a request starts on (shared_stream_pool.py); the pool replaces calls that ended (on a fresh
-        channel when their connection failed) or were made on a channel since replaced (those close once idle)."""
+        channel when their connection failed) or were made on a channel since replaced (those end once idle)."""
         for broken in self._pool.broken():
             if connection_lost(broken.error):
                 self._reopen(broken.stub)  # the connection it was on failed: new calls go out on a fresh channel
