@@ -68,11 +68,6 @@ class SharedStream:
             queue.put_nowait(error)
 
     @property
-    def ended(self) -> bool:
-        """The call is over (ended by either side)."""
-        return self._call.done()
-
-    @property
     def load(self) -> int:
         """Requests running on the call."""
         return len(self._queues)

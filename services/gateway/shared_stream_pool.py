@@ -30,6 +30,7 @@ from services.gateway.shared_stream import SharedStream
 
 SPREAD_BACKOFF = 8  # the longest wait between replacements of a call sharing a verifier, in spread_interval_s
 
+
 @dataclass
 class _Member:
     stream: SharedStream
@@ -60,7 +61,7 @@ class SharedStreamPool:
         are older than max_age_s are retired first, and the pool is filled up to its size with new calls on
         `stub`."""
         now = self._clock()
-        self._retired = [stream for stream in self._retired if not stream.ended]
+        self._retired = [stream for stream in self._retired if stream.error is None]  # the ended ones go
         kept = []
         for member in self._members:
             if member.stream.error is None and member.stream.stub is stub and now - member.made_at < self.max_age_s:
