@@ -1,0 +1,124 @@
+"""The host's part of a captured accelerator step, measured on a machine without an accelerator.
+
+Run: `python -m services.bench.captured_host_cost [--rows 1 8 64] [--tokens 128] [--repeats 3]`.
+
+On an accelerator a decode step replays one captured graph (step_graphs.py, captured_verify.py) and waits for it
+once. Everything else in the step is host work that the device waits for: planning, drafting, building and
+packing the forward's inputs, the tail's inputs, the copy into the graph's buffer, each row's rollback and
+commit, and the asyncio loop. On an H200 that work was about half of a 64-row step (README, GPU section).
+
+engine_host_cost.py does not measure this path. Its scripted runner has no graphs, so its steps take the eager
+verification (sampling over the vocabulary on the host), which an accelerator never runs.
+
+Here the engine drives a real LlamaFamilyRunner (a tiny random llama, so prefill costs next to nothing). Its step
+graphs are captured by a backend whose replay does no work: HostOnlyReplay. The host work is the captured path's,
+operation for operation, and the device's work is zero. A replayed verify writes "no draft accepted, token 0",
+so speculative rows go on drafting and rolling back. This measures host work only: the tokens are not a model's.
+
+Printed per row count: host ms per decode step, without speculation and with ngram (K = 4, adaptive speculation
+off, so that every step asks). Medians of --repeats runs, alternated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from services.bench.hardware import describe_hardware
+from services.common.speculative_config import SpeculativeConfig
+from services.inprocess import local_proposers
+from services.modeling.kv_budget import KVCacheConfig
+from services.modeling.llama_runner import LlamaFamilyRunner
+from services.modeling.step_graphs import StepGraphs, default_capture_sizes
+from services.verifier.engine import Engine
+from services.verifier.engine_config import EngineConfig
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+
+VOCAB = 2048
+PROMPT_TOKENS = 40
+
+
+class HostOnlyReplay:
+    """A GraphBackend whose capture runs the forward once (for its static outputs) and whose replay does nothing,
+    as a device's replay costs its host nothing but the launch. A verify tail's output (a graph's third output)
+    is zeroed on replay: every row emits token 0 and accepts no draft."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def capture(self, forward):
+        outputs = forward()
+
+        def replay() -> None:
+            self.replays += 1
+            if len(outputs) == 3:
+                outputs[2].zero_()
+
+        return replay, outputs
+
+
+def tiny_runner(max_num_seqs: int, max_model_len: int) -> tuple[LlamaFamilyRunner, HostOnlyReplay]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_model_len)
+    runner = LlamaFamilyRunner(LlamaForCausalLM(config).eval(), max_num_seqs=max_num_seqs,
+                               max_model_len=max_model_len, pack_weights=False,
+                               kv_cache=KVCacheConfig(memory_bytes=256 << 20, block_size=16))
+    backend = HostOnlyReplay()
+    runner.graphs = StepGraphs(runner._body, backend, default_capture_sizes(max_num_seqs), runner.device,
+                               max_span=max_model_len, head=runner._head)
+    return runner, backend
+
+
+async def host_ms_per_step(rows: int, speculate: bool, tokens: int) -> float:
+    """Wall milliseconds per replayed step while `rows` greedy requests of `tokens` run at once (after one
+    unmeasured round that captures the graphs the measured one replays)."""
+    runner, backend = tiny_runner(max(rows, 1), PROMPT_TOKENS + tokens + 64)
+    proposers = local_proposers(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    engine = Engine(runner, EngineConfig(adaptive_speculation=False, log_stats_interval_s=0), proposers)
+    speculation = SpeculationParams("ngram", 4) if speculate else SpeculationParams()
+
+    async def one(name: str, i: int) -> None:
+        prompt = [(7 * i + 13 * j) % (VOCAB - 1) + 1 for j in range(PROMPT_TOKENS)]
+        sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        async for _ in engine.generate(GenerationRequest(name, prompt, sampling, speculation)):
+            pass
+
+    async with engine:
+        await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
+        replays, started = backend.replays, time.perf_counter()
+        await asyncio.gather(*(one(f"run-{i}", i) for i in range(rows)))
+        seconds = time.perf_counter() - started
+    return 1000 * seconds / max(backend.replays - replays, 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.bench.captured_host_cost",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    for key, value in describe_hardware().items():
+        print(f"{key}: {value}")
+    for rows in args.rows:
+        runs: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.repeats):
+            for speculate in (False, True):
+                runs[speculate].append(asyncio.run(host_ms_per_step(rows, speculate, args.tokens)))
+        none, ngram = (statistics.median(runs[s]) for s in (False, True))
+        print(f"{rows:>3} rows: host {none:.3f} ms a step without speculation, {ngram:.3f} with ngram K=4 "
+              f"(medians of {args.repeats}; runs {', '.join(f'{v:.3f}' for v in runs[False])} / "
+              f"{', '.join(f'{v:.3f}' for v in runs[True])})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
