@@ -473,24 +473,28 @@ class Engine:
             state.spec.num_draft_tokens += row.num_draft
             state.spec.num_accepted_tokens += row.num_accepted
             self.drafts.method_stats(state.request.speculation.method).record(row.num_draft, row.num_accepted)
+            self.planner.observe_row(state, row.num_draft, row.num_accepted)
         elif not state.prefilling:
             state.num_computed = len(state.token_ids)
-        if not state.prefilling:
-            self.planner.observe_row(state, row.num_draft, row.num_accepted)
+            self.planner.observe_row(state, 0, 0)
         if state.finished:  # aborted while the step ran
             return
         sampling = state.request.sampling
         emitted, reason, stop_token = [], None, None
         constraint = state.constraint
+        token_ids, stop_ids = state.token_ids, sampling.stop_token_ids
+        eos = () if sampling.ignore_eos else self.eos_token_ids
+        # max_tokens or max_model_len, as a length of token_ids
+        length_limit = min(state.num_prompt_tokens + sampling.max_tokens, self.runner.max_model_len)
         for token in row.tokens:
             emitted.append(token)
-            state.token_ids.append(token)
+            token_ids.append(token)
             complete = constraint is not None and constraint.commit(token)  # the grammar allows nothing more
-            if token in sampling.stop_token_ids or (token in self.eos_token_ids and not sampling.ignore_eos):
+            if token in stop_ids or token in eos:
                 reason, stop_token = FinishReason.STOP, token
             elif complete:
                 reason = FinishReason.STOP
-            elif state.num_output_tokens >= sampling.max_tokens or len(state.token_ids) >= self.runner.max_model_len:
+            elif len(token_ids) >= length_limit:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 break

@@ -49,6 +49,14 @@ class RequestState:
     hidden: KeptStates | None = None
     # token_ids again as int64 rows, for proposers (committed_view); caught up with token_ids when read
     _history: TokenHistory | None = field(default=None, init=False, repr=False, compare=False)
+    # The request's id and prompt length, read several times a row each step: plain attributes, not properties
+    # over `request` (a property chain cost about three times an attribute read).
+    request_id: str = field(init=False, repr=False, compare=False)
+    num_prompt_tokens: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request.request_id
+        self.num_prompt_tokens = len(self.request.prompt_token_ids)
 
     def committed_view(self) -> TokenView:
         """token_ids as a read-only snapshot that `np.asarray` reads without a copy (token_history.py), for
@@ -69,14 +77,6 @@ class RequestState:
         return None if self.hidden is None else self.hidden.view()
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -84,12 +84,15 @@ class RequestState:
     def prefill_target(self) -> int:
         """Tokens whose K/V must be in the cache before the request decodes: its prompt, or, resuming after a
         preemption with output committed, every token but the last (the decode row feeds that one)."""
-        return len(self.token_ids) - 1 if self.num_output_tokens else self.num_prompt_tokens
+        length = len(self.token_ids)
+        return length - 1 if length > self.num_prompt_tokens else self.num_prompt_tokens
 
     @property
     def prefilling(self) -> bool:
-        """The prefill target is not fully in the cache yet (decode rows always hold len(token_ids) - 1 tokens)."""
-        return self.num_computed < self.prefill_target
+        """The prefill target is not fully in the cache yet (decode rows always hold len(token_ids) - 1 tokens).
+        Read for every row several times a step, so prefill_target is written out here, not called."""
+        length = len(self.token_ids)
+        return self.num_computed < (length - 1 if length > self.num_prompt_tokens else self.num_prompt_tokens)
 
     @property
     def finished(self) -> bool:
