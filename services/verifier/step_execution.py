@@ -249,7 +249,8 @@ def execute(
         kept_fed = line.fed[: n_acc + 1]  # [last committed, accepted drafts]: where they are in the forward
         if b < len(decode):
             if all_drafts[b].parents is None:
-                runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
+                if n_acc < len(line.tokens):
+                    runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
             else:
                 runner.keep_path(state.request_id, len(state.token_ids) - 1, kept_fed)
         entries = None
@@ -301,7 +302,8 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     out = []
     for b, (state, draft, result) in enumerate(zip(decode, drafts, results, strict=True)):
         n_acc = result[-1]
-        runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
+        if n_acc < len(draft.tokens):
+            runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
         hidden = None if state.hidden is None else step_states.row(host_row[b], slice(n_acc + 1))
         out.append(SampledRow(state, result[: n_acc + 1], len(draft.tokens), n_acc, None, hidden))
     return out
