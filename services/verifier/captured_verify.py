@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -32,12 +33,19 @@ from services.verifier.sampling_batch import SamplingBatch
 def takes(states: Sequence[RequestState], drafts: Sequence[ProposedDraft], vocab_size: int) -> bool:
     """Whether these decode rows verify with nothing but VerifyTail's inputs."""
     for state, draft in zip(states, drafts, strict=True):
-        sampling = state.request.sampling
-        if (draft.parents is not None or state.constraint is not None or sampling.uses_penalties
-                or sampling.top_k_filters(vocab_size) or sampling.top_p_filters or sampling.min_p_filters
-                or sampling.logprobs is not None or (draft.probs is not None and not sampling.greedy)):
+        fits = state.fits_verify_tail
+        if fits is None:  # asked once a request: its settings are fixed, and this is read every step
+            fits = state.fits_verify_tail = settings_fit(state, vocab_size)
+        if not fits or draft.parents is not None or (draft.probs is not None and not state.request.sampling.greedy):
             return False
     return True
+
+
+def settings_fit(state: RequestState, vocab_size: int) -> bool:
+    """Whether the request's own settings leave its verification to the temperature and seed alone."""
+    sampling = state.request.sampling
+    return not (state.constraint is not None or sampling.uses_penalties or sampling.top_k_filters(vocab_size)
+                or sampling.top_p_filters or sampling.min_p_filters or sampling.logprobs is not None)
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,11 @@ class VerifyTail:
     @classmethod
     def of(cls, states: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> VerifyTail:
         sampling = [state.request.sampling for state in states]
-        return cls(sampled=any(not s.greedy for s in sampling), drafts=tuple(tuple(d.tokens) for d in drafts),
+        greedy = tuple(s.greedy for s in sampling)
+        return cls(sampled=not all(greedy), drafts=tuple(tuple(d.tokens) for d in drafts),
                    positions=tuple(len(state.token_ids) for state in states), seeds=tuple(s.seed for s in states),
-                   greedy=tuple(s.greedy for s in sampling),
-                   temperatures=tuple(1.0 if s.greedy else s.temperature for s in sampling))
+                   greedy=greedy,
+                   temperatures=tuple(1.0 if g else s.temperature for s, g in zip(sampling, greedy, strict=True)))
 
     @property
     def key(self) -> tuple[str, bool]:
@@ -69,9 +78,11 @@ class VerifyTail:
         temperatures as float64 bits; padding rows draft nothing, greedily."""
         k, real = width - 1, len(self.drafts)
         ints = np.zeros((rows, k + 4), dtype=np.int64)  # numpy: torch.tensor on nested lists cost about twice
-        for row, drafts in enumerate(self.drafts):
-            ints[row, : len(drafts)] = drafts
-        ints[:real, k] = [len(drafts) for drafts in self.drafts]
+        counts = np.fromiter(map(len, self.drafts), dtype=np.int64, count=real)
+        if k:  # the drafts row after row through one mask (a numpy slice per row cost about 1 us each)
+            ints[:real, :k][np.arange(k) < counts[:, None]] = np.fromiter(
+                chain.from_iterable(self.drafts), dtype=np.int64, count=int(counts.sum()))
+        ints[:real, k] = counts
         ints[:real, k + 1], ints[:real, k + 2], ints[:real, k + 3] = self.positions, self.seeds, self.greedy
         ints[real:, k + 3] = 1
         temperatures = np.ones(rows, dtype=np.float64)

@@ -47,6 +47,8 @@ class RequestState:
     # The target's hidden states of committed tokens, in order, when a proposer needs them (rows [n, H] on the
     # host); None when none does.
     hidden: KeptStates | None = None
+    # Whether its settings let a captured step verify it (captured_verify.settings_fit), cached on first use
+    fits_verify_tail: bool | None = field(default=None, init=False, repr=False, compare=False)
     # token_ids again as int64 rows, for proposers (committed_view); caught up with token_ids when read
     _history: TokenHistory | None = field(default=None, init=False, repr=False, compare=False)
     # The request's id and prompt length, read several times a row each step: plain attributes, not properties
