@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from unittest import mock
 
 import torch
 
@@ -34,7 +36,9 @@ from services.common.speculative_config import SpeculativeConfig
 from services.inprocess import local_proposers
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.llama_runner import LlamaFamilyRunner
+from services.modeling.host_copies import DeviceToHost
 from services.modeling.step_graphs import StepGraphs, default_capture_sizes
+from services.verifier import step_execution
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
@@ -46,10 +50,14 @@ PROMPT_TOKENS = 40
 class HostOnlyReplay:
     """A GraphBackend whose capture runs the forward once (for its static outputs) and whose replay does nothing,
     as a device's replay costs its host nothing but the launch. A verify tail's output (a graph's third output)
-    is zeroed on replay: every row emits token 0 and accepts no draft."""
+    is zeroed on replay: every row emits token 0 and accepts no draft. With `device_s`, the replay's results are
+    ready that long after it, and the step's one wait (DeviceToHost.wait) sleeps until then, as a host waits on
+    its device with the GIL released (simulated_waits installs that wait)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_s: float = 0.0) -> None:
         self.replays = 0
+        self.device_s = device_s
+        self.ready_at = 0.0
 
     def capture(self, forward):
         outputs = forward()
@@ -58,11 +66,26 @@ class HostOnlyReplay:
             self.replays += 1
             if len(outputs) == 3:
                 outputs[2].zero_()
+            self.ready_at = time.perf_counter() + self.device_s
 
         return replay, outputs
 
+    @contextlib.contextmanager
+    def simulated_waits(self) -> Iterator[None]:
+        """While inside, a step's wait for its results lasts until the last replay's device time is over."""
+        backend = self
 
-def tiny_runner(max_num_seqs: int, max_model_len: int) -> tuple[LlamaFamilyRunner, HostOnlyReplay]:
+        class WaitingForReplay(DeviceToHost):
+            def wait(self) -> None:
+                time.sleep(max(0.0, backend.ready_at - time.perf_counter()))
+                super().wait()
+
+        with mock.patch.object(step_execution, "DeviceToHost", WaitingForReplay):
+            yield
+
+
+def tiny_runner(max_num_seqs: int, max_model_len: int, device_s: float = 0.0
+                ) -> tuple[LlamaFamilyRunner, HostOnlyReplay]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -71,16 +94,17 @@ def tiny_runner(max_num_seqs: int, max_model_len: int) -> tuple[LlamaFamilyRunne
     runner = LlamaFamilyRunner(LlamaForCausalLM(config).eval(), max_num_seqs=max_num_seqs,
                                max_model_len=max_model_len, pack_weights=False,
                                kv_cache=KVCacheConfig(memory_bytes=256 << 20, block_size=16))
-    backend = HostOnlyReplay()
+    backend = HostOnlyReplay(device_s)
     runner.graphs = StepGraphs(runner._body, backend, default_capture_sizes(max_num_seqs), runner.device,
                                max_span=max_model_len, head=runner._head)
     return runner, backend
 
 
-async def host_ms_per_step(rows: int, speculate: bool, tokens: int) -> float:
-    """Wall milliseconds per replayed step while `rows` greedy requests of `tokens` run at once (after one
-    unmeasured round that captures the graphs the measured one replays)."""
-    runner, backend = tiny_runner(max(rows, 1), PROMPT_TOKENS + tokens + 64)
+async def host_ms_per_step(rows: int, speculate: bool, tokens: int, device_ms: float = 0.0) -> tuple[float, float]:
+    """Wall and CPU milliseconds (the process's, every thread's) per replayed step while `rows` greedy requests of
+    `tokens` run at once, after one unmeasured round that captures the graphs the measured one replays. The CPU
+    time is the steadier figure on a shared machine: a step's host work runs on one thread at a time."""
+    runner, backend = tiny_runner(max(rows, 1), PROMPT_TOKENS + tokens + 64, device_ms / 1000)
     proposers = local_proposers(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
     engine = Engine(runner, EngineConfig(adaptive_speculation=False, log_stats_interval_s=0), proposers)
     speculation = SpeculationParams("ngram", 4) if speculate else SpeculationParams()
@@ -91,12 +115,14 @@ async def host_ms_per_step(rows: int, speculate: bool, tokens: int) -> float:
         async for _ in engine.generate(GenerationRequest(name, prompt, sampling, speculation)):
             pass
 
-    async with engine:
-        await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
-        replays, started = backend.replays, time.perf_counter()
-        await asyncio.gather(*(one(f"run-{i}", i) for i in range(rows)))
-        seconds = time.perf_counter() - started
-    return 1000 * seconds / max(backend.replays - replays, 1)
+    with backend.simulated_waits():
+        async with engine:
+            await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
+            replays, started, cpu = backend.replays, time.perf_counter(), time.process_time()
+            await asyncio.gather(*(one(f"run-{i}", i) for i in range(rows)))
+            seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu
+    steps = max(backend.replays - replays, 1)
+    return 1000 * seconds / steps, 1000 * cpu_seconds / steps
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,18 +131,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="each replay sleeps this long (the GIL released), as the host waits on a device")
     args = parser.parse_args(argv)
     for key, value in describe_hardware().items():
         print(f"{key}: {value}")
     for rows in args.rows:
-        runs: dict[bool, list[float]] = {False: [], True: []}
+        runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for _ in range(args.repeats):
             for speculate in (False, True):
-                runs[speculate].append(asyncio.run(host_ms_per_step(rows, speculate, args.tokens)))
-        none, ngram = (statistics.median(runs[s]) for s in (False, True))
-        print(f"{rows:>3} rows: host {none:.3f} ms a step without speculation, {ngram:.3f} with ngram K=4 "
-              f"(medians of {args.repeats}; runs {', '.join(f'{v:.3f}' for v in runs[False])} / "
-              f"{', '.join(f'{v:.3f}' for v in runs[True])})", flush=True)
+                runs[speculate].append(asyncio.run(host_ms_per_step(rows, speculate, args.tokens, args.device_ms)))
+        for speculate, name in ((False, "no speculation"), (True, "ngram K=4")):
+            wall, cpu = (statistics.median(run[i] for run in runs[speculate]) for i in (0, 1))
+            print(f"{rows:>3} rows, {name}: host {wall:.3f} ms a step wall, {cpu:.3f} ms CPU (medians of "
+                  f"{args.repeats}; CPU {', '.join(f'{run[1]:.3f}' for run in runs[speculate])})", flush=True)
     return 0
 
 

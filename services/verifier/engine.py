@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -55,6 +56,9 @@ from services.verifier.structured_output import GrammarCompiler, OutputConstrain
 logger = logging.getLogger(__name__)
 
 PROFILE_MAX_ROWS = 16  # the start-up cost profile's widest batch (larger ones are extrapolated, then observed)
+# How long the loop thread waits, at most, for a step's device work to be launched before it serves anything else
+# (Engine.step says why); a bound, so that a busy compute thread never stalls the loop for longer.
+LAUNCH_WAIT_S = 0.005
 PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8 (graphs are captured ahead at least this wide)
 
 
@@ -381,9 +385,16 @@ class Engine:
         decode_tokens = sum(1 + len(d.tokens) for d in drafts)
         prefill = plan_prefill(prefilling, decode_tokens, self.config.max_num_batched_tokens)
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(
-            self._executor, execute_isolating_faults, self.runner, prefill, decode, drafts
+        # The compute thread builds the step's inputs and launches its device work in Python, under the interpreter
+        # lock. Handed the lock at once, the loop would spend it first on what the last step woke (every output's
+        # send: tens of microseconds a request), and the device would wait for that. So the loop waits (lock
+        # released) until the launch, and that work runs while the device computes.
+        launched = threading.Event()
+        running = loop.run_in_executor(
+            self._executor, execute_isolating_faults, self.runner, prefill, decode, drafts, launched.set
         )
+        launched.wait(LAUNCH_WAIT_S)
+        result = await running
         if result.verify_timing is not None:
             self.planner.observe_forward(*result.verify_timing)
         failed = {state.request_id for state, _ in result.failures}

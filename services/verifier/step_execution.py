@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -60,21 +60,26 @@ class StepResult:
 
 
 def execute_isolating_faults(
-    runner: ModelRunner, prefill: Sequence[PrefillChunk], decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]
+    runner: ModelRunner, prefill: Sequence[PrefillChunk], decode: Sequence[RequestState],
+    drafts: Sequence[ProposedDraft], launched: Callable[[], None] = lambda: None,
 ) -> StepResult:
     """The step batched; if that raises, every row again on its own, so a fault that one request causes (a
     value admission missed) fails that request only. Rows re-run apart emit what they would have in the
-    batch: their noise is keyed by position, not by batch composition."""
+    batch: their noise is keyed by position, not by batch composition. `launched` is called once the step's
+    device work is launched (a captured step's replay queued), or before a forward that runs on the host, and
+    at the latest when this returns: the engine's loop waits for it (Engine.step says why)."""
     states = [chunk.state for chunk in prefill] + list(decode)
     lengths = {state.request_id: runner.length(state.request_id) for state in states}
     timing: list[tuple[StepShape, float]] = []
     scores: list[PromptScores] = []
     hidden: list[tuple[RequestState, torch.Tensor]] = []
     try:
-        rows = execute(runner, prefill, decode, drafts, timing, scores, hidden)
+        rows = execute(runner, prefill, decode, drafts, timing, scores, hidden, launched)
         return StepResult(rows, [], timing[0] if timing else None, scores, hidden)
     except Exception:  # located below
         logger.exception("an engine step over %d requests failed; running them one by one", len(states))
+    finally:
+        launched()
     parts = [([chunk], [], []) for chunk in prefill]
     parts += [([], [state], [draft]) for state, draft in zip(decode, drafts, strict=True)]
     rows, failures, scores, hidden = [], [], [], []
@@ -139,12 +144,16 @@ def execute(
     timing: list[tuple[StepShape, float]] | None = None,
     scores: list[PromptScores] | None = None,
     hidden: list[tuple[RequestState, torch.Tensor]] | None = None,
+    launched: Callable[[], None] = lambda: None,
 ) -> list[SampledRow]:
     """The step's rows; with `timing`, appends the decode rows' (shape, seconds) from the start of their forward
     to the results on the host (the transfer waits for an accelerator to finish); with `scores`, appends the
-    prompt logprobs of the chunks whose requests asked for them."""
+    prompt logprobs of the chunks whose requests asked for them. `launched`: see execute_isolating_faults (a step
+    with prompt chunks calls it first: their eager forwards are long on a host)."""
     vocab = runner.vocab_size
     to_host = DeviceToHost()  # results and hidden states, read after the step's one wait
+    if prefill:
+        launched()
     first_token_logits = prefill_chunks(runner, prefill, scores, hidden, to_host)
 
     states = list(decode) + [state for state, _ in first_token_logits]
@@ -152,7 +161,7 @@ def execute(
         to_host.wait()
         return []
     if not first_token_logits:
-        rows = verified_in_graph(runner, decode, drafts, to_host, timing)
+        rows = verified_in_graph(runner, decode, drafts, to_host, timing, launched)
         if rows is not None:
             return rows
     # A tree's first path only, where the runner cannot feed trees or one grammar matcher would walk its paths
@@ -171,6 +180,7 @@ def execute(
                      parents=None if d.parents is None else fed_parents(d.parents))
             for s, d in zip(decode, drafts, strict=True)
         ]
+        launched()
         verified = runner.forward(rows)
         if rows_with_states:
             states_on_host = to_host.queue(rows_of(verified.hidden_states, rows_with_states))
@@ -277,9 +287,11 @@ def execute(
 
 
 def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft],
-                      to_host: DeviceToHost, timing: list[tuple[StepShape, float]] | None) -> list[SampledRow] | None:
+                      to_host: DeviceToHost, timing: list[tuple[StepShape, float]] | None,
+                      launched: Callable[[], None] = lambda: None) -> list[SampledRow] | None:
     """The decode rows' forward and verification as one captured graph (captured_verify.py), where the runner has
-    one for this step and the rows need nothing beyond it; None, with nothing done, otherwise."""
+    one for this step and the rows need nothing beyond it; None, with nothing done, otherwise. Calls `launched`
+    once the replay is queued."""
     forward_with_tail = getattr(runner, "forward_with_tail", None)
     if forward_with_tail is None or not captured_verify.takes(decode, drafts, runner.vocab_size):
         return None
@@ -289,6 +301,7 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     replayed = forward_with_tail(rows, captured_verify.VerifyTail.of(decode, drafts))
     if replayed is None:
         return None
+    launched()
     results, served = replayed
     rows_with_states = [b for b, state in enumerate(decode) if state.hidden is not None]
     states_on_host = to_host.queue(rows_of(served, rows_with_states)) if rows_with_states else None
