@@ -111,8 +111,8 @@ def build_forward_batch(
     fed_columns = columns[None, :] < np.array(lengths, dtype=np.int64)[:, None]  # [rows, L]
     input_ids = np.zeros((batch, width), dtype=np.int64)  # [B, L]
     # row after row through one mask (a numpy slice per row cost about 1 us each)
-    input_ids[: len(rows)][fed_columns] = np.fromiter(chain.from_iterable(r.token_ids for r in rows), dtype=np.int64,
-                                              count=sum(lengths))
+    input_ids[: len(rows)][fed_columns] = np.fromiter(chain.from_iterable(r.token_ids for r in rows),
+                                                      dtype=np.int64, count=sum(lengths))
     ancestors = np.zeros(0, dtype=np.int64)
     trees = any(r.parents is not None for r in rows)
     if trees and width > TREE_CAPABLE_WIDTH:

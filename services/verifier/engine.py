@@ -56,10 +56,10 @@ from services.verifier.structured_output import GrammarCompiler, OutputConstrain
 logger = logging.getLogger(__name__)
 
 PROFILE_MAX_ROWS = 16  # the start-up cost profile's widest batch (larger ones are extrapolated, then observed)
+PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8 (graphs are captured ahead at least this wide)
 # How long the loop thread waits, at most, for a step's device work to be launched before it serves anything else
 # (Engine.step says why); a bound, so that a busy compute thread never stalls the loop for longer.
 LAUNCH_WAIT_S = 0.005
-PROFILE_MAX_WIDTH = 9  # ... and widest row: 1 + K for K = 8 (graphs are captured ahead at least this wide)
 
 
 class EngineOverloadedError(RuntimeError):
