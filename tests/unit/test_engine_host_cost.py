@@ -58,3 +58,15 @@ async def test_through_the_verifiers_grpc_streams_the_scripted_engine_is_followe
                                      rounds=2, many=many)
         assert figures["follows_script"] and figures["tokens"] == 3 * 2 * 16
         assert figures["step_ms"] >= figures["forward_ms"] >= 1.0 and figures["loop_cpu_ms"] > 0
+
+
+async def test_the_captured_step_bench_replays_every_decode_step_and_waits_the_simulated_device():
+    """captured_host_cost: every decode step replays a graph (host_ms_per_step raises otherwise), with and without
+    drafts, and --device-ms makes each step's wait last at least that long."""
+    from services.bench.captured_host_cost import host_ms_per_step
+
+    for speculate in (False, True):
+        wall_ms, cpu_ms = await host_ms_per_step(rows=2, speculate=speculate, tokens=12)
+        assert wall_ms > 0 and cpu_ms > 0
+    wall_ms, _ = await host_ms_per_step(rows=2, speculate=False, tokens=12, device_ms=5.0)
+    assert wall_ms >= 5.0
