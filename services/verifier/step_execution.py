@@ -31,7 +31,7 @@ from services.verifier.tree_rejection import QTreeRow, outcomes
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen, as RequestOutput: one a row a step, 1.46 against 0.36 us to build here
 class SampledRow:
     state: RequestState
     tokens: list[int]  # emitted, before stop handling
