@@ -1,6 +1,8 @@
 """The verifier engine: continuous batching with speculative decoding, one batched verify forward per step.
 
-A step (all on the asyncio loop, the tensor work in a worker thread so the loop keeps serving):
+A step (all on the asyncio loop, the tensor work in a worker thread so the loop keeps serving; the loop waits
+until that thread has launched the step's device work, so that the sends the last step woke run while the device
+computes):
   1. admit waiting requests into free KV slots;
   2. ask each proposer, concurrently and under a deadline, for drafts of the decoding requests that use it
      (a missing or late draft means K = 0 for that row this step: slower, never wrong), as many tokens as the
