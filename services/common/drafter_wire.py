@@ -80,8 +80,10 @@ def encode_probs(probs: torch.Tensor | None) -> bytes:
 
 def decode_probs(data: bytes, num_tokens: int) -> torch.Tensor | None:
     """Little-endian float16 bytes -> [num_tokens, V] float32; None when absent or not a whole matrix."""
+    if not data or num_tokens == 0:  # every draft of a drafter that sends none: no array made for nothing
+        return None
     values = np.frombuffer(data, dtype="<f2")
-    if not data or num_tokens == 0 or values.size % num_tokens:
+    if values.size % num_tokens:
         return None
     import torch  # the verifier's side, which has torch; see encode_probs
 
@@ -144,23 +146,16 @@ def description_from_proto(message) -> DrafterDescription:
 
 # -- Draft (verifier -> drafter) ----------------------------------------------------------------------------
 def step_to_proto(step: DraftStep):
-    return drafter_pb2.DraftRequest(
-        step_id=step.step_id,
-        updates=[
-            drafter_pb2.SequenceUpdate(
-                seq_id=u.seq_id,
-                base_length=u.base_length,
-                new_token_ids=u.new_token_ids,
-                num_speculative_tokens=u.num_speculative_tokens,
-                hidden_states_fp16=b"" if u.hidden_states is None else u.hidden_states.astype("<f2").tobytes(),
-                hidden_size=0 if u.hidden_states is None else u.hidden_states.shape[1],
-                draft_pipelining=u.draft_pipelining,
-                temperature=u.temperature,
-            )
-            for u in step.updates
-        ],
-        closed_seq_ids=step.closed_seq_ids,
-    )
+    # each update added in place (building a SequenceUpdate message and then the list copied each one again)
+    message = drafter_pb2.DraftRequest(step_id=step.step_id, closed_seq_ids=step.closed_seq_ids)
+    add = message.updates.add
+    for u in step.updates:
+        add(seq_id=u.seq_id, base_length=u.base_length, new_token_ids=u.new_token_ids,
+            num_speculative_tokens=u.num_speculative_tokens,
+            hidden_states_fp16=b"" if u.hidden_states is None else u.hidden_states.astype("<f2").tobytes(),
+            hidden_size=0 if u.hidden_states is None else u.hidden_states.shape[1],
+            draft_pipelining=u.draft_pipelining, temperature=u.temperature)
+    return message
 
 
 def step_from_proto(message) -> DraftStep:
@@ -197,22 +192,13 @@ def reply_to_proto(reply: DraftReply):
 
 
 def reply_from_proto(message) -> DraftReply:
-    return DraftReply(
-        step_id=message.step_id,
-        drafts=tuple(
-            SequenceDraft(
-                seq_id=d.seq_id,
-                base_length=d.base_length,
-                token_ids=tuple(d.token_ids),
-                probs=decode_probs(d.probs_fp16, len(d.token_ids)),
-                resync_needed=d.resync_needed,
-                parents=tuple(d.parents) or None,
-                path_probs=tuple(d.path_probs) or None,
-                probs_token_ids=tuple(d.probs_token_ids),
-            )
-            for d in message.drafts
-        ),
-    )
+    # fields in order, each read once (the verifier reads a reply of every running row each step it drafts)
+    return DraftReply(message.step_id, tuple(
+        SequenceDraft(d.seq_id, d.base_length, tuple(d.token_ids), decode_probs(d.probs_fp16, len(d.token_ids)),
+                      d.resync_needed, tuple(d.parents) or None, tuple(d.path_probs) or None,
+                      tuple(d.probs_token_ids))
+        for d in message.drafts
+    ))
 
 
 def decode_hidden(data: bytes, hidden_size: int) -> np.ndarray | None:
