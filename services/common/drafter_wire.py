@@ -173,22 +173,13 @@ def step_from_proto(message) -> DraftStep:
 
 # -- Draft (drafter -> verifier) ----------------------------------------------------------------------------
 def reply_to_proto(reply: DraftReply):
-    return drafter_pb2.DraftResponse(
-        step_id=reply.step_id,
-        drafts=[
-            drafter_pb2.SequenceDraft(
-                seq_id=d.seq_id,
-                base_length=d.base_length,
-                token_ids=d.token_ids,
-                probs_fp16=encode_probs(d.probs),
-                resync_needed=d.resync_needed,
-                parents=d.parents or (),
-                path_probs=d.path_probs or (),
-                probs_token_ids=d.probs_token_ids,
-            )
-            for d in reply.drafts
-        ],
-    )
+    message = drafter_pb2.DraftResponse(step_id=reply.step_id)
+    add = message.drafts.add  # each draft added in place, as step_to_proto's updates
+    for d in reply.drafts:
+        add(seq_id=d.seq_id, base_length=d.base_length, token_ids=d.token_ids,
+            probs_fp16=b"" if d.probs is None else encode_probs(d.probs), resync_needed=d.resync_needed,
+            parents=d.parents or (), path_probs=d.path_probs or (), probs_token_ids=d.probs_token_ids)
+    return message
 
 
 def reply_from_proto(message) -> DraftReply:
