@@ -58,8 +58,7 @@ class HostOnlyReplay:
     its device with the GIL released (simulated_waits installs that wait)."""
 
     def __init__(self, device_s: float = 0.0) -> None:
-        self.replays = 0
-        self.verify_replays = 0  # replays of a graph with the verify tail (captured_verify.py)
+        self.verify_replays = 0  # replays of a graph with the verify tail (captured_verify.py): decode steps
         self.device_s = device_s
         self.ready_at = 0.0
 
@@ -67,7 +66,6 @@ class HostOnlyReplay:
         outputs = forward()
 
         def replay() -> None:
-            self.replays += 1
             if len(outputs) == 3:
                 self.verify_replays += 1
                 outputs[2].zero_()

@@ -177,13 +177,13 @@ def reply_to_proto(reply: DraftReply):
     add = message.drafts.add  # each draft added in place, as step_to_proto's updates
     for d in reply.drafts:
         add(seq_id=d.seq_id, base_length=d.base_length, token_ids=d.token_ids,
-            probs_fp16=b"" if d.probs is None else encode_probs(d.probs), resync_needed=d.resync_needed,
+            probs_fp16=encode_probs(d.probs), resync_needed=d.resync_needed,
             parents=d.parents or (), path_probs=d.path_probs or (), probs_token_ids=d.probs_token_ids)
     return message
 
 
 def reply_from_proto(message) -> DraftReply:
-    # fields in order, each read once (the verifier reads a reply of every running row each step it drafts)
+    # positional fields, no keywords: the verifier reads a reply of every running row each step it drafts
     return DraftReply(message.step_id, tuple(
         SequenceDraft(d.seq_id, d.base_length, tuple(d.token_ids), decode_probs(d.probs_fp16, len(d.token_ids)),
                       d.resync_needed, tuple(d.parents) or None, tuple(d.path_probs) or None,
