@@ -91,10 +91,8 @@ class RequestState:
 
     @property
     def prefilling(self) -> bool:
-        """The prefill target is not fully in the cache yet (decode rows always hold len(token_ids) - 1 tokens).
-        Read for every row several times a step, so prefill_target is written out here, not called."""
-        length = len(self.token_ids)
-        return self.num_computed < (length - 1 if length > self.num_prompt_tokens else self.num_prompt_tokens)
+        """The prefill target is not fully in the cache yet (decode rows always hold len(token_ids) - 1 tokens)."""
+        return self.num_computed < self.prefill_target
 
     @property
     def finished(self) -> bool:
