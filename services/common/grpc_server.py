@@ -3,7 +3,8 @@ error-mapping interceptor, optional TLS, graceful stop and a SIGTERM hook.
 
 Graceful stop is two-phase, the way Kubernetes expects: first report NOT_SERVING (readiness probes and
 health-watching clients move traffic away while the server still answers), then `server.stop(grace)` lets the
-RPCs in flight finish and refuses new ones.
+RPCs in flight finish and refuses new ones. A stop runs once, however often it is asked for (a signal, then the
+service's own exit path), and every caller waits for that one to end.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +25,9 @@ from services.common.grpc_link_policy import DEFAULT_LINK_POLICY, LinkPolicy, wi
 logger = logging.getLogger(__name__)
 
 OVERALL_HEALTH = ""  # the health service's name for "the whole server"
+# grpc.aio's tasks of one call each (their coroutines' names; grpcio 1.6x-1.7x): see settle_calls
+CALL_COROUTINES = frozenset({"_schedule_rpc_coro", "_handle_exceptions"})
+SETTLE_S = 1.0  # how long a stopped server's call tasks have to finish before the service goes on
 
 
 @dataclass
@@ -32,6 +36,7 @@ class GrpcServer:
     port: int  # the bound port (the real one when 0 was asked for)
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
+    _stopping: asyncio.Task | None = field(default=None, repr=False)
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -42,14 +47,41 @@ class GrpcServer:
 
     async def graceful_stop(self, drain_s: float = 0.0, grace_s: float = 5.0) -> None:
         """NOT_SERVING now, keep answering for `drain_s` so load balancers notice, then stop with `grace_s`
-        for the RPCs still in flight."""
+        for the RPCs still in flight. Started once; a later call waits for that stop (its arguments unused)."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._stop(drain_s, grace_s),
+                                                                    name="specserve-grpc-stop")
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, drain_s: float, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
         if drain_s > 0:
             await asyncio.sleep(drain_s)
         await self.server.stop(grace_s)
+        await settle_calls(SETTLE_S)
 
     async def wait(self) -> None:
+        """Until the server has terminated and a stop in progress has ended (a service that returns as soon as
+        the server terminates would tear its loop down under the rest of that stop)."""
         await self.server.wait_for_termination()
+        if self._stopping is not None:
+            await asyncio.shield(self._stopping)
+
+
+async def settle_calls(timeout_s: float) -> None:
+    """Wait (at most `timeout_s`) for grpc.aio's per-call tasks still on the loop after `server.stop`.
+
+    The server's stop returns once no call is live in grpc's core, but a call that ended there (its client
+    went away, or the grace ran out) still has a task here until the core's completion reaches the loop. A loop
+    torn down before that cancels the task, and grpc logs "Exception not handled by _handle_exceptions in
+    servicer method ...: CancelledError" for every such call: noise at each shutdown that looks like an error
+    (stopping `specserve serve` showed it for the gateway's shared GenerateMany calls). The tasks are found by
+    their coroutines' names, grpc's internals; should those change, nothing is found and nothing waits."""
+    me = asyncio.current_task()
+    calls = [task for task in asyncio.all_tasks()
+             if task is not me and getattr(task.get_coro(), "__name__", "") in CALL_COROUTINES]
+    if calls:
+        await asyncio.wait(calls, timeout=timeout_s)
 
 
 async def start_grpc_server(

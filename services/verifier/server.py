@@ -8,6 +8,7 @@ flags parse.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Iterable, Sequence
@@ -54,7 +55,7 @@ class RunningVerifier:
     drafters: list[TrackedProposer]
     metrics: MetricsEndpoint | None = None
     servicer: VerifierServicer | None = None
-    _stopped: bool = field(default=False, repr=False)
+    _stopping: asyncio.Task | None = field(default=None, repr=False)
 
     @property
     def port(self) -> int:
@@ -66,10 +67,14 @@ class RunningVerifier:
 
     async def stop(self, drain_s: float = 0.0, grace_s: float = 5.0) -> None:
         """NOT_SERVING (and GenerateMany calls start no more requests), let calls in flight finish for `grace_s`,
-        then stop the engine and drafter links."""
-        if self._stopped:
-            return
-        self._stopped = True
+        then stop the engine and drafter links. Started once: a later call (serve's own exit, after a signal
+        started the stop) waits for that stop to end rather than returning while the engine still shuts down."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._stop(drain_s, grace_s),
+                                                                    name="specserve-verifier-stop")
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, drain_s: float, grace_s: float) -> None:
         if self.servicer is not None:
             self.servicer.drain()
         await self.grpc.graceful_stop(drain_s, grace_s)
@@ -260,7 +265,7 @@ async def serve(
     if running.metrics_port:
         print(f"metrics on http://{settings.host}:{running.metrics_port}/metrics", flush=True)
     await running.grpc.wait()
-    await running.stop(0, 0)  # no-op after a signal-driven stop
+    await running.stop(0, 0)  # after a signal-driven stop: waits for it to end
     return 0
 
 

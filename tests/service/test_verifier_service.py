@@ -317,6 +317,24 @@ async def test_metrics_endpoint_counts_speculation(model, ngram_drafter):
     assert sample(text, "specserve_drafter_round_trip_seconds_count", drafter="ngram") > 0
 
 
+async def test_a_second_stop_waits_for_the_first_to_end(model):
+    """A signal starts the stop; `serve` then stops too on its way out. That second stop used to return at once,
+    so the service's loop ended under the first one (the engine's shutdown cancelled half-way)."""
+    running = await start_verifier(model, MODEL_ID, settings())
+    shutdown, ended = running.engine.shutdown, []
+
+    async def slow_shutdown() -> None:
+        await asyncio.sleep(0.2)
+        await shutdown()
+        ended.append(True)
+
+    running.engine.shutdown = slow_shutdown
+    first = asyncio.create_task(running.stop(0, 0.5))
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(running.stop(0, 0), 10)
+    assert ended and first.done()
+
+
 def test_flags_override_the_environment(monkeypatch):
     monkeypatch.setenv("SPECSERVE_VERIFIER_PORT", "6000")
     monkeypatch.setenv("SPECSERVE_VERIFIER_MAX_NUM_SEQS", "3")
