@@ -4,7 +4,7 @@ Validation happens here, once, with OpenAI's documented ranges, so every bad val
 field before anything reaches the verifier. Every field either works or is refused with a 400 that names it: a
 field this server does not implement is never dropped silently, since that would change the answer the client
 expects. A field sent as null counts as absent (SDKs echo assistant messages back with null fields). Fields that
-cannot change the output by their nature (`user`, `metadata`, `store: false`, `service_tier` "auto"/"default",
+cannot change the output by their nature (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`, `store: false`, `service_tier` "auto"/"default",
 `parallel_tool_calls` without tools) are accepted. The table of every field: docs/openai_parameters.md.
 """
 
@@ -70,6 +70,7 @@ UNSUPPORTED_FIELDS = {
     "audio": "audio output is not supported: this server serves text-only models",
     "prediction": "predicted outputs are not supported",
     "reasoning_effort": "reasoning_effort is not supported by this server's models",
+    "verbosity": "verbosity is not supported by this server's models",
     "web_search_options": "web search is not supported",
     "chat_template": "a chat template per request is not accepted: it would run the client's Jinja on the server "
                      "(vLLM too refuses it unless started with --trust-request-chat-template); the model's own "
@@ -95,6 +96,9 @@ UNSUPPORTED_FIELDS = {
 # The value at which each of those asks for nothing (vLLM's defaults): accepted, as vLLM clients send them.
 _OFF_VALUES = {"best_of": 1, "echo": False, "use_beam_search": False, "length_penalty": 1.0, "include_reasoning": True,
                "priority": 0, "cache_salt": ""}
+# Fields for which even an empty value asks for something: `web_search_options: {}` turns web search on with its
+# default settings (OpenAI's search models), so only its absence (or null) means "off".
+_NO_OFF_VALUE = frozenset({"web_search_options"})
 # Names the chat template is rendered with by this server: chat_template_kwargs may not override them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
                                       "tokenize", "chat_template", "documents", "return_dict", "conversation"})
@@ -121,6 +125,8 @@ def refuse_unsupported(data: Any, known: set[str]) -> Any:
 
 def _asks_nothing(name: str, value: Any) -> bool:
     """An unsupported field at the value that means "off": no tools, tool_choice "none", best_of 1, ..."""
+    if name in _NO_OFF_VALUE:
+        return False
     if name in _OFF_VALUES:
         off = _OFF_VALUES[name]
         return value == off and isinstance(value, bool) == isinstance(off, bool)  # True is not best_of 1
@@ -152,6 +158,8 @@ class SamplingFields(OutputConstraintFields):
     logit_bias: dict[str, float] | None = None
     # Accepted because they cannot change the output (see the module docstring).
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's newer name for what `user` was for
+    prompt_cache_key: str | None = None  # a cache hint: this server's prefix cache needs none and shares one cache
     metadata: dict[str, str] | None = None
     store: Literal[False] | None = None
     service_tier: Literal["auto", "default"] | None = None
