@@ -114,7 +114,8 @@ async def test_unsupported_and_unknown_fields_are_refused_by_name(client, verifi
 
 
 async def test_fields_that_cannot_change_the_output_and_nulls_are_accepted(client, verifier):
-    r = await post_chat(client, user="u1", safety_identifier="s1", prompt_cache_key="k1", metadata={"k": "v"}, store=False, service_tier="auto",
+    r = await post_chat(client, user="u1", safety_identifier="s1", prompt_cache_key="k1", metadata={"k": "v"},
+                        store=False, service_tier="auto",
                         parallel_tool_calls=True, tools=[], tool_choice="none", best_of=1, audio=None,
                         messages=[{"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None},
                                   {"role": "user", "content": "hi"}])
