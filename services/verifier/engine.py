@@ -416,10 +416,11 @@ class Engine:
                 logger.exception("committing the output of request %s failed", row.state.request_id)
                 self._fail(row.state, error)
         self._reap()
+        step_s = time.perf_counter() - started
         if result.verify_timing is not None and not prefill:
             shape, forward_s = result.verify_timing
-            self.planner.observe_overhead(time.perf_counter() - started - forward_s - drafting_s, shape.width > 1,
-                                          len(decode))
+            self.planner.observe_overhead(step_s - forward_s - drafting_s, shape.width > 1, len(decode))
+        self.planner.settle_probe(step_s, measured=not prefill)
         if self._stats_logger.due():
             self._stats_logger.maybe_log(self.stats)
 

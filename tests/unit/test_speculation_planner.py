@@ -223,3 +223,46 @@ def test_probe_columns_are_rationed_to_a_share_of_step_time():
             probes += 1
     assert probes * column_s <= PROBE_TIME_SHARE * 10_000 * step_s + column_s
     assert probes >= 0.9 * PROBE_TIME_SHARE * 10_000 * step_s / column_s  # and the share is really used
+
+
+def test_a_probe_is_charged_what_its_step_really_cost():
+    """Probes are rationed to PROBE_TIME_SHARE of step time. A probe's step also pays the speculative bookkeeping and
+    its rows' first call on the drafter, which the prediction that granted it leaves out: settled at what the step
+    really cost, probes stay within the share; charged the prediction, they took several times it."""
+    import asyncio
+
+    from services.verifier.request_state import RequestState
+    from services.verifier.row_speculation import PROBE_TIME_SHARE
+    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
+
+    async def states() -> list[RequestState]:
+        return [RequestState(GenerationRequest(f"r{i}", (1, 2, 3), speculation=SpeculationParams("ngram", 4)), 0,
+                             [1, 2, 3], asyncio.Queue()) for i in range(64)]
+
+    def probe_share(measured: bool) -> float:
+        cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)  # an accelerator's flat step
+        planner = SpeculationPlanner(cost, adaptive=True)
+        for _ in range(200):
+            planner.observe_overhead(0.002)
+        planner.draft_cost.observe(1, 0.001)  # a call predicted at 1 ms
+        decode = asyncio.run(states())
+        for state in decode:
+            state.speculation = planner.start("ngram")
+            for _ in range(20):
+                state.speculation.acceptance.observe(4, 0)  # nothing accepted: width 1, rows only probe
+            state.speculation.probe.interval = 0  # due at every step (a rejection doubles 0): the budget decides
+        plain_s = cost.predict(StepShape(64, 1, 4)) + 0.002
+        total_s = extra_s = 0.0
+        for _ in range(5000):
+            asks = planner.draft_requests(decode, [4] * 64)
+            probed = any(asks)
+            step_s = plain_s + (0.006 if probed else 0.0)  # a probe really costs 6 ms
+            planner.settle_probe(step_s, measured=measured)
+            for state, ask in zip(decode, asks, strict=True):
+                planner.observe_row(state, ask, 0)
+            total_s += step_s
+            extra_s += step_s - plain_s
+        return extra_s / total_s
+
+    assert probe_share(measured=True) <= 1.2 * PROBE_TIME_SHARE
+    assert probe_share(measured=False) > 2 * PROBE_TIME_SHARE
