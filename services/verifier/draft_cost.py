@@ -10,10 +10,14 @@ for the round trip and the catch-up, a part per drafted token), or, while only o
 to k (the draft-model case: the per-token forwards dominate). k = 0 costs nothing.
 
 Forgotten unless measured again: a figure is only ever refreshed by asking, and a high one stops the asking, so a
-call that was slow once (a pause, a drafter restarting, the link opening) would stop speculation for good. So the
-planner ages the model once a step (`age`): a figure not measured for HALF_LIFE_STEPS steps counts half, then a
-quarter, until asking pays again and measures it afresh; a figure that old is replaced by the new measurement,
-not averaged with it. A drafter that really is that slow is then asked once every few hundred steps.
+call that was slow once (a pause, a drafter restarting) would stop speculation for good. So the planner ages the
+model once a step (`age`): a figure not measured for HALF_LIFE_STEPS steps counts half, then a quarter, until
+asking pays again and measures it afresh; a measurement after STALE_STEPS steps without one replaces the figure
+instead of being averaged with it (so the probes, which ask now and then whatever the figure says, reset a figure
+that a pause left high). The fade is slow because it also lowers true figures: a batch that asks its drafter once
+every few dozen steps, because asking rarely pays (64 chats over gRPC), predicted its calls at 0.5-0.8 of what
+they cost with a half-life of 100 steps, asked at that price, and lost on those steps (engine_host_cost's chat
+text on a simulated H200 step: planned asks took 1.3-4.5% of the step time, 0.3-1.2% without the fade).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of the newest observation in each k's moving average
-HALF_LIFE_STEPS = 100  # steps after which a figure not measured again counts half
+HALF_LIFE_STEPS = 1000  # steps after which a figure not measured again counts half
+STALE_STEPS = 100  # steps without a measurement after which the next one replaces a figure
 
 
 @dataclass
@@ -38,7 +43,7 @@ class DraftCostModel:
         if k <= 0 or seconds < 0:
             return
         previous = self.seconds_by_k.get(k)
-        fresh = previous is None or self._age(k) >= HALF_LIFE_STEPS
+        fresh = previous is None or self._age(k) >= STALE_STEPS
         self.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
         self.measured_at[k] = self.steps
 

@@ -102,6 +102,25 @@ def test_a_figure_not_measured_again_fades_and_a_stale_one_is_replaced():
     assert model.predict(2) == pytest.approx(0.0005 + 0.2 * 0.001, rel=0.02)
 
 
+def test_a_figure_measured_now_and_then_keeps_its_value_and_a_probe_resets_a_stale_one():
+    """A batch that asks its drafter every few dozen steps (asking rarely pays) must not see its calls as cheaper
+    than they are between asks: that made it ask at a loss. A slow figure is reset by the next measurement once
+    STALE_STEPS have passed without one (a probe's), long before it fades."""
+    from services.verifier.draft_cost import STALE_STEPS
+
+    model = DraftCostModel()
+    model.observe(1, 0.004)
+    for _ in range(50):
+        model.age()
+    assert model.predict(1) >= 0.95 * 0.004
+    model.observe(1, 0.030)  # a pause
+    assert model.predict(1) > 0.008
+    for _ in range(STALE_STEPS):
+        model.age()
+    model.observe(1, 0.004)  # a probe's call, after the planner stopped asking
+    assert model.predict(1) == pytest.approx(0.004)
+
+
 class OpeningProposer:
     """Drafts a reference text exactly; its first call for a sequence takes `opening_s` (as a drafter service's first
     call does: the link, the whole prompt, the head's prefill), later ones nothing. Counts its calls."""
