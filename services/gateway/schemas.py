@@ -5,7 +5,8 @@ field before anything reaches the verifier. Every field either works or is refus
 field this server does not implement is never dropped silently, since that would change the answer the client
 expects. A field sent as null counts as absent (SDKs echo assistant messages back with null fields). Fields that
 cannot change the output by their nature (`user`, `safety_identifier`, `prompt_cache_key`, `metadata`,
-`store: false`, `service_tier` "auto"/"default", `parallel_tool_calls` without tools) are accepted. The table of every field: docs/openai_parameters.md.
+`store: false`, `service_tier` "auto"/"default", `parallel_tool_calls` without tools) are accepted. The table of
+every field: docs/openai_parameters.md.
 """
 
 from __future__ import annotations

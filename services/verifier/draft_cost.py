@@ -17,7 +17,7 @@ instead of being averaged with it (so the probes, which ask now and then whateve
 that a pause left high). The fade is slow because it also lowers true figures: a batch that asks its drafter once
 every few dozen steps, because asking rarely pays (64 chats over gRPC), predicted its calls at 0.5-0.8 of what
 they cost with a half-life of 100 steps, asked at that price, and lost on those steps (engine_host_cost's chat
-text on a simulated H200 step: planned asks took 1.3-4.5% of the step time, 0.3-1.2% without the fade).
+text on a simulated H200 step: planned asks took 1.3-4.5% of the step time, 0.0-2.6% with a half-life of 1,000).
 """
 
 from __future__ import annotations
