@@ -152,8 +152,10 @@ class SpeculationPlanner:
                            self.speculative_overhead_s(len(decode)),
                            self._displacement(caps, narrow + overhead_s, backlog), weights=draft_rates)
         self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
-        # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
-        probe_call_s = self.draft_cost.predict(1) if width == 1 else 0.0
+        # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it.
+        # Granted at no more than a plain step's time: a figure a pause left high would otherwise keep away the very
+        # probes that measure it again (draft_cost.py); settle_probe charges the probe what it really cost.
+        probe_call_s = min(self.draft_cost.predict(1), narrow + overhead_s) if width == 1 else 0.0
         can_probe = self.probes.earn(narrow + overhead_s, self._probe_column_s + probe_call_s)
         asks, probed, opening = [], False, False
         for state, cap in zip(decode, caps, strict=True):

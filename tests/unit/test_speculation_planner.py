@@ -266,3 +266,41 @@ def test_a_probe_is_charged_what_its_step_really_cost():
 
     assert probe_share(measured=True) <= 1.2 * PROBE_TIME_SHARE
     assert probe_share(measured=False) > 2 * PROBE_TIME_SHARE
+
+
+def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
+    """A drafting call that took 200 ms once (a pause) stops the asking. Its figure fades slowly (draft_cost.py), so
+    it is the probes that measure it again: granted at no more than a plain step's cost, one comes within a few
+    hundred steps, and its measurement replaces the stale figure."""
+    import asyncio
+
+    from services.verifier.draft_cost import STALE_STEPS
+    from services.verifier.request_state import RequestState
+    from services.verifier.row_speculation import PROBE_TIME_SHARE
+    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
+
+    async def states() -> list[RequestState]:
+        return [RequestState(GenerationRequest(f"r{i}", (1, 2, 3), speculation=SpeculationParams("ngram", 4)), 0,
+                             [1, 2, 3], asyncio.Queue()) for i in range(4)]
+
+    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)
+    planner = SpeculationPlanner(cost, adaptive=True)
+    for _ in range(200):
+        planner.observe_overhead(0.001)
+    planner.draft_cost.observe(1, 0.200)
+    decode = asyncio.run(states())
+    for state in decode:
+        state.speculation = planner.start("ngram")
+        state.speculation.asked_before = True
+    plain_s = cost.predict(StepShape(4, 1, 4)) + 0.001
+    for step in range(1, 2000):
+        asks = planner.draft_requests(decode, [4] * 4)
+        if any(asks):
+            break
+        planner.observe_drafting(0, 0.0)  # nothing asked: the drafting figures age a step
+        planner.settle_probe(plain_s)
+        for state in decode:
+            planner.observe_row(state, 0, 0)
+    assert STALE_STEPS <= step <= 3 / PROBE_TIME_SHARE, step
+    planner.observe_drafting(1, 0.0005)  # the probe's call: the figure is stale, so replaced
+    assert planner.draft_cost.predict(1) == pytest.approx(0.0005, rel=0.01)
