@@ -11,13 +11,13 @@ to k (the draft-model case: the per-token forwards dominate). k = 0 costs nothin
 
 Forgotten unless measured again: a figure is only ever refreshed by asking, and a high one stops the asking, so a
 call that was slow once (a pause, a drafter restarting) would stop speculation for good. So the planner ages the
-model once a step (`age`): a figure not measured for HALF_LIFE_STEPS steps counts half, then a quarter, until
-asking pays again and measures it afresh; a measurement after STALE_STEPS steps without one replaces the figure
-instead of being averaged with it (so the probes, which ask now and then whatever the figure says, reset a figure
-that a pause left high). The fade is slow because it also lowers true figures: a batch that asks its drafter once
-every few dozen steps, because asking rarely pays (64 chats over gRPC), predicted its calls at 0.5-0.8 of what
-they cost with a half-life of 100 steps, asked at that price, and lost on those steps (engine_host_cost's chat
-text on a simulated H200 step: planned asks took 1.3-4.5% of the step time, 0.0-2.6% with a half-life of 1,000).
+model once a step (`age`): a figure measured within the last STALE_STEPS steps stands as it is; older, it counts
+half after HALF_LIFE_STEPS more, then a quarter, until asking pays again and measures it afresh, and that
+measurement replaces it instead of being averaged with it (the probes, which ask now and then whatever the figure
+says, reset a figure a pause left high). Not faded while current: a fade from the first step also lowered true
+figures, so a batch that asks its drafter once every few dozen steps because asking rarely pays (64 chats over
+gRPC) predicted its calls at 0.5-0.8 of what they cost, asked at that price, and lost on those steps
+(engine_host_cost's chat text on a simulated H200 step: planned asks took 1.3-4.5% of the step time).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of the newest observation in each k's moving average
-HALF_LIFE_STEPS = 1000  # steps after which a figure not measured again counts half
-STALE_STEPS = 100  # steps without a measurement after which the next one replaces a figure
+STALE_STEPS = 100  # steps without a measurement after which a figure fades, and the next one replaces it
+HALF_LIFE_STEPS = 100  # steps, once stale, after which a figure not measured again counts half
 
 
 @dataclass
@@ -66,7 +66,7 @@ class DraftCostModel:
         or a figure changed."""
         key = (self.steps, tuple(self.seconds_by_k.items()), tuple(self.measured_at.items()))
         if self._fitted is None or self._fitted[0] != key:
-            figures = {seen: seconds * 0.5 ** (self._age(seen) / HALF_LIFE_STEPS)
+            figures = {seen: seconds * 0.5 ** (max(0, self._age(seen) - STALE_STEPS) / HALF_LIFE_STEPS)
                        for seen, seconds in self.seconds_by_k.items()}
             if len(figures) == 1:
                 (seen, seconds), = figures.items()

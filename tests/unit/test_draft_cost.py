@@ -87,12 +87,13 @@ def test_an_expensive_draft_model_is_not_asked_and_a_cheap_one_is():
 
 
 def test_a_figure_not_measured_again_fades_and_a_stale_one_is_replaced():
-    """A high figure stops the asking that would refresh it, so it must fade: half after HALF_LIFE_STEPS steps."""
-    from services.verifier.draft_cost import HALF_LIFE_STEPS
+    """A high figure stops the asking that would refresh it, so it must fade: half after HALF_LIFE_STEPS steps once
+    it is stale."""
+    from services.verifier.draft_cost import HALF_LIFE_STEPS, STALE_STEPS
 
     model = DraftCostModel()
     model.observe(2, 0.016)  # one slow call (a pause, the link opening)
-    for _ in range(HALF_LIFE_STEPS):
+    for _ in range(STALE_STEPS + HALF_LIFE_STEPS):
         model.age()
     assert model.predict(2) == pytest.approx(0.008)
     model.observe(2, 0.0005)  # asked again: the stale figure is replaced, not averaged
@@ -104,15 +105,15 @@ def test_a_figure_not_measured_again_fades_and_a_stale_one_is_replaced():
 
 def test_a_figure_measured_now_and_then_keeps_its_value_and_a_probe_resets_a_stale_one():
     """A batch that asks its drafter every few dozen steps (asking rarely pays) must not see its calls as cheaper
-    than they are between asks: that made it ask at a loss. A slow figure is reset by the next measurement once
-    STALE_STEPS have passed without one (a probe's), long before it fades."""
+    than they are between asks: that made it ask at a loss. So a figure stands as measured for STALE_STEPS; after
+    that the next measurement (a probe's, when the figure stopped the asking) replaces it."""
     from services.verifier.draft_cost import STALE_STEPS
 
     model = DraftCostModel()
     model.observe(1, 0.004)
-    for _ in range(50):
+    for _ in range(STALE_STEPS):
         model.age()
-    assert model.predict(1) >= 0.95 * 0.004
+    assert model.predict(1) == pytest.approx(0.004)
     model.observe(1, 0.030)  # a pause
     assert model.predict(1) > 0.008
     for _ in range(STALE_STEPS):
