@@ -141,6 +141,7 @@ class SpeculationPlanner:
                        backlog: PrefillBacklog | None = None) -> list[int]:
         """How many tokens to ask each row's proposer for: `caps[i]` is row i's bound (its K, the room left);
         `backlog`: the prompt tokens waiting to be prefilled (None: none)."""
+        self._probe_step = None
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
         survivals = [self._survival(s, cap) for s, cap in zip(decode, caps, strict=True)]
@@ -170,7 +171,6 @@ class SpeculationPlanner:
                     opening = row.asked_before = True
             asks.append(ask)
         self._opening = opening
-        self._probe_step = None
         if probed:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
             self._probe_step = (narrow + overhead_s, probe_call_s)
