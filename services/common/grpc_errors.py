@@ -3,8 +3,8 @@
 Servicers stay thin: they raise what their pure functions raise (ValueError for a bad request, a service's own
 errors for its own conditions) and this interceptor turns it into the proto's status contract, so the mapping
 is written once per service instead of a try/except in every method. A servicer that aborts on purpose
-(`context.abort`) and a cancelled call pass through untouched. Unexpected errors are logged with their
-traceback here and reach the client as INTERNAL with a one-line reason.
+(`context.abort`), a cancelled call and a call the stopped server ended pass through untouched. Unexpected errors
+are logged with their traceback here and reach the client as INTERNAL with a one-line reason.
 """
 
 from __future__ import annotations
@@ -14,8 +14,15 @@ import logging
 from collections.abc import Callable
 
 import grpc
+from grpc._cython import cygrpc
 
 logger = logging.getLogger(__name__)
+
+# What grpc.aio raises in a servicer that reads or writes once its server has stopped (a private class; without
+# it, nothing matches). Not the servicer's failure: grpc ends the call itself and logs one warning line. Mapped here
+# it was logged as the method failing, with a traceback, whenever a stream outlived a stopping drafter.
+SERVER_STOPPED: tuple[type[BaseException], ...] = tuple(
+    error for error in (getattr(cygrpc, "_ServerStoppedError", None),) if error is not None)
 
 StatusFor = Callable[[Exception], "grpc.StatusCode | None"]
 
@@ -73,8 +80,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return unary
 
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
-        if isinstance(error, grpc.aio.AbortError):
-            raise error  # the servicer aborted with a status of its own choosing
+        if isinstance(error, (grpc.aio.AbortError, *SERVER_STOPPED)):
+            raise error  # the servicer aborted with a status of its own choosing, or the server has stopped
         await context.abort(*status_of(error, self._status_for, method))
 
 
