@@ -209,7 +209,8 @@ class SpeculationPlanner:
         step predicted without them, in place of the call and column predicted when they were granted: a probe
         also pays a speculative step's bookkeeping, and its rows' first call opens them on the drafter. At 64 rows
         over gRPC a probe cost 4-7 ms where 2-2.5 was predicted, and probes took 1.0-2.1% of step time where 1% was
-        allowed; settled at their cost, 0.7-0.8% (engine_host_cost's chat text on a simulated H200 step).
+        allowed; settled at their cost, 0.6-1.4% (engine_host_cost's chat text on a simulated H200 step; above 1%
+        where requests keep arriving: their steps prefill too, and are charged as predicted).
         `measured` False (a step that also prefilled, which the prediction leaves out): the predicted charge
         stands."""
         if self._probe_step is None:
