@@ -6,7 +6,8 @@ request, so its KV slot is free at the next engine step; a GenerateMany call end
 Draining (RunningVerifier.stop, before the server stops taking calls): a GenerateMany call starts no more requests
 and refuses each with UNAVAILABLE, since its client would otherwise keep sending new requests down a call that is
 about to end (a new call, a Generate call each, is steered to a SERVING verifier by the client's health check). Its
-requests already running go on, as Generate calls in flight do."""
+requests already running go on, as Generate calls in flight do, and the call ends (OK) once they have: an idle
+call its client keeps open would otherwise last until the server's grace ran out and was cancelled."""
 
 from __future__ import annotations
 
@@ -63,11 +64,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.drafters = drafters
         self.draining = False  # set by drain(): GenerateMany calls start no more requests
         self.instance_id = uuid.uuid4().hex  # sent on each GenerateMany call (VERIFIER_ID_KEY)
+        self._calls: set[RequestMux] = set()  # the GenerateMany calls in progress
 
     def drain(self) -> None:
-        """From now on a request started on a GenerateMany call is refused with UNAVAILABLE (see the module
-        docstring); the requests running go on."""
+        """From now on a request started on a GenerateMany call is refused with UNAVAILABLE and each call ends once
+        its running requests have (see the module docstring); they go on."""
         self.draining = True
+        for mux in self._calls:
+            mux.close_input()
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -86,14 +90,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         call ending early aborts every request still running on it."""
         await context.send_initial_metadata(((VERIFIER_ID_KEY, self.instance_id),))
         mux = RequestMux()
+        self._calls.add(mux)
+        if self.draining:
+            mux.close_input()
         reader = asyncio.create_task(self._read_many(requests, mux), name="specserve-generate-many-reader")
         try:
             while not mux.done:
                 updates = await mux.next_updates()
                 if updates:
                     yield updates_to_proto(updates, self._status_of)
-            await reader  # the client's side ended cleanly, or its error ends the call
+            if not self.draining:
+                await reader  # the client's side ended cleanly, or its error ends the call
         finally:
+            self._calls.discard(mux)
             reader.cancel()
             mux.abort_all()  # no-op once every request has finished; frees their slots when the client went away
 

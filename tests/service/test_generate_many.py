@@ -211,3 +211,22 @@ async def test_a_shared_stream_that_breaks_is_replaced_and_a_request_with_nothin
             await wait_until_idle(stub)
         finally:
             await client.close()
+
+
+async def test_a_draining_verifier_ends_an_idle_call_at_once_and_a_busy_one_when_its_requests_are_done(model):
+    """Draining, a call starts no more requests; one its client keeps open used to last until the server's grace ran
+    out, and was cancelled then (grpc logged it at every shutdown)."""
+    async with verifier(model) as (running, stub):
+        expected = [t for m in await collect(stub, greedy("alone", [1, 2, 3], 40)) for t in m.token_ids]
+        idle, busy = stub.GenerateMany(), stub.GenerateMany()
+        await busy.write(start(greedy("long", [1, 2, 3], 40)))
+        first = await asyncio.wait_for(busy.read(), 10)
+        running.servicer.drain()
+        assert await asyncio.wait_for(idle.read(), 5) == grpc.aio.EOF
+        assert await idle.code() == grpc.StatusCode.OK
+        messages = [first]
+        while (message := await asyncio.wait_for(busy.read(), 20)) != grpc.aio.EOF:
+            messages.append(message)
+        assert await busy.code() == grpc.StatusCode.OK
+    tokens = [t for m in messages for u in m.updates for t in u.output.token_ids]
+    assert tokens == expected
