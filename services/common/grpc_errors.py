@@ -21,8 +21,7 @@ logger = logging.getLogger(__name__)
 # What grpc.aio raises in a servicer that reads or writes once its server has stopped (a private class; without
 # it, nothing matches). Not the servicer's failure: grpc ends the call itself and logs one warning line. Mapped here
 # it was logged as the method failing, with a traceback, whenever a stream outlived a stopping drafter.
-SERVER_STOPPED: tuple[type[BaseException], ...] = tuple(
-    error for error in (getattr(cygrpc, "_ServerStoppedError", None),) if error is not None)
+SERVER_STOPPED: tuple[type[BaseException], ...] = tuple(filter(None, [getattr(cygrpc, "_ServerStoppedError", None)]))
 
 StatusFor = Callable[[Exception], "grpc.StatusCode | None"]
 

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.grpc_errors import ErrorMappingInterceptor, StatusFor, default_status
 from services.common.grpc_link_policy import DEFAULT_LINK_POLICY, LinkPolicy, with_options
+from services.common.run_once import RunOnce
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class GrpcServer:
     port: int  # the bound port (the real one when 0 was asked for)
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
-    _stopping: asyncio.Task | None = field(default=None, repr=False)
+    _stopping: RunOnce = field(default_factory=lambda: RunOnce("specserve-grpc-stop"), repr=False)
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -48,10 +49,7 @@ class GrpcServer:
     async def graceful_stop(self, drain_s: float = 0.0, grace_s: float = 5.0) -> None:
         """NOT_SERVING now, keep answering for `drain_s` so load balancers notice, then stop with `grace_s`
         for the RPCs still in flight. Started once; a later call waits for that stop (its arguments unused)."""
-        if self._stopping is None:
-            self._stopping = asyncio.get_running_loop().create_task(self._stop(drain_s, grace_s),
-                                                                    name="specserve-grpc-stop")
-        await asyncio.shield(self._stopping)
+        await self._stopping.run(lambda: self._stop(drain_s, grace_s))
 
     async def _stop(self, drain_s: float, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
@@ -64,8 +62,7 @@ class GrpcServer:
         """Until the server has terminated and a stop in progress has ended (a service that returns as soon as
         the server terminates would tear its loop down under the rest of that stop)."""
         await self.server.wait_for_termination()
-        if self._stopping is not None:
-            await asyncio.shield(self._stopping)
+        await self._stopping.wait()
 
 
 async def settle_calls(timeout_s: float) -> None:

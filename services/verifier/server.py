@@ -8,7 +8,6 @@ flags parse.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import Iterable, Sequence
@@ -20,6 +19,7 @@ import torch
 
 from services.common.heap_trim import trim_heap
 from services.common.grpc_server import GrpcServer, install_sigterm_handler, start_grpc_server
+from services.common.run_once import RunOnce
 from services.common.main_thread_compute import run_with_compute, worker_thread
 from services.common.metrics_http import MetricsEndpoint, serve_metrics
 from services.common.speculative_config import SpeculativeConfig
@@ -55,7 +55,7 @@ class RunningVerifier:
     drafters: list[TrackedProposer]
     metrics: MetricsEndpoint | None = None
     servicer: VerifierServicer | None = None
-    _stopping: asyncio.Task | None = field(default=None, repr=False)
+    _stopping: RunOnce = field(default_factory=lambda: RunOnce("specserve-verifier-stop"), repr=False)
 
     @property
     def port(self) -> int:
@@ -69,10 +69,7 @@ class RunningVerifier:
         """NOT_SERVING (and GenerateMany calls start no more requests), let calls in flight finish for `grace_s`,
         then stop the engine and drafter links. Started once: a later call (serve's own exit, after a signal
         started the stop) waits for that stop to end rather than returning while the engine still shuts down."""
-        if self._stopping is None:
-            self._stopping = asyncio.get_running_loop().create_task(self._stop(drain_s, grace_s),
-                                                                    name="specserve-verifier-stop")
-        await asyncio.shield(self._stopping)
+        await self._stopping.run(lambda: self._stop(drain_s, grace_s))
 
     async def _stop(self, drain_s: float, grace_s: float) -> None:
         if self.servicer is not None:
