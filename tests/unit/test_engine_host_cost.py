@@ -60,6 +60,21 @@ async def test_through_the_verifiers_grpc_streams_the_scripted_engine_is_followe
         assert figures["step_ms"] >= figures["forward_ms"] >= 1.0 and figures["loop_cpu_ms"] > 0
 
 
+async def test_through_a_real_gateway_the_scripted_engine_is_followed_and_each_process_cpu_counted():
+    """http_host_cost: the same scripted engine behind a real verifier and a `specserve gateway` process, read by a
+    client process through POST /v1/completions, whole and streamed; every token is the script's (the answers'
+    token ids), and the gateway's and the client's CPU per 1,000 tokens are measured."""
+    from services.bench.http_host_cost import through_http
+    from services.bench.scripted_model import SimulatedDevice
+
+    for stream in (False, True):
+        figures = await through_http(rows=3, tokens=12, vocab=512, text="chat", simulated=SimulatedDevice(1.0, 0, 0),
+                                     rounds=1, stream=stream)
+        assert figures["follows_script"] and figures["tokens"] == 3 * 12
+        assert figures["step_ms"] >= figures["forward_ms"] >= 1.0
+        assert figures["gateway_cpu_ms"] > 0 and figures["client_cpu_ms"] > 0
+
+
 async def test_the_captured_step_bench_replays_every_decode_step_and_waits_the_simulated_device():
     """captured_host_cost: every decode step replays a graph (host_ms_per_step raises otherwise), with and without
     drafts, and --device-ms makes each step's wait last at least that long."""
