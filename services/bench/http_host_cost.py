@@ -90,7 +90,8 @@ async def through_http(rows: int, tokens: int, vocab: int, text: str, simulated:
     steps = runner.forwards - forwards
     per_k = 1000 / measured["tokens"]
     return {"tokens": measured["tokens"], "follows_script": measured["follows_script"],
-            "tokens_per_s": measured["tokens"] / measured["seconds"], "forwards": steps, "step_ms": 1000 * measured["seconds"] / steps,
+            "tokens_per_s": measured["tokens"] / measured["seconds"], "forwards": steps,
+            "step_ms": 1000 * measured["seconds"] / steps,
             "forward_ms": 1000 * (runner.forward_s - forward_s) / steps,
             "gateway_cpu_ms": 1000 * gateway_cpu * per_k, "client_cpu_ms": 1000 * measured["cpu_s"] * per_k,
             "loop_cpu_ms": 1000 * loop_cpu * per_k}
