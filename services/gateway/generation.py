@@ -54,12 +54,15 @@ class TextRules:
 @dataclass
 class ChoiceTimer:
     """Feeds the latency histograms from one choice's message arrivals (`method`: the speculation method the
-    verifier reports for the request, every message carries it)."""
+    verifier reports for the request, every message carries it). The gap series of the method are looked up
+    when the method is first seen, not at every message."""
 
     metrics: GatewayMetrics
     model_name: str
     start: float
     last: float | None = None
+    _method: str | None = None
+    _observe_gap: Callable[[float], None] | None = None
 
     def on_message(self, method: str) -> None:
         now = time.perf_counter()
@@ -67,7 +70,9 @@ class ChoiceTimer:
         if self.last is None:
             self.metrics.observe_first_token(self.model_name, method, now - self.start)
         else:
-            self.metrics.observe_token_gap(self.model_name, method, now - self.last)
+            if method != self._method or self._observe_gap is None:
+                self._method, self._observe_gap = method, self.metrics.token_gap_observer(self.model_name, method)
+            self._observe_gap(now - self.last)
         self.last = now
 
 
