@@ -63,11 +63,38 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
 def make_decode(tokenizer: Any, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
     """Decoding used for output text: by default special tokens (eos, stop ids) are not text (vLLM's
     skip_special_tokens). spaces_between_special_tokens is the tokenizer's own option: a slow (Python) tokenizer
-    applies it, a fast one joins special tokens as its decoder does whatever it says, as in vLLM."""
+    applies it, a fast one joins special tokens as its decoder does whatever it says, as in vLLM.
+
+    A fast tokenizer whose class decodes as transformers' own does, without the clean-up of spaces, is called
+    through its Rust tokenizer directly: that is the whole of what transformers' decode does for it, and its
+    argument conversions were two thirds of the time of a call (3.7 against 1.1 us for six ids, 2-core EPYC),
+    paid twice a step for every streamed choice (detokenizer.py)."""
+    backend = _plain_fast_backend(tokenizer)
+    if backend is not None:
+        def decode_fast(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return decode_fast
+
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                 spaces_between_special_tokens=spaces_between_special_tokens)
     return decode
+
+
+def _plain_fast_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` whose decode is exactly `tokenizer.decode`'s, or None: a fast tokenizer of
+    transformers' TokenizersBackend class or a subclass that overrides neither decode nor _decode, with the
+    clean-up of tokenization spaces off."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: its own decode is used
+        return None
+    cls = type(tokenizer)
+    plain = (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+             and cls._decode is TokenizersBackend._decode
+             and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+    return tokenizer.backend_tokenizer if plain else None
 
 
 def decode_prompt(tokenizer: Any, ids: list[int]) -> str:
