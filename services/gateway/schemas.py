@@ -377,11 +377,20 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     add_special_tokens: bool = False  # vLLM's: on top of those the chat template writes (rarely wanted)
     # vLLM's: extra variables for the model's chat template, e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's output types: ["text"] is what this server makes and is accepted; any other is refused
+    modalities: list[str] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_template_kwargs(value)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and value != ["text"]:
+            raise ValueError(f'only ["text"] is supported: this server serves text-only models (got {value[:4]})')
+        return value
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -76,6 +76,8 @@ async def test_logit_bias_reaches_the_verifier(client, verifier):
     ({"audio": {"voice": "x"}}, "audio"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"verbosity": "low"}, "verbosity is not supported"),
+    ({"modalities": ["text", "audio"]}, "modalities: only"),  # was refused as an unknown field
+    ({"modalities": []}, "modalities: only"),
     ({"web_search_options": {}}, "web_search_options"),  # an empty object turns search on: was accepted, unused
     ({"no_such_field": 1}, "no_such_field"),
     ({"store": True}, "store"),
@@ -115,7 +117,7 @@ async def test_unsupported_and_unknown_fields_are_refused_by_name(client, verifi
 
 async def test_fields_that_cannot_change_the_output_and_nulls_are_accepted(client, verifier):
     r = await post_chat(client, user="u1", safety_identifier="s1", prompt_cache_key="k1", metadata={"k": "v"},
-                        store=False, service_tier="auto",
+                        store=False, service_tier="auto", modalities=["text"],
                         parallel_tool_calls=True, tools=[], tool_choice="none", best_of=1, audio=None,
                         messages=[{"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None},
                                   {"role": "user", "content": "hi"}])
