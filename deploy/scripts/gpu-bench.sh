@@ -14,6 +14,8 @@
 #   --method eagle3 --device cuda --dtype bfloat16 --rows 1 8 --contexts 300
 # What the verifier's per-request output streams cost on that host's CPU (a simulated device step, no GPU used):
 #   BENCH=verifier_stream_cost BENCH_S=120 bash deploy/scripts/gpu-bench.sh --rows 8 64
+# ... and what the gateway adds on top, CPU per 1,000 tokens included (whole, then streamed completions):
+#   BENCH=http_host_cost BENCH_S=150 bash deploy/scripts/gpu-bench.sh; the same with --stream
 # The HTTP rows, the whole stack through the OpenAI API under a steady load (each client sends 3 requests):
 #   BENCH=accelerator_http BENCH_S=420 bash deploy/scripts/gpu-bench.sh --device cuda --dtype bfloat16
 #   --modes captured --rounds 3
