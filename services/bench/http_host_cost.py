@@ -10,7 +10,7 @@ tokenizer; a client process sends `rows` greedy token-id completions at once (st
 unmeasured and then `--rounds` measured. Printed per row count, without speculation: tokens/s in process
 (engine_host_cost.run_case) and through HTTP, their ratio, the wall time of a step, and the CPU time each process
 spent per 1,000 tokens over the measured rounds (the gateway's, the client's, the verifier loop thread's). Every
-answer is checked against the script's text.
+answer's token ids (vLLM's return_token_ids) are checked against the script.
 
 Why: issue 29 asks for 2,500 tokens/s at 64 concurrent requests through HTTP on an accelerator whose captured
 step the simulated one imitates; the engine alone makes about 8,000 there (H200, stop 53). What the gateway and

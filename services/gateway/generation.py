@@ -61,8 +61,8 @@ class ChoiceTimer:
     model_name: str
     start: float
     last: float | None = None
-    _method: str | None = None
-    _observe_gap: Callable[[float], None] | None = None
+    _method: str | None = field(default=None, init=False, repr=False)
+    _observe_gap: Callable[[float], None] | None = field(default=None, init=False, repr=False)
 
     def on_message(self, method: str) -> None:
         now = time.perf_counter()

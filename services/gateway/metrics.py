@@ -74,12 +74,10 @@ class GatewayMetrics:
         self.time_to_first_token.labels(model_name, method).observe(seconds)
         self.vllm_time_to_first_token.labels(model_name).observe(seconds)
 
-    def observe_token_gap(self, model_name: str, method: str, seconds: float) -> None:
-        self.token_gap_observer(model_name, method)(seconds)
-
     def token_gap_observer(self, model_name: str, method: str) -> Callable[[float], None]:
-        """observe_token_gap for one (model, method), its labelled series looked up once: a choice observes a gap
-        every step, and the two `labels` lookups were about as costly as the observations."""
+        """Observes the gap between a choice's messages for one (model, method), its labelled series looked up
+        once: a choice observes a gap every step, and the two `labels` lookups cost about what the observations
+        did."""
         ours = self.inter_token_latency.labels(model_name, method)
         vllm = self.vllm_inter_token_latency.labels(model_name)
 

@@ -68,7 +68,7 @@ def make_decode(tokenizer: Any, skip_special_tokens: bool = True, spaces_between
     A fast tokenizer whose class decodes as transformers' own does, without the clean-up of spaces, is called
     through its Rust tokenizer directly: that is the whole of what transformers' decode does for it, and its
     argument conversions were two thirds of the time of a call (3.7 against 1.1 us for six ids, 2-core EPYC),
-    paid twice a step for every streamed choice (detokenizer.py)."""
+    paid twice a step for every choice (detokenizer.py)."""
     backend = _plain_fast_backend(tokenizer)
     if backend is not None:
         def decode_fast(ids: list[int]) -> str:
