@@ -11,8 +11,9 @@ every field: docs/openai_parameters.md.
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -124,6 +125,39 @@ def refuse_unsupported(data: Any, known: set[str]) -> Any:
     return {k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and k not in known)}
 
 
+def refuse_booleans_for_numbers(data: Any, numeric: frozenset[str]) -> None:
+    """A JSON true or false where a field takes numbers (`max_tokens: true`, a prompt of `[true, 5]`, a logit_bias of
+    `true`) is a 400 naming the field. Pydantic's lax mode reads them as 1 and 0 (vLLM's server takes them so);
+    OpenAI refuses them, and a boolean where a count or a token id goes is a client's mistake, not a number."""
+    if not isinstance(data, dict):
+        return
+    for name in numeric & data.keys():
+        if _holds_a_boolean(data[name]):
+            raise ValueError(f"{name}: expected numbers, got a boolean (true or false)")
+
+
+@functools.cache
+def numeric_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` whose type admits integers or floats (in lists or dict values too) but not booleans."""
+    return frozenset(name for name, info in model.model_fields.items()
+                     if _admits(info.annotation, (int, float)) and not _admits(info.annotation, (bool,)))
+
+
+def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a type admits one of `kinds`, looking through unions, Optional, Annotated, lists and dicts."""
+    return annotation in kinds or any(_admits(arg, kinds) for arg in get_args(annotation))
+
+
+def _holds_a_boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, list):
+        return any(_holds_a_boolean(item) for item in value)
+    if isinstance(value, dict):
+        return any(_holds_a_boolean(item) for item in value.values())
+    return False
+
+
 def _asks_nothing(name: str, value: Any) -> bool:
     """An unsupported field at the value that means "off": no tools, tool_choice "none", best_of 1, ..."""
     if name in _NO_OFF_VALUE:
@@ -169,6 +203,7 @@ class SamplingFields(OutputConstraintFields):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
+        refuse_booleans_for_numbers(data, numeric_fields(cls))
         return refuse_unsupported(data, set(cls.model_fields))
 
     @field_validator("logit_bias")

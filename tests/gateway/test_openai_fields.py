@@ -115,6 +115,34 @@ async def test_unsupported_and_unknown_fields_are_refused_by_name(client, verifi
     assert not verifier.requests
 
 
+@pytest.mark.parametrize(("path", "fields", "named"), [
+    ("/v1/chat/completions", {"max_tokens": True}, "max_tokens"),  # was read as max_tokens 1
+    ("/v1/chat/completions", {"temperature": False}, "temperature"),
+    ("/v1/chat/completions", {"n": True}, "n"),
+    ("/v1/chat/completions", {"seed": True}, "seed"),
+    ("/v1/chat/completions", {"logit_bias": {"104": True}}, "logit_bias"),
+    ("/v1/chat/completions", {"stop_token_ids": [5, False]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [72, True]}, "prompt"),  # was the token ids [72, 1]
+    ("/v1/completions", {"prompt": [[72], [False]]}, "prompt"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),  # a count on completions (chat's is a boolean)
+])
+async def test_a_boolean_where_numbers_go_is_refused_by_name(client, verifier, path, fields, named):
+    body = {**CHAT, **fields} if path.endswith("chat/completions") else {"model": MODEL, "prompt": "hi", **fields}
+    r = await client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"{named}: expected numbers, got a boolean"), r.text
+    assert not verifier.requests
+
+
+async def test_booleans_where_booleans_go_and_numbers_stay_accepted(client, verifier):
+    r = await post_chat(client, logprobs=True, top_logprobs=0, stream=False, temperature=0, max_tokens=3, n=1,
+                        logit_bias={"104": 1}, ignore_eos=False)
+    assert r.status_code == 200, r.text
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [72, 105], "logprobs": 0, "echo": False,
+                                                   "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
 async def test_fields_that_cannot_change_the_output_and_nulls_are_accepted(client, verifier):
     r = await post_chat(client, user="u1", safety_identifier="s1", prompt_cache_key="k1", metadata={"k": "v"},
                         store=False, service_tier="auto", modalities=["text"],

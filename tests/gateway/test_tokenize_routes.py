@@ -38,7 +38,8 @@ async def test_bad_input_is_a_400_and_another_model_a_404(client):
                               ("/tokenize", {"prompt": 5}, "prompt"),
                               ("/tokenize", {"prompt": "x", "truncate": 3}, "truncate"),
                               ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
-                              ("/detokenize", {"tokens": [-1]}, "tokens")]:
+                              ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": [72, True]}, "tokens: expected numbers")]:
         r = await client.post(path, json=body)
         assert r.status_code == 400 and param in (r.json()["error"]["param"] or r.json()["error"]["message"]), r.text
     r = await client.post("/tokenize", json={"model": "other", "prompt": "x"})
