@@ -51,6 +51,12 @@ class RequestSpeculativeConfig(BaseModel):
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_pipelining: bool | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans(cls, data: Any) -> Any:
+        refuse_booleans_for_numbers(data, numeric_fields(cls))
+        return data
+
 
 class StreamOptions(BaseModel):
     """OpenAI's stream_options (null counts as absent, as everywhere) and vLLM's continuous_usage_stats: usage in

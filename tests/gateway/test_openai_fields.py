@@ -125,12 +125,14 @@ async def test_unsupported_and_unknown_fields_are_refused_by_name(client, verifi
     ("/v1/completions", {"prompt": [72, True]}, "prompt"),  # was the token ids [72, 1]
     ("/v1/completions", {"prompt": [[72], [False]]}, "prompt"),
     ("/v1/completions", {"logprobs": True}, "logprobs"),  # a count on completions (chat's is a boolean)
+    ("/v1/chat/completions", {"speculative_config": {"method": "ngram", "num_speculative_tokens": True}},
+     "num_speculative_tokens"),
 ])
 async def test_a_boolean_where_numbers_go_is_refused_by_name(client, verifier, path, fields, named):
     body = {**CHAT, **fields} if path.endswith("chat/completions") else {"model": MODEL, "prompt": "hi", **fields}
     r = await client.post(path, json=body)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith(f"{named}: expected numbers, got a boolean"), r.text
+    assert f"{named}: expected numbers, got a boolean" in r.json()["error"]["message"], r.text
     assert not verifier.requests
 
 
