@@ -31,12 +31,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
 from services.bench.engine_host_cost import run_case
 from services.bench.hardware import describe_hardware
 from services.bench.http_runs import free_ports
-from services.bench.scripted_model import SCRIPTS, Script, ScriptedRunner, SimulatedDevice
+from services.bench.scripted_model import SCRIPTS, Script, SimulatedDevice, add_simulated_step_argument
+from services.bench.verifier_stream_cost import start_scripted_verifier
 from services.modeling.registry import DEFAULT_MODEL
 
 HEALTHY_WITHIN_S = 120.0  # the gateway loads its tokenizer, then finds the verifier
@@ -53,13 +53,7 @@ async def through_http(rows: int, tokens: int, vocab: int, text: str, simulated:
                        rounds: int, stream: bool) -> dict[str, float]:
     """The scripted engine behind a real verifier and a gateway process; a client process sends the requests
     (see the docstring)."""
-    from services.verifier.server import start_verifier
-    from services.verifier.settings import VerifierSettings
-
-    runner = ScriptedRunner(rows, Script(text, vocab), simulated=simulated)
-    facts = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=runner.max_model_len))  # the model's
-    settings = VerifierSettings(port=0, metrics_port=0, max_num_seqs=rows, max_model_len=runner.max_model_len)
-    verifier = await start_verifier(facts, "scripted", settings, runner=runner)
+    verifier, runner = await start_scripted_verifier(rows, Script(text, vocab), simulated)
     port = free_ports(1)[0]
     with tempfile.TemporaryFile("w+") as log:
         gateway = await asyncio.create_subprocess_exec(
@@ -163,9 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--text", choices=SCRIPTS, default="chat")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds of `rows` requests at once")
     parser.add_argument("--stream", action="store_true", help="stream the completions (server-sent events)")
-    parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
-                        default=[2.4, 0.035, 0.002],
-                        help="the device step slept in each forward (default: the H200's captured SmolLM2 step)")
+    add_simulated_step_argument(parser)
     parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the client process
     args = parser.parse_args(argv)
     if args.client is not None:

@@ -148,3 +148,12 @@ class ScriptedRunner:
             time.sleep(max(0.0, self.simulated.seconds(len(rows), len(rows) * width) - (time.perf_counter() - started)))
         self.forward_s += time.perf_counter() - started
         return ForwardOutput(logits=logits, hidden_states=torch.zeros(len(rows), width, 1))
+
+
+def add_simulated_step_argument(parser) -> None:
+    """--simulated-step-ms BASE ROW TOKEN, defaulting to the H200's captured SmolLM2 step (SimulatedDevice())."""
+    default = SimulatedDevice()
+    parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
+                        default=[default.base_ms, default.row_ms, default.token_ms],
+                        help="the device step slept in each forward: BASE ms + ROW ms a row beyond the first + TOKEN "
+                             "ms a token beyond one a row (default: the H200's captured SmolLM2 step)")

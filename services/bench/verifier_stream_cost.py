@@ -30,21 +30,28 @@ from types import SimpleNamespace
 
 from services.bench.engine_host_cost import run_case
 from services.bench.hardware import describe_hardware
-from services.bench.scripted_model import SCRIPTS, Script, ScriptedRunner, SimulatedDevice
+from services.bench.scripted_model import (SCRIPTS, Script, ScriptedRunner, SimulatedDevice,
+                                           add_simulated_step_argument)
 from services.common import protos
+
+
+async def start_scripted_verifier(rows: int, script: Script, simulated: SimulatedDevice | None):
+    """A real verifier server (a free port, its loop this process's) serving a ScriptedRunner of `rows` slots:
+    (the running verifier, the runner)."""
+    from services.verifier.server import start_verifier
+    from services.verifier.settings import VerifierSettings
+
+    runner = ScriptedRunner(rows, script, simulated=simulated)
+    facts = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=runner.max_model_len))  # the model's
+    settings = VerifierSettings(port=0, metrics_port=0, max_num_seqs=rows, max_model_len=runner.max_model_len)
+    return await start_verifier(facts, "scripted", settings, runner=runner), runner
 
 
 async def through_grpc(rows: int, tokens: int, vocab: int, text: str, simulated: SimulatedDevice | None,
                        rounds: int, many: bool = False) -> dict[str, float]:
     """The scripted engine served by a real verifier; a client process streams the requests (see the docstring),
     on a Generate stream each or (`many`) on one GenerateMany stream a round."""
-    from services.verifier.server import start_verifier
-    from services.verifier.settings import VerifierSettings
-
-    runner = ScriptedRunner(rows, Script(text, vocab), simulated=simulated)
-    facts = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=runner.max_model_len))  # the model's
-    settings = VerifierSettings(port=0, metrics_port=0, max_num_seqs=rows, max_model_len=runner.max_model_len)
-    verifier = await start_verifier(facts, "scripted", settings, runner=runner)
+    verifier, runner = await start_scripted_verifier(rows, Script(text, vocab), simulated)
     try:
         client = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.bench.verifier_stream_cost", "--client", str(verifier.port),
@@ -117,9 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--text", choices=SCRIPTS, default="chat")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds of `rows` requests at once")
-    parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
-                        default=[2.4, 0.035, 0.002],
-                        help="the device step slept in each forward (default: the H200's captured SmolLM2 step)")
+    add_simulated_step_argument(parser)
     parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the client process
     parser.add_argument("--many", action="store_true", help=argparse.SUPPRESS)  # ... on one GenerateMany stream
     args = parser.parse_args(argv)
