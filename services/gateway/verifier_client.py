@@ -138,15 +138,22 @@ class VerifierClient:
         if not request.request_id:
             request = _retry_of(request)
             request.request_id = f"req-{uuid.uuid4().hex}"
-        deadline = asyncio.get_running_loop().time() + self._request_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._request_timeout_s
         for attempt in (0, 1):
             stream = self._shared_stream()
             sent = _retry_of(request) if attempt else request
             received = finished = False
+            expiry: asyncio.TimerHandle | None = None
             try:
                 updates = await stream.start(sent)
+                # The deadline is one timer a request that queues DEADLINE_EXCEEDED behind the updates already in,
+                # not a timeout around each wait: that was a tenth of the gateway's CPU a token at 64 requests and
+                # a fifth of its loop's at one. (A get that need not wait never timed out either way.)
+                expiry = loop.call_at(deadline, lambda queue=updates: queue.put_nowait(
+                    status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")))
                 while not finished:
-                    update = updates.get_nowait() if not updates.empty() else await _next(updates, deadline)
+                    update = await updates.get()
                     if isinstance(update, grpc.RpcError):
                         raise update
                     if update.HasField("error"):
@@ -163,6 +170,8 @@ class VerifierClient:
                 else:
                     self._reopen(stream.stub)
             finally:
+                if expiry is not None:
+                    expiry.cancel()
                 stream.finish(sent.request_id, abort=not finished)
 
     def _shared_stream(self) -> SharedStream:
@@ -182,14 +191,3 @@ class VerifierClient:
         for channel in retiring:
             await channel.close()  # no grace left: the gateway is stopping
         await asyncio.gather(*retiring.values(), return_exceptions=True)
-
-
-async def _next(updates: asyncio.Queue, deadline: float) -> Any:
-    """The request's next update, waited for until its deadline. Only an empty queue is waited on (under a
-    timeout): a step's update is mostly there already when its request runs, and a timeout around each get was
-    about a tenth of the gateway's CPU a token at 64 requests."""
-    try:
-        async with asyncio.timeout_at(deadline):  # around the wait only, never across a yield
-            return await updates.get()
-    except TimeoutError:
-        raise status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
