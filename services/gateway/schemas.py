@@ -38,7 +38,17 @@ MAX_BAD_WORD_CHARS = 100
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
-class RequestSpeculativeConfig(BaseModel):
+class RefusesBooleansForNumbers(BaseModel):
+    """A request model whose number fields refuse JSON booleans (refuse_booleans_for_numbers)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans(cls, data: Any) -> Any:
+        refuse_booleans_for_numbers(data, numeric_fields(cls))
+        return data
+
+
+class RequestSpeculativeConfig(RefusesBooleansForNumbers):
     """Per-request speculation (extension): `{"method": "ngram", "num_speculative_tokens": 3}` or
     `{"method": "none"}`. `method` names a drafter attached to the verifier; the verifier rejects unknown ones.
     `num_speculative_tokens`: the most draft tokens verified per step (a chain's length; for a drafter that sends
@@ -50,12 +60,6 @@ class RequestSpeculativeConfig(BaseModel):
     method: str = Field("", max_length=128)
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     draft_pipelining: bool | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans(cls, data: Any) -> Any:
-        refuse_booleans_for_numbers(data, numeric_fields(cls))
-        return data
 
 
 class StreamOptions(BaseModel):

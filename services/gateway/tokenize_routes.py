@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from services.gateway import schemas as s
@@ -54,17 +54,11 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(s.RefusesBooleansForNumbers):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     tokens: list[s.TokenId]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans(cls, data: Any) -> Any:
-        s.refuse_booleans_for_numbers(data, s.numeric_fields(cls))
-        return data
 
 
 class DetokenizeResponse(BaseModel):
