@@ -70,7 +70,7 @@ class ChoiceTimer:
         if self.last is None:
             self.metrics.observe_first_token(self.model_name, method, now - self.start)
         else:
-            if method != self._method or self._observe_gap is None:
+            if method != self._method:  # the first gap too: _method starts as None, a method never is
                 self._method, self._observe_gap = method, self.metrics.token_gap_observer(self.model_name, method)
             self._observe_gap(now - self.last)
         self.last = now

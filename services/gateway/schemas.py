@@ -178,7 +178,7 @@ def _asks_nothing(name: str, value: Any) -> bool:
     return value in ([], {}) or (name == "tool_choice" and value == "none")
 
 
-class SamplingFields(OutputConstraintFields):
+class SamplingFields(RefusesBooleansForNumbers, OutputConstraintFields):
     """Fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="forbid")
@@ -213,7 +213,6 @@ class SamplingFields(OutputConstraintFields):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        refuse_booleans_for_numbers(data, numeric_fields(cls))
         return refuse_unsupported(data, set(cls.model_fields))
 
     @field_validator("logit_bias")
