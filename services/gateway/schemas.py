@@ -35,9 +35,6 @@ MAX_LOGPROBS = 2**20
 MAX_BAD_WORDS = MAX_BAD_WORD_SEQUENCES // 2  # each is up to two token sequences: as written, and as a word start
 MAX_BAD_WORD_CHARS = 100
 
-TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
-
-
 class RefusesBooleansForNumbers(BaseModel):
     """A request model whose number fields refuse JSON booleans (refuse_booleans_for_numbers)."""
 
@@ -144,6 +141,36 @@ def refuse_booleans_for_numbers(data: Any, numeric: frozenset[str]) -> None:
     for name in numeric & data.keys():
         if _holds_a_boolean(data[name]):
             raise ValueError(f"{name}: expected numbers, got a boolean (true or false)")
+
+
+TOKEN_ID_LIMIT = 2**32 - 1
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_LIMIT)]
+
+
+def prompt_shape_problem(value: Any) -> str | None:
+    """What keeps a completions prompt from being one of its four shapes (a string, strings, token ids, lists of
+    token ids), naming the first wrong item; None where it fits one, or where pydantic's own message is clear."""
+    if not isinstance(value, list):
+        return None if isinstance(value, str) else f"prompt is {_json_kind(value)}"
+    if all(isinstance(item, str) for item in value):
+        return None
+    if value and all(isinstance(item, list) for item in value):
+        return next(filter(None, (_token_ids_problem(ids, f"prompt[{i}]") for i, ids in enumerate(value))), None)
+    return _token_ids_problem(value, "prompt")
+
+
+def _token_ids_problem(ids: list, where: str) -> str | None:
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int | float):
+            return f"{where}[{i}] is {_json_kind(token)}, not a token id"
+        if not 0 <= token <= TOKEN_ID_LIMIT or token != int(token):
+            return f"{where}[{i}] is {token}, not a token id"
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")
 
 
 @functools.cache
@@ -317,6 +344,17 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around a text prompt (not around ids)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _explain_prompt_shape(cls, value):
+        """A prompt that fits none of the four shapes would get pydantic's union report ("prompt.str: Input should
+        be a valid string (and 3 more problems)"); say instead which item is wrong and what a prompt may be."""
+        problem = prompt_shape_problem(value)
+        if problem:
+            raise ValueError(f"{problem}; a prompt is a string, a list of strings, a list of token ids (integers "
+                             f"from 0) or a list of such lists")
+        return value
 
     @field_validator("prompt")
     @classmethod

@@ -165,6 +165,19 @@ async def test_prompt_too_long(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+@pytest.mark.parametrize("prompt, named", [
+    ([-1], "prompt[0] is -1"), ([5, "a"], "prompt[1] is a string"), ([[1, 2], [3, 1.5]], "prompt[1][1] is 1.5"),
+    ([[7, None]], "prompt[0][1] is null"), ({"text": "hi"}, "prompt is an object"), ([2**40], "prompt[0] is 1099"),
+])
+async def test_a_prompt_of_no_known_shape_is_a_400_naming_the_wrong_item(client, verifier, prompt, named):
+    """Not pydantic's report of the union's first branch ("prompt.str: Input should be a valid string")."""
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "prompt", r.text
+    assert named in error["message"] and "list of token ids" in error["message"]
+    assert not verifier.requests
+
+
 def test_a_gateway_without_its_tokenizer_is_not_ready_and_answers_503s(scripted, verifier, tmp_path):
     """No --model: the tokenizer is the verifier's model's, loaded at start-up in the background, never in a
     request. One that cannot be had leaves the gateway up but not ready, saying why; no request is a 500."""
