@@ -1,12 +1,13 @@
 """What the engine's own host work costs a step, with the model taken out: the ceiling a fast accelerator meets.
 
-Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel|chat] [--link]
-[--simulated-step-ms BASE ROW TOKEN] [--rounds R] [--after-burst N]`. On an H100
-SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the
-host, committing, the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
+Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel|chat] [--method suffix]
+[--link] [--simulated-step-ms BASE ROW TOKEN] [--rounds R] [--after-burst N]`. On an H100 SmolLM2's captured
+step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the host, committing,
+the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
 ScriptedRunner: a "model" that answers instantly with logits that continue a fixed token script, so that the time
 measured is the engine's own, and n-gram drafts from the context are accepted. Printed per row count, without
-speculation and with ngram (K = 4): tokens/s, forwards, and host ms per forward.
+speculation and with ngram (K = 4; `--method suffix`: the suffix drafter): tokens/s, forwards, and host ms per
+forward.
 
 `--text novel` scripts text that never repeats, so the n-gram drafter never has a draft (new chat text, where it
 mostly has none): what speculation costs where it cannot pay, which adaptive speculation should keep near nothing.
@@ -46,27 +47,28 @@ from services.verifier.spec_stats import SpecDecodeStats
 
 async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True,
                    drafter: str | None = None, text: str = "repeating", simulated: SimulatedDevice | None = None,
-                   rounds: int = 1, burst: int = 0) -> dict[str, float]:
+                   rounds: int = 1, burst: int = 0, method: str = "ngram") -> dict[str, float]:
     """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round. adaptive: the engine's
     default adaptive speculation, whose K follows the step costs it measures (so the number of forwards depends on
     the machine and its load); False: K = 4 at every step. text: the script (scripted_model.SCRIPTS; novel text
-    must fit each request's prompt and output in the vocabulary). drafter: the address of an ngram drafter process
+    must fit each request's prompt and output in the vocabulary). drafter: the address of a drafter process
     to reach over gRPC; None: the lookup in process. simulated: a device step time slept in each forward (None:
     the forward answers at once). rounds: each of the `rows` clients sends that many requests, each as the one
     before ends, so that rows finish and start at different steps as under a steady load (1: one closed batch,
     whose last steps run the rows that were slowest alone). burst: that many requests at once before the measured
     ones (after the warm-up round), so that what the engine learned from a larger batch is what it starts the
-    measured rows with."""
+    measured rows with. method: the drafter, ngram or suffix (serve's default where arctic-inference is
+    installed)."""
     script = Script(text, vocab)
     runner = ScriptedRunner(max(rows, burst), script, simulated=simulated)
     if drafter is None:
-        proposers = local_proposers(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+        proposers = local_proposers(SpeculativeConfig(method=method, num_speculative_tokens=4))
     else:
-        proposers = {"ngram": RemoteProposer(RemoteProposerConfig(drafter, vocab), method="ngram")}
-    calls = CountedCalls(proposers["ngram"])
-    proposers["ngram"].propose = calls
+        proposers = {method: RemoteProposer(RemoteProposerConfig(drafter, vocab), method=method)}
+    calls = CountedCalls(proposers[method])
+    proposers[method].propose = calls
     engine = Engine(runner, EngineConfig(adaptive_speculation=adaptive), proposers)
-    speculation = SpeculationParams("ngram", 4) if speculate else SpeculationParams()
+    speculation = SpeculationParams(method, 4) if speculate else SpeculationParams()
 
     async def one(name: str, offset: int) -> list[int]:
         prompt = script.prompt(offset)
@@ -80,16 +82,16 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
         await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
         await asyncio.gather(*(one(f"burst-{i}", i) for i in range(burst)))
         forwards, forward_s, started, asked = runner.forwards, runner.forward_s, time.perf_counter(), calls.count
-        before = copy.deepcopy(engine.stats_by_method.get("ngram")) or SpecDecodeStats()
+        before = copy.deepcopy(engine.stats_by_method.get(method)) or SpecDecodeStats()
 
         async def client(i: int) -> list[tuple[int, list[int]]]:
             return [(offset, await one(f"run-{offset}", offset)) for offset in range(i, rows * rounds, rows)]
 
         outputs = [answer for answers in await asyncio.gather(*(client(i) for i in range(rows))) for answer in answers]
         seconds = time.perf_counter() - started
-        after = engine.stats_by_method.get("ngram") or SpecDecodeStats()
+        after = engine.stats_by_method.get(method) or SpecDecodeStats()
     if drafter is not None:
-        await proposers["ngram"].close()
+        await proposers[method].close()
     steps = runner.forwards - forwards
     return {"tokens": sum(len(out) for _, out in outputs), "seconds": seconds, "forwards": steps,
             "drafter_calls": calls.count - asked,
@@ -120,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--text", choices=SCRIPTS, default="repeating")
-    parser.add_argument("--link", action="store_true", help="the ngram drafter as a process, over gRPC")
+    parser.add_argument("--method", choices=("ngram", "suffix"), default="ngram",
+                        help="the drafter (suffix: serve's default where arctic-inference is installed)")
+    parser.add_argument("--link", action="store_true", help="the drafter as a process, over gRPC")
     parser.add_argument("--after-burst", type=int, default=0, metavar="N",
                         help="serve N requests at once before the measured rows (on the same engine)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -139,26 +143,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         drafter = None
         if args.link:
-            drafter, _ = stack.enter_context(drafter_process(["--method", "ngram", "--num-speculative-tokens", "4"],
+            drafter, _ = stack.enter_context(drafter_process(["--method", args.method, "--num-speculative-tokens", "4"],
                                                              lambda message: print(message, flush=True)))
         for rows in args.rows:
             rates = {}
             for speculate in (False, True):
                 figures = asyncio.run(run_case(rows, speculate, args.tokens, args.vocab, drafter=drafter,
                                                text=args.text, simulated=simulated, rounds=args.rounds,
-                                               burst=args.after_burst))
+                                               burst=args.after_burst, method=args.method))
                 rates[speculate] = figures["tokens"] / figures["seconds"]
                 drafts = figures["drafts"]
                 verified = (f", {drafts} drafts verified ({figures['draft_tokens'] / drafts:.1f} tokens, "
                             f"{figures['accepted'] / drafts:.2f} accepted)" if drafts else "")
-                print(f"{rows:>3} rows, {args.text} text, {'ngram K=4' if speculate else 'no speculation'}"
+                print(f"{rows:>3} rows, {args.text} text, {f'{args.method} K=4' if speculate else 'no speculation'}"
                       f"{' over gRPC' if speculate and args.link else ''}: {rates[speculate]:7.0f} tok/s, "
                       f"{figures['forwards']} forwards, {figures['drafter_calls']} drafter calls{verified}, "
                       f"{figures['host_ms_per_forward']:.2f} ms of host work a forward"
                       + ("" if figures["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"), flush=True)
             rounds = f", {args.rounds} requests a client" if args.rounds > 1 else ""
             rounds += f", after a burst of {args.after_burst}" if args.after_burst else ""
-            print(f"{rows:>3} rows, {args.text} text{rounds}: ngram / none {rates[True] / rates[False]:.2f}x",
+            print(f"{rows:>3} rows, {args.text} text{rounds}: {args.method} / none {rates[True] / rates[False]:.2f}x",
                   flush=True)
     return 0
 

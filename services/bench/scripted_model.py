@@ -6,7 +6,9 @@ Three scripts: `repeating` (a period of 40 tokens: n-gram drafts from the contex
 repeats within the vocabulary: n-gram drafting never has a draft) and `chat`, the case between them that serving
 new chat text is: phrases that recur with words changed, so that an n-gram drafter mostly has a draft from some
 earlier occurrence and a token or two of it is accepted (about half the rows drafting, 0.6 tokens accepted a
-draft of 4 on the H200's chats, stop 53)."""
+draft of 4 on the H200's chats, stop 53). Each chat request has text of its own (its prompt's first token, its
+salt, chooses where which phrase goes and which words change), as different chats do: a suffix drafter, which
+drafts from every request it has seen, would otherwise find each request's whole answer in the ones before."""
 
 from __future__ import annotations
 
@@ -42,25 +44,35 @@ class Script:
         if self.kind not in SCRIPTS:
             raise ValueError(f"script must be one of {SCRIPTS}, got {self.kind!r}")
 
-    def token(self, position: int) -> int:
-        """The token the scripted model puts at `position`."""
+    def token(self, position: int, salt: int = 0) -> int:
+        """The token the scripted model puts at `position` of a request with this salt (chat text only; the
+        salt is the chat request's first token)."""
         if self.kind == "repeating":
             return script_token(position, self.vocab)
         if self.kind == "novel":
             return script_token(position, self.vocab, period=self.vocab)
-        if _mix(position * 3 + 1) % 100 < CHAT_CHANGED_PERCENT:
-            return _mix(position * 5 + 2) % self.vocab
-        phrase = _mix(position // CHAT_PHRASE) % CHAT_PHRASES
+        if position == 0:
+            return salt % self.vocab
+        mixed = position + salt * 1_000_003
+        if _mix(mixed * 3 + 1) % 100 < CHAT_CHANGED_PERCENT:
+            return _mix(mixed * 5 + 2) % self.vocab
+        phrase = _mix(mixed // CHAT_PHRASE) % CHAT_PHRASES
         return _mix(phrase * CHAT_PHRASE + position % CHAT_PHRASE + 7) % self.vocab
+
+    def salt_of(self, prompt: Sequence[int]) -> int:
+        """The salt of a request whose prompt (or its first prefill chunk) is `prompt`."""
+        return prompt[0] if self.kind == "chat" and prompt else 0
 
     def prompt(self, offset: int) -> tuple[int, ...]:
         """The benches' request number `offset`: the script's first 2 periods and `offset` tokens more (requests
-        of different lengths, so their steps are not all alike)."""
-        return tuple(self.token(p) for p in range(2 * SCRIPT_PERIOD + offset))
+        of different lengths, so their steps are not all alike); chat text salted by `offset`."""
+        salt = offset % self.vocab
+        return tuple(self.token(p, salt) for p in range(2 * SCRIPT_PERIOD + offset))
 
     def continues(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
         """Whether `output` is what the script says after `prompt` (a prompt of the script's own)."""
-        return list(output) == [self.token(len(prompt) + j) for j in range(len(output))]
+        salt = self.salt_of(prompt)
+        return list(output) == [self.token(len(prompt) + j, salt) for j in range(len(output))]
 
 
 def script_token(position: int, vocab: int, period: int = SCRIPT_PERIOD) -> int:
@@ -100,6 +112,7 @@ class ScriptedRunner:
         self.forwards = 0
         self.forward_s = 0.0
         self._lengths: dict[Hashable, int] = {}
+        self._salts: dict[Hashable, int] = {}  # each sequence's (Script.salt_of), read from its first prefill row
 
     def add_sequence(self, seq_id: Hashable, prompt: Sequence[int] = ()) -> int:
         self._lengths[seq_id] = 0
@@ -107,6 +120,7 @@ class ScriptedRunner:
 
     def remove_sequence(self, seq_id: Hashable) -> None:
         self._lengths.pop(seq_id, None)
+        self._salts.pop(seq_id, None)
 
     def num_free_slots(self) -> int:
         return self.max_num_seqs - len(self._lengths)
@@ -140,9 +154,12 @@ class ScriptedRunner:
         logits = torch.zeros(len(rows), max(row.num_logits for row in rows), self.vocab_size)
         for b, row in enumerate(rows):
             start, fed = self._lengths[row.seq_id], len(row.token_ids)
+            if start == 0:
+                self._salts[row.seq_id] = self.script.salt_of(row.token_ids)
+            salt = self._salts[row.seq_id]
             for i in range(row.num_logits):  # logits i belong to fed position fed - num_logits + i
                 position = start + fed - row.num_logits + i + 1
-                logits[b, i, self.script.token(position)] = CONFIDENT
+                logits[b, i, self.script.token(position, salt)] = CONFIDENT
             self._lengths[row.seq_id] = start + fed
         if self.simulated is not None:  # the rows run padded to the widest, as the engine's decode rows do
             time.sleep(max(0.0, self.simulated.seconds(len(rows), len(rows) * width) - (time.perf_counter() - started)))

@@ -85,3 +85,21 @@ async def test_the_captured_step_bench_replays_every_decode_step_and_waits_the_s
         assert wall_ms > 0 and cpu_ms > 0
     wall_ms, _ = await host_ms_per_step(rows=2, speculate=False, tokens=12, device_ms=5.0)
     assert wall_ms >= 5.0
+
+
+def test_each_chat_request_has_text_of_its_own_which_the_scripted_model_follows():
+    """A suffix drafter drafts from every request it has seen: with one text for all, each answer was in the
+    requests before it. The salt (the prompt's first token) gives each its own, and the model continues each."""
+    from services.bench.scripted_model import ScriptedRunner, Script
+    from services.modeling.runner import RowInput
+
+    script = Script("chat", 512)
+    first, second = script.prompt(0), script.prompt(1)
+    assert sum(a != b for a, b in zip(first, second)) > 0.8 * len(first)
+    runner = ScriptedRunner(2, script)
+    for seq in (0, 1):
+        runner.add_sequence(seq)
+    out = runner.forward([RowInput(0, list(first), 1), RowInput(1, list(second[:len(first)]), 1)])
+    next_first, next_second = (int(out.logits[b, 0].argmax()) for b in (0, 1))
+    assert script.continues(first, [next_first]) and next_first == script.token(len(first), script.salt_of(first))
+    assert next_second == script.token(len(first), script.salt_of(second)) != next_first

@@ -340,3 +340,14 @@ async def test_sampled_output_follows_the_target_with_suffix_drafts():
     assert stats.num_drafts > 1000 and stats.num_accepted_tokens > 0
     expected = exact_joint(target, params)
     assert chi_square_p_value(joint, expected) > ALPHA, total_variation(joint, expected)
+
+
+async def test_the_engine_host_cost_bench_measures_the_suffix_drafter_on_chat_text():
+    """`engine_host_cost --method suffix`: serve's default drafter on the scripted chat text, its output the
+    script's, some of its drafts accepted (phrases recur within and across requests), each request's text its own."""
+    from services.bench.engine_host_cost import run_case
+
+    drafted = await run_case(rows=2, speculate=True, tokens=48, vocab=512, adaptive=False, text="chat", rounds=2,
+                             method="suffix")
+    assert drafted["follows_script"] and drafted["tokens"] == 2 * 2 * 48
+    assert drafted["drafts"] > 0 and 0 < drafted["accepted"] < drafted["draft_tokens"]
