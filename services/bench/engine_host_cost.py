@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from services.bench.drafter_process import drafter_process
 from services.bench.hardware import describe_hardware
 from services.common.speculative_config import SpeculativeConfig
+from services.bench.scripted_drafter import EagleLike, SimulatedAsk
 from services.bench.scripted_model import SCRIPT_PERIOD, SCRIPTS, ScriptedRunner, Script, SimulatedDevice
 from services.inprocess import local_proposers
 from services.verifier.engine import Engine
@@ -44,10 +45,13 @@ from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConf
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from services.verifier.spec_stats import SpecDecodeStats
 
+EAGLE_SIM = "eagle-sim"  # the method name of the EAGLE-like scripted drafter
+
 
 async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True,
                    drafter: str | None = None, text: str = "repeating", simulated: SimulatedDevice | None = None,
-                   rounds: int = 1, burst: int = 0, method: str = "ngram") -> dict[str, float]:
+                   rounds: int = 1, burst: int = 0, method: str = "ngram", eagle_like: EagleLike | None = None
+                   ) -> dict[str, float]:
     """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round. adaptive: the engine's
     default adaptive speculation, whose K follows the step costs it measures (so the number of forwards depends on
     the machine and its load); False: K = 4 at every step. text: the script (scripted_model.SCRIPTS; novel text
@@ -58,10 +62,15 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     whose last steps run the rows that were slowest alone). burst: that many requests at once before the measured
     ones (after the warm-up round), so that what the engine learned from a larger batch is what it starts the
     measured rows with. method: the drafter, ngram or suffix (serve's default where arctic-inference is
-    installed)."""
+    installed). eagle_like: instead, an EAGLE-like drafter in process (scripted_drafter.py, method "eagle-sim":
+    its ask's time simulated, the link included), the runner returning target states of its width."""
     script = Script(text, vocab)
-    runner = ScriptedRunner(max(rows, burst), script, simulated=simulated)
-    if drafter is None:
+    state_width = eagle_like.state_width if eagle_like is not None else 1
+    runner = ScriptedRunner(max(rows, burst), script, simulated=simulated, state_width=state_width)
+    if eagle_like is not None:
+        method = EAGLE_SIM
+        proposers = {method: eagle_like.drafter(script)}
+    elif drafter is None:
         proposers = local_proposers(SpeculativeConfig(method=method, num_speculative_tokens=4))
     else:
         proposers = {method: RemoteProposer(RemoteProposerConfig(drafter, vocab), method=method)}
@@ -92,6 +101,8 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
         after = engine.stats_by_method.get(method) or SpecDecodeStats()
     if drafter is not None:
         await proposers[method].close()
+    elif eagle_like is not None:
+        proposers[method].close()
     steps = runner.forwards - forwards
     return {"tokens": sum(len(out) for _, out in outputs), "seconds": seconds, "forwards": steps,
             "drafter_calls": calls.count - asked,
@@ -122,8 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--text", choices=SCRIPTS, default="repeating")
-    parser.add_argument("--method", choices=("ngram", "suffix"), default="ngram",
-                        help="the drafter (suffix: serve's default where arctic-inference is installed)")
+    parser.add_argument("--method", choices=("ngram", "suffix", EAGLE_SIM), default="ngram",
+                        help="the drafter (suffix: serve's default where arctic-inference is installed; eagle-sim: an "
+                             "EAGLE-like drafter in process, its asks taking --simulated-ask-ms)")
     parser.add_argument("--link", action="store_true", help="the drafter as a process, over gRPC")
     parser.add_argument("--after-burst", type=int, default=0, metavar="N",
                         help="serve N requests at once before the measured rows (on the same engine)")
@@ -132,7 +144,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
                         help="sleep a device step time in each forward: BASE ms + ROW ms a row beyond the first + "
                              "TOKEN ms a token beyond one a row (the H200's captured step: 2.4 0.035 0.002)")
+    default_ask, default_eagle = SimulatedAsk(), EagleLike()
+    parser.add_argument("--simulated-ask-ms", type=float, nargs=2, metavar=("BASE", "ROW"),
+                        default=[default_ask.base_ms, default_ask.row_ms],
+                        help="eagle-sim: an ask's time, BASE ms + ROW ms a sequence beyond the first (default: the "
+                             "H200's EAGLE-3 chain of 4 over gRPC)")
+    parser.add_argument("--accept", type=float, default=default_eagle.accept,
+                        help="eagle-sim: the chance a draft position is right given the one before was")
+    parser.add_argument("--state-width", type=int, default=default_eagle.state_width,
+                        help="eagle-sim: the target states' width a token (SmolLM2's EAGLE-3: 3 x 576)")
     args = parser.parse_args(argv)
+    if args.link and args.method == EAGLE_SIM:
+        parser.error("--method eagle-sim runs in process (its simulated ask includes the link): drop --link")
+    eagle_like = (EagleLike(SimulatedAsk(*args.simulated_ask_ms), args.accept, args.state_width)
+                  if args.method == EAGLE_SIM else None)
     if args.text == "novel" and args.vocab < 2 * SCRIPT_PERIOD + max(args.rows) * args.rounds + args.tokens:
         parser.error("--text novel needs a vocabulary larger than a request's prompt and output (raise --vocab)")
     simulated = SimulatedDevice(*args.simulated_step_ms) if args.simulated_step_ms else None
@@ -140,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{key}: {value}")
     if simulated is not None:
         print(f"simulated device step: {simulated}")
+    if eagle_like is not None:
+        print(f"simulated EAGLE-like drafter: {eagle_like}")
     with contextlib.ExitStack() as stack:
         drafter = None
         if args.link:
@@ -150,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for speculate in (False, True):
                 figures = asyncio.run(run_case(rows, speculate, args.tokens, args.vocab, drafter=drafter,
                                                text=args.text, simulated=simulated, rounds=args.rounds,
-                                               burst=args.after_burst, method=args.method))
+                                               burst=args.after_burst, method=args.method, eagle_like=eagle_like))
                 rates[speculate] = figures["tokens"] / figures["seconds"]
                 drafts = figures["drafts"]
                 verified = (f", {drafts} drafts verified ({figures['draft_tokens'] / drafts:.1f} tokens, "

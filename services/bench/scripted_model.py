@@ -29,7 +29,7 @@ CHAT_PHRASES = 12  # distinct phrases the chat script draws from
 CHAT_CHANGED_PERCENT = 30  # of a chat phrase's tokens, the share replaced by a token of nowhere in particular
 
 
-def _mix(value: int) -> int:
+def mix(value: int) -> int:
     """An integer hash (Knuth's multiplicative, then a fold): scripted, not random, so runs repeat exactly."""
     value = (value * 2654435761) & 0xFFFFFFFF
     return value ^ (value >> 15)
@@ -54,10 +54,10 @@ class Script:
         if position == 0:
             return salt % self.vocab
         mixed = position + salt * 1_000_003
-        if _mix(mixed * 3 + 1) % 100 < CHAT_CHANGED_PERCENT:
-            return _mix(mixed * 5 + 2) % self.vocab
-        phrase = _mix(mixed // CHAT_PHRASE) % CHAT_PHRASES
-        return _mix(phrase * CHAT_PHRASE + position % CHAT_PHRASE + 7) % self.vocab
+        if mix(mixed * 3 + 1) % 100 < CHAT_CHANGED_PERCENT:
+            return mix(mixed * 5 + 2) % self.vocab
+        phrase = mix(mixed // CHAT_PHRASE) % CHAT_PHRASES
+        return mix(phrase * CHAT_PHRASE + position % CHAT_PHRASE + 7) % self.vocab
 
     def salt_of(self, prompt: Sequence[int]) -> int:
         """The salt of a request whose prompt (or its first prefill chunk) is `prompt`."""
@@ -103,8 +103,11 @@ class ScriptedRunner:
     device = torch.device("cpu")
 
     def __init__(self, max_num_seqs: int, script: Script, max_model_len: int = 8192,
-                 simulated: SimulatedDevice | None = None) -> None:
+                 simulated: SimulatedDevice | None = None, state_width: int = 1) -> None:
+        """state_width: the width of the hidden states a forward returns (what a drafter reading them, as EAGLE
+        does, is declared to read); their values are not meaningful."""
         self.vocab_size = script.vocab
+        self._state_width = state_width
         self.script = script
         self.simulated = simulated
         self.max_num_seqs = max_num_seqs
@@ -161,10 +164,11 @@ class ScriptedRunner:
                 position = start + fed - row.num_logits + i + 1
                 logits[b, i, self.script.token(position, salt)] = CONFIDENT
             self._lengths[row.seq_id] = start + fed
+        states = torch.empty(len(rows), width, self._state_width)  # a tensor of its own, as a forward's are
         if self.simulated is not None:  # the rows run padded to the widest, as the engine's decode rows do
             time.sleep(max(0.0, self.simulated.seconds(len(rows), len(rows) * width) - (time.perf_counter() - started)))
         self.forward_s += time.perf_counter() - started
-        return ForwardOutput(logits=logits, hidden_states=torch.zeros(len(rows), width, 1))
+        return ForwardOutput(logits=logits, hidden_states=states)
 
 
 def add_simulated_step_argument(parser) -> None:

@@ -1,0 +1,85 @@
+"""A drafter that costs what an accelerator's EAGLE drafter costs and drafts the script as well as one does: the
+EAGLE rows of the engine-host-cost bench (`--method eagle-sim`), with the model taken out.
+
+On the H200 (stop 53) an EAGLE-3 ask over gRPC took about 3 ms at one sequence and 4.5 at eight, against a 2.4 ms
+captured step, and EAGLE read 0.43-0.98x no speculation: whether the planner can make such a drafter pay, and what
+it costs the steps it does not ask (the target's hidden states are kept for it at every step), are questions about
+the engine's host work and its planner, which a CPU can answer once the ask's time is given. So this proposer:
+- declares `needs_hidden_states`, so the engine keeps every row's states each step as it does for EAGLE (the
+  scripted runner returns states of the width given, as SmolLM2's EAGLE-3 layers are 3 x 576 wide);
+- takes `SimulatedAsk.seconds(rows)` per call, slept on a thread of its own (the loop stays free, as it is while a
+  remote drafter computes);
+- drafts the script's next tokens, each position right with probability `accept` given the one before was
+  (EAGLE-3 on chat: about 2 tokens a step at K = 4 on CPU, i.e. an accepted draft of about 1), decided by a hash of
+  the request's salt and the position, so runs repeat; a wrong token is the script's next token shifted by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from services.bench.scripted_model import Script, mix
+from services.common.proposer import Draft, DraftInput, ProposerCapabilities
+
+
+@dataclass(frozen=True)
+class SimulatedAsk:
+    """An ask's wall time, the link included: `base_ms` + `row_ms` a sequence beyond the first (the H200's EAGLE-3
+    chain of 4 over gRPC, stop 53: about 3.0 ms at 1 sequence, 4.5 at 8)."""
+
+    base_ms: float = 3.0
+    row_ms: float = 0.2
+
+    def seconds(self, rows: int) -> float:
+        return (self.base_ms + self.row_ms * (rows - 1)) / 1000.0
+
+
+@dataclass(frozen=True)
+class EagleLike:
+    """The settings of a ScriptedDrafter: its ask's time, the chance a draft position is right given the one before
+    was, and the width of the target states it reads a token."""
+
+    ask: SimulatedAsk = SimulatedAsk()
+    accept: float = 0.55
+    state_width: int = 1728
+
+    def drafter(self, script: Script) -> ScriptedDrafter:
+        return ScriptedDrafter(script, self.ask, self.accept, self.state_width)
+
+
+class ScriptedDrafter:
+    def __init__(self, script: Script, ask: SimulatedAsk, accept: float = 0.55, state_width: int = 1728) -> None:
+        if not 0.0 <= accept <= 1.0:
+            raise ValueError(f"accept must be in [0, 1], got {accept}")
+        self.script = script
+        self.ask = ask
+        self.accept = accept
+        self.capabilities = ProposerCapabilities(needs_hidden_states=True, hidden_size=state_width)
+        self.calls = 0
+        self._sleeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scripted-drafter")
+
+    async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        self.calls += 1
+        await asyncio.get_running_loop().run_in_executor(self._sleeper, time.sleep, self.ask.seconds(len(inputs)))
+        return [Draft(self.draft(item.token_ids, item.num_speculative_tokens)) for item in inputs]
+
+    def draft(self, committed: Sequence[int], k: int) -> list[int]:
+        """k tokens after `committed`: the script's while each position's draw says right, then one wrong token
+        and the script after it (never accepted: the verifier stops at the first wrong token)."""
+        salt, start = self.script.salt_of(committed), len(committed)
+        tokens, right = [], True
+        for position in range(start, start + k):
+            token = self.script.token(position, salt)
+            right = right and mix(position * 7 + salt * 1_000_033 + 3) % 10_000 < self.accept * 10_000
+            tokens.append(token if right else (token + 1) % self.script.vocab)
+        return tokens
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+    def close(self) -> None:
+        self._sleeper.shutdown(wait=False)
