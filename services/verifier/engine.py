@@ -467,8 +467,10 @@ class Engine:
         """extract_hidden_states: the finished request's token ids and states to its file (a write that fails
         is logged; serving goes on)."""
         folder = self.config.extract_hidden_states_dir
+        if folder is None:  # (before reading the states: a read copies the rows a request kept uncopied)
+            return
         states = state.hidden_states()
-        if folder is None or states is None:
+        if states is None:
             return
         try:
             write_request_states(folder, state.request_id, state.token_ids, state.num_prompt_tokens, states,

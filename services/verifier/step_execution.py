@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -282,7 +282,7 @@ def execute(
     if kept_states:
         step_states, host_row = StepStates(states_on_host), {b: i for i, b in enumerate(rows_with_states)}
         for b, kept_fed in kept_states:
-            rows_out[b] = replace(rows_out[b], hidden=step_states.row(host_row[b], kept_fed))
+            rows_out[b].hidden = step_states.row(host_row[b], kept_fed)  # (dataclasses.replace: 3-5 us a row)
     return rows_out
 
 

@@ -33,3 +33,32 @@ def test_a_view_survives_later_appends_and_other_dtypes_are_refused():
     assert torch.equal(first, torch.ones(2, 4, dtype=torch.bfloat16)) and len(kept) == 102
     with pytest.raises(ValueError, match="float32"):
         kept.append(torch.ones(1, 4))
+
+
+def test_rows_are_copied_once_when_read_not_as_they_come(monkeypatch):
+    """A step's rows stay views until the request is read (its drafter asked): a request never read copies nothing,
+    and one read copies its rows in one go, in order, bit for bit, also past MAX_PENDING appends."""
+    from services.common.growing_rows import GrowingRows
+    from services.verifier import kept_states
+
+    copies = []
+    extend = GrowingRows.extend
+
+    def counted(self, count, like):
+        copies.append(count)
+        return extend(self, count, like)
+
+    monkeypatch.setattr(GrowingRows, "extend", counted)
+    prefill = torch.randn(5, 8)
+    kept = KeptStates(prefill)
+    steps = [torch.randn(2, 3, 8) for _ in range(20 + kept_states.MAX_PENDING + 5)]  # each step's own tensor
+    for step in steps[:20]:
+        kept.append(StepStates(step).row(1, slice(2)))
+    assert copies == [5] and len(kept) == 5 + 2 * 20  # a prefill's states are copied as they come
+    assert torch.equal(kept.view(), torch.cat([prefill, *(step[1, :2] for step in steps[:20])]))
+    assert copies == [5, 2 * 20]
+    for step in steps[20:]:
+        kept.append(StepStates(step).row(0, [0, 2]))
+    assert copies[2:] == [2 * kept_states.MAX_PENDING]  # MAX_PENDING appends waited: copied in one, not a step each
+    expected = torch.cat([prefill, *(s[1, :2] for s in steps[:20]), *(s[0, [0, 2]] for s in steps[20:])])
+    assert torch.equal(kept.view(), expected) and len(kept) == expected.shape[0] and copies[3:] == [2 * 5]
