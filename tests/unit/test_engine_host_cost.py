@@ -103,3 +103,22 @@ def test_each_chat_request_has_text_of_its_own_which_the_scripted_model_follows(
     next_first, next_second = (int(out.logits[b, 0].argmax()) for b in (0, 1))
     assert script.continues(first, [next_first]) and next_first == script.token(len(first), script.salt_of(first))
     assert next_second == script.token(len(first), script.salt_of(second)) != next_first
+
+
+async def test_the_eagle_like_drafter_is_accepted_as_set_and_declares_the_states_it_reads():
+    """--method eagle-sim: drafts right position by position with the chance set (K fixed at 4 here), an EAGLE
+    drafter's declaration of the target states it reads (so the engine keeps them every step), and the output still
+    the script's."""
+    from services.bench.scripted_drafter import EagleLike, SimulatedAsk
+    from services.bench.scripted_model import Script
+
+    figures = await run_case(rows=2, speculate=True, tokens=64, vocab=512, adaptive=False, text="chat", rounds=2,
+                             eagle_like=EagleLike(SimulatedAsk(0.5, 0.0), accept=0.55, state_width=24))
+    assert figures["follows_script"] and figures["tokens"] == 2 * 2 * 64
+    accepted_a_draft = figures["accepted"] / figures["drafts"]
+    assert figures["drafter_calls"] > 20 and 0.7 < accepted_a_draft < 1.6, figures  # 0.55 + 0.3 + 0.17 + 0.09: 1.1
+    drafter = EagleLike(SimulatedAsk(0.5, 0.0), accept=0.0, state_width=24).drafter(Script("chat", 512))
+    prompt = Script("chat", 512).prompt(3)
+    assert drafter.capabilities.needs_hidden_states and drafter.capabilities.state_width == 24
+    assert not Script("chat", 512).continues(prompt, drafter.draft(prompt, 4)[:1])  # never right at accept 0
+    drafter.close()

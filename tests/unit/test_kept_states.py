@@ -36,8 +36,8 @@ def test_a_view_survives_later_appends_and_other_dtypes_are_refused():
 
 
 def test_rows_are_copied_once_when_read_not_as_they_come(monkeypatch):
-    """A step's rows stay views until the request is read (its drafter asked): a request never read copies nothing,
-    and one read copies its rows in one go, in order, bit for bit, also past MAX_PENDING appends."""
+    """A step's rows stay views until the request is read (its drafter asked): a request never read copies none of
+    them, and one read copies them in one go, in order, bit for bit; past MAX_PENDING steps they are copied too."""
     from services.common.growing_rows import GrowingRows
     from services.verifier import kept_states
 
