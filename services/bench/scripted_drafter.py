@@ -52,6 +52,8 @@ class EagleLike:
 
 
 class ScriptedDrafter:
+    """The proposer the module docstring describes (in process; `close` stops its sleeper thread)."""
+
     def __init__(self, script: Script, ask: SimulatedAsk, accept: float = 0.55, state_width: int = 1728) -> None:
         if not 0.0 <= accept <= 1.0:
             raise ValueError(f"accept must be in [0, 1], got {accept}")
@@ -59,17 +61,15 @@ class ScriptedDrafter:
         self.ask = ask
         self.accept = accept
         self.capabilities = ProposerCapabilities(needs_hidden_states=True, hidden_size=state_width)
-        self.calls = 0
         self._sleeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scripted-drafter")
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
-        self.calls += 1
         await asyncio.get_running_loop().run_in_executor(self._sleeper, time.sleep, self.ask.seconds(len(inputs)))
         return [Draft(self.draft(item.token_ids, item.num_speculative_tokens)) for item in inputs]
 
     def draft(self, committed: Sequence[int], k: int) -> list[int]:
-        """k tokens after `committed`: the script's while each position's draw says right, then one wrong token
-        and the script after it (never accepted: the verifier stops at the first wrong token)."""
+        """k tokens after `committed`: the script's while each position's draw says right, then wrong ones (the
+        script's shifted by one; never accepted, the verifier stops at the first)."""
         salt, start = self.script.salt_of(committed), len(committed)
         tokens, right = [], True
         for position in range(start, start + k):
