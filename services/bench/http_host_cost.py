@@ -35,7 +35,7 @@ from pathlib import Path
 from services.bench.engine_host_cost import run_case
 from services.bench.hardware import describe_hardware
 from services.bench.http_runs import free_ports
-from services.bench.scripted_model import SCRIPTS, Script, SimulatedDevice, add_simulated_step_argument
+from services.bench.scripted_model import Script, SimulatedDevice, add_client_load_arguments
 from services.bench.verifier_stream_cost import start_scripted_verifier
 from services.modeling.registry import DEFAULT_MODEL
 
@@ -151,14 +151,8 @@ async def client(port: int, rows: int, tokens: int, vocab: int, text: str, round
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.bench.http_host_cost",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--text", choices=SCRIPTS, default="chat")
-    parser.add_argument("--rounds", type=int, default=2, help="measured rounds of `rows` requests at once")
+    add_client_load_arguments(parser, rows=[1, 8, 64], tokens=128)
     parser.add_argument("--stream", action="store_true", help="stream the completions (server-sent events)")
-    add_simulated_step_argument(parser)
-    parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the client process
     args = parser.parse_args(argv)
     if args.client is not None:
         figures = asyncio.run(client(args.client, args.rows[0], args.tokens, args.vocab, args.text, args.rounds,

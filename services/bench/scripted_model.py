@@ -12,6 +12,7 @@ drafts from every request it has seen, would otherwise find each request's whole
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -178,3 +179,16 @@ def add_simulated_step_argument(parser) -> None:
                         default=[default.base_ms, default.row_ms, default.token_ms],
                         help="the device step slept in each forward: BASE ms + ROW ms a row beyond the first + TOKEN "
                              "ms a token beyond one a row (default: the H200's captured SmolLM2 step)")
+
+
+def add_client_load_arguments(parser, rows: list[int], tokens: int) -> None:
+    """What a bench that serves the scripted engine to a client process of its own takes (verifier_stream_cost,
+    http_host_cost): --rows, --tokens, --vocab, --text (chat), --rounds, --simulated-step-ms, and the hidden --client
+    PORT with which the bench starts that process."""
+    parser.add_argument("--rows", type=int, nargs="+", default=rows)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--text", choices=SCRIPTS, default="chat")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds of `rows` requests at once")
+    add_simulated_step_argument(parser)
+    parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the client process

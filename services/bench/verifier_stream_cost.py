@@ -30,8 +30,7 @@ from types import SimpleNamespace
 
 from services.bench.engine_host_cost import run_case
 from services.bench.hardware import describe_hardware
-from services.bench.scripted_model import (SCRIPTS, Script, ScriptedRunner, SimulatedDevice,
-                                           add_simulated_step_argument)
+from services.bench.scripted_model import Script, ScriptedRunner, SimulatedDevice, add_client_load_arguments
 from services.common import protos
 
 
@@ -119,13 +118,7 @@ async def client(port: int, rows: int, tokens: int, vocab: int, text: str, round
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.bench.verifier_stream_cost",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 64])
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--text", choices=SCRIPTS, default="chat")
-    parser.add_argument("--rounds", type=int, default=2, help="measured rounds of `rows` requests at once")
-    add_simulated_step_argument(parser)
-    parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the client process
+    add_client_load_arguments(parser, rows=[8, 64], tokens=256)
     parser.add_argument("--many", action="store_true", help=argparse.SUPPRESS)  # ... on one GenerateMany stream
     args = parser.parse_args(argv)
     if args.client is not None:
