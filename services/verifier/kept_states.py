@@ -95,10 +95,6 @@ class KeptStates:
         """The pending rows into the buffer, in order, in one copy."""
         if not self._pending:
             return
-        place = self._rows.extend(self._num_pending, self._pending[0])
-        if len(self._pending) == 1:
-            place[:] = self._pending[0]
-        else:
-            np.concatenate(self._pending, out=place)
+        np.concatenate(self._pending, out=self._rows.extend(self._num_pending, self._pending[0]))
         self._pending.clear()
         self._num_pending = 0
