@@ -70,13 +70,36 @@ class MethodAcceptance:
 
     counts: PositionCounts = field(default_factory=lambda: PositionCounts(METHOD_DECAY))
 
-    def first_position_rate(self) -> float:
+    def first_position_rate(self, own: OwnShare | None = None) -> float:
         """Acceptance of position 1 over the method's requests, from INITIAL_ACCEPTANCE before any draft (the
-        prior of a request's position 1; deeper positions follow the request's own estimates, see survival)."""
-        return self.counts.rate(1, INITIAL_ACCEPTANCE, INITIAL_WEIGHT)
+        prior of a request's position 1; deeper positions follow the request's own estimates, see survival).
+        `own`: leave out what one request contributed (its estimate's prior is the others' record)."""
+        accepted = self.counts.accepted[0] if self.counts.accepted else 0.0
+        observed = self.counts.observed[0] if self.counts.observed else 0.0
+        if own is not None:
+            fade = self.counts.decay ** (self.counts.version - own.version)
+            accepted, observed = max(0.0, accepted - own.accepted * fade), max(0.0, observed - own.observed * fade)
+        return (accepted + INITIAL_ACCEPTANCE * INITIAL_WEIGHT) / (observed + INITIAL_WEIGHT)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.counts.observe(num_draft, num_accepted)
+
+
+@dataclass
+class OwnShare:
+    """What one request's drafts put into its method's position-1 counts, as of the method's counts at `version`
+    (the method forgets it as it forgets the rest: by its decay for each observation since)."""
+
+    accepted: float = 0.0
+    observed: float = 0.0
+    version: int = 0
+
+    def add(self, method: PositionCounts, accepted: bool) -> None:
+        """After `method` counted this request's draft at position 1."""
+        fade = method.decay ** (method.version - self.version)
+        self.accepted = self.accepted * fade + float(accepted)
+        self.observed = self.observed * fade + 1.0
+        self.version = method.version
 
 
 @dataclass
@@ -97,6 +120,7 @@ class AcceptanceEstimate:
 
     method: MethodAcceptance
     counts: PositionCounts = field(default_factory=lambda: PositionCounts(REQUEST_DECAY))
+    own: OwnShare = field(default_factory=OwnShare)  # this request's part of the method's counts
     # (versions of this request's and the method's counts, positions) -> survival, as computed last
     _cached: tuple[tuple[int, int, int], tuple[float, ...]] | None = field(default=None, repr=False, compare=False)
 
@@ -104,11 +128,17 @@ class AcceptanceEstimate:
         """Record a verified draft here and in the method's prior."""
         self.counts.observe(num_draft, num_accepted)
         self.method.observe(num_draft, num_accepted)
+        if num_draft > 0:
+            self.own.add(self.method.counts, num_accepted > 0)
 
     def survival(self, num_positions: int) -> tuple[float, ...]:
         """P(position j's token is accepted) for j = 1..num_positions: the product of the conditionals.
 
-        Position 1 is pulled toward the method's figure; every later position toward this request's own
+        Position 1 is pulled toward the method's figure over its other requests: this request's drafts are in the
+        method's counts too, and counted twice they weighed as if seen twice. Alone on its drafter, a request whose
+        first draft was rejected fell from 0.6 to 0.27 at position 1, and so at every position after it (0.4
+        counted once), and with the asks priced at a third of a step it never asked again (eagle-sim at 1
+        request). Every later position toward this request's own
         estimate of the position before it. Requests differ far more from each other than positions of one
         draft do: a request that copies (code edit) is accepted deep into its drafts while another of the same
         method (new code) is not, and the method's figure for a deep position would hold the first back until
@@ -121,7 +151,7 @@ class AcceptanceEstimate:
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
         out, running = [], 1.0
-        prior = self.method.first_position_rate()
+        prior = self.method.first_position_rate(self.own)
         for position in range(1, num_positions + 1):
             prior = self.counts.rate(position, prior, PRIOR_WEIGHT)
             running *= prior
