@@ -44,9 +44,9 @@ class ProbeBudget:
     batch pay for that column (a quarter of the step for 16 rows on a CPU), and a step that asks its drafter only
     for probes pays the drafting call (a gRPC round trip: 0.5-1.5 ms, a large share of an accelerator's step), so
     probes are rationed by time: each step earns PROBE_TIME_SHARE of its predicted time, a probe is granted when
-    the credit covers what it is predicted to cost and is then charged what its step really cost
-    (SpeculationPlanner.settle_probe), and rows that are due wait until the batch can afford one (then every due
-    row probes in that same call and column)."""
+    the credit covers what it is predicted to cost less what its rows are expected to win, and is then charged
+    what its step really cost less the tokens it won (SpeculationPlanner.settle_probe), and rows that are due
+    wait until the batch can afford one (then every due row probes in that same call and column)."""
 
     credit_s: float = 0.0
 

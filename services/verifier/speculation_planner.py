@@ -35,8 +35,9 @@ A request whose drafts are never verified teaches nothing, so it could stay at K
 even when its text turns repetitive later. Such a row is re-probed: after `interval` steps without a verified
 draft, it verifies one position; a rejected probe, or one the drafter had no draft for, doubles the interval, an
 accepted one resets it. A probe that widens the step costs a column for the whole batch, and one that makes the
-step call its drafter costs the call, so probes are rationed to 1% of step time, and rows that are due probe
-together (row_speculation.py).
+step call its drafter costs the call, so probes are rationed to 1% of step time, net of the tokens they win (one
+request alone with a cheap drafter: a probe that lands pays for itself), and rows that are due probe together
+(row_speculation.py).
 
 Lossless for any schedule: which positions are verified depends on past outcomes and on the drafts, never on the
 target's randomness for the positions being verified (see rejection.py).
@@ -126,8 +127,9 @@ class SpeculationPlanner:
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
         # a probing step's (predicted seconds without the probe, seconds charged to the budget so far), until
-        # settle_probe charges what it really cost
-        self._probe_step: tuple[float, float] | None = None
+        # settle_probe charges what it really cost, less what its probes won; and a token's worth in that step
+        self._probe_step: tuple[float, float, float] | None = None
+        self._probe_tokens = 0  # tokens this step's probes won (accepted draft tokens)
         self._opening = False  # this step asks a row for the first time (its drafting is not measured)
 
     def start(self, method: str) -> RowSpeculation:
@@ -141,7 +143,7 @@ class SpeculationPlanner:
                        backlog: PrefillBacklog | None = None) -> list[int]:
         """How many tokens to ask each row's proposer for: `caps[i]` is row i's bound (its K, the room left);
         `backlog`: the prompt tokens waiting to be prefilled (None: none)."""
-        self._probe_step = None
+        self._probe_step, self._probe_tokens = None, 0
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
         survivals = [self._survival(s, cap) for s, cap in zip(decode, caps, strict=True)]
@@ -157,7 +159,13 @@ class SpeculationPlanner:
         # Granted at no more than a plain step's time: a figure a pause left high would otherwise keep away the very
         # probes that measure it again (draft_cost.py); settle_probe charges the probe what it really cost.
         probe_call_s = min(self.draft_cost.predict(1), narrow + overhead_s) if width == 1 else 0.0
-        can_probe = self.probes.earn(narrow + overhead_s, self._probe_column_s + probe_call_s)
+        token_s = (narrow + overhead_s) / len(decode)  # a token's share of a plain step: what a probe's win saves
+        probe_s = self._probe_column_s + probe_call_s
+        if width == 1:  # granted at its cost less what its due rows are expected to win (settle_probe)
+            probe_s -= token_s * sum(survival[0] * rate for state, survival, rate
+                                     in zip(decode, survivals, draft_rates, strict=True)
+                                     if survival and state.speculation.probe.due)
+        can_probe = self.probes.earn(narrow + overhead_s, max(0.0, probe_s))
         asks, probed, opening = [], False, False
         for state, cap in zip(decode, caps, strict=True):
             row = state.speculation
@@ -173,7 +181,7 @@ class SpeculationPlanner:
         self._opening = opening
         if probed:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
-            self._probe_step = (narrow + overhead_s, probe_call_s)
+            self._probe_step = (narrow + overhead_s, probe_call_s, token_s)
         return asks
 
     def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft],
@@ -201,7 +209,8 @@ class SpeculationPlanner:
             width = 2  # a probe pays for one column, which every drafted row then uses
             self.probes.spend(self._probe_column_s)
             if self._probe_step is not None:
-                self._probe_step = (self._probe_step[0], self._probe_step[1] + self._probe_column_s)
+                expected_s, charged_s, token_s = self._probe_step
+                self._probe_step = (expected_s, charged_s + self._probe_column_s, token_s)
         return [_cut(d, g, width - 1) for d, g in zip(drafts, gains, strict=True)]
 
     def settle_probe(self, step_s: float, measured: bool = True) -> None:
@@ -212,13 +221,20 @@ class SpeculationPlanner:
         allowed; settled at their cost, 0.6-1.4% (engine_host_cost's chat text on a simulated H200 step; above 1%
         where requests keep arriving: their steps prefill too, and are charged as predicted).
         `measured` False (a step that also prefilled, which the prediction leaves out): the predicted charge
-        stands."""
+        stands.
+
+        What the probes won is given back: each accepted token is a token the batch did not need a step's share
+        for (the predicted step's time over its rows). The ration bounds what probing *loses*. Alone with a cheap
+        drafter, a probe's token is worth a whole step, and a probe that lands pays for itself and the next;
+        counted as a cost only, a request whose first draft was rejected probed once in about 45 steps and often
+        never asked again (eagle-sim at 1 request, 1 ms asks). At 64 rows a token is worth a 64th of a step, and
+        the ration holds as before."""
         if self._probe_step is None:
             return
-        expected_s, charged_s = self._probe_step
+        expected_s, charged_s, token_s = self._probe_step
         self._probe_step = None
-        if measured:
-            self.probes.spend(max(0.0, step_s - expected_s) - charged_s)
+        won_s = self._probe_tokens * token_s
+        self.probes.spend((max(0.0, step_s - expected_s) - charged_s if measured else 0.0) - won_s)
 
     def observe_row(self, state: RequestState, num_draft: int, num_accepted: int) -> None:
         """A row's step outcome: a verified draft updates its estimates; none counts toward a re-probe."""
@@ -228,6 +244,8 @@ class SpeculationPlanner:
         if num_draft:
             row.acceptance.observe(num_draft, num_accepted)
             row.probe.verified(row.probing, num_accepted)
+            if row.probing:
+                self._probe_tokens += num_accepted
         elif row.probing:
             row.probe.unanswered()
         else:

@@ -290,6 +290,52 @@ def test_a_probe_is_charged_what_its_step_really_cost():
     assert probe_share(measured=False) > 2 * PROBE_TIME_SHARE
 
 
+def test_probes_that_win_their_tokens_pay_for_themselves():
+    """The probe ration bounds what probing loses, net of the tokens probes win. One request alone with a cheap
+    drafter: a probe's call costs less than the step its accepted token saves, so probes that land are not rationed,
+    while probes that are rejected keep to PROBE_TIME_SHARE of step time."""
+    import asyncio
+
+    from services.verifier.request_state import RequestState
+    from services.verifier.row_speculation import PROBE_TIME_SHARE
+    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
+
+    async def state() -> RequestState:
+        return RequestState(GenerationRequest("r", (1, 2, 3), speculation=SpeculationParams("eagle", 4)), 0,
+                            [1, 2, 3], asyncio.Queue())
+
+    def probes(lands: bool) -> tuple[int, float]:
+        cost = cpu_like_cost(base=0.0024, per_row=0.0, per_token=0.00003)  # an accelerator's step at one row
+        planner = SpeculationPlanner(cost, adaptive=True)
+        for _ in range(200):
+            planner.observe_overhead(0.0002)
+        planner.draft_cost.observe(1, 0.001)  # a call: 1 ms
+        row = asyncio.run(state())
+        row.speculation = planner.start("eagle")
+        row.speculation.asked_before = True
+        plain_s = cost.predict(StepShape(1, 1, 4)) + 0.0002
+        count, lost_s = 0, 0.0
+        for _ in range(2000):
+            collapsed = AcceptanceEstimate(MethodAcceptance())  # estimated too low to ask: only probes ask
+            for _ in range(5):
+                collapsed.observe(4, 0)
+            row.speculation.acceptance = collapsed
+            row.speculation.probe.interval = 0  # due at every step: the budget decides
+            asks = planner.draft_requests([row], [4])
+            step_s = plain_s + (0.0011 if asks[0] else 0.0)
+            accepted = int(lands and asks[0] > 0)
+            planner.observe_row(row, asks[0], accepted)
+            planner.settle_probe(step_s)
+            count += asks[0] > 0
+            lost_s += step_s - plain_s - accepted * plain_s  # a token won is a step saved
+        return count, lost_s / (2000 * plain_s)
+
+    landing, _ = probes(lands=True)
+    rejected, lost_share = probes(lands=False)
+    assert landing > 0.9 * 2000  # each one pays for the next
+    assert 0 < lost_share <= 1.2 * PROBE_TIME_SHARE and rejected < 0.1 * landing
+
+
 def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
     """A drafting call that took 200 ms once (a pause) stops the asking. Its figure fades slowly (draft_cost.py), so
     it is the probes that measure it again: granted at no more than a plain step's cost, one comes within a few
