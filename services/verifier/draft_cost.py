@@ -18,14 +18,6 @@ says, reset a figure a pause left high). Not faded while current: a fade from th
 figures, so a batch that asks its drafter once every few dozen steps because asking rarely pays (64 chats over
 gRPC) predicted its calls at 0.5-0.8 of what they cost, asked at that price, and lost on those steps
 (engine_host_cost's chat text on a simulated H200 step: planned asks took 1.3-4.5% of the step time).
-
-Robust to single slow calls: a call's time has no low outliers but many high ones (a thread woken late, a
-collection pause, a scheduler's hiccup). So in the planner's model an observation counts at most OUTLIER_FACTOR
-times what was predicted for it, and one that many times below its k's figure replaces that figure at once (the
-figure was such a hiccup's). Where a planner asks seldom (an EAGLE drafter alone with one request), a figure stood
-on a few calls, and one call in about ten came back at 3-5 ms against 1.3 (late thread wake-ups in a virtual
-machine): averaged in whole, such calls held the figure near 2.5-3 ms, and the planner stopped asking (eagle-sim at
-1 request, 1 ms asks).
 """
 
 from __future__ import annotations
@@ -33,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of the newest observation in each k's moving average
-OUTLIER_FACTOR = 2.0  # an observation counts at most this many times what was predicted for it
 STALE_STEPS = 100  # steps without a measurement after which a figure fades, and the next one replaces it
 HALF_LIFE_STEPS = 100  # steps, once stale, after which a figure not measured again counts half
 
@@ -43,8 +34,6 @@ class DraftCostModel:
     seconds_by_k: dict[int, float] = field(default_factory=dict)  # moving average of collection seconds per k
     measured_at: dict[int, int] = field(default_factory=dict)  # the step each figure was last measured at
     steps: int = 0  # steps aged so far
-    # None: every observation counts in whole (the draft deadline's model: a deadline must let slow calls answer)
-    outlier_factor: float | None = OUTLIER_FACTOR
     # what the line predict() uses was fitted on (steps, figures, when measured) -> that line: a plan asks for
     # several k a step, and the figures change at most once a step
     _fitted: tuple[tuple, tuple[float, float]] | None = field(default=None, repr=False, compare=False)
@@ -53,13 +42,8 @@ class DraftCostModel:
         """Collecting drafts of at most `k` tokens took `seconds` (a missed deadline reports the deadline)."""
         if k <= 0 or seconds < 0:
             return
-        factor = self.outlier_factor
-        expected = self.predict(k) if factor is not None else 0.0
-        if expected > 0:
-            seconds = min(seconds, factor * expected)
         previous = self.seconds_by_k.get(k)
-        fresh = (previous is None or self._age(k) >= STALE_STEPS
-                 or (factor is not None and factor * seconds < previous))
+        fresh = previous is None or self._age(k) >= STALE_STEPS
         self.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
         self.measured_at[k] = self.steps
 

@@ -26,8 +26,7 @@ DEADLINE_FACTOR = 2.0
 class DraftDeadline:
     floor_s: float
     cap_s: float
-    # seconds of the calls that answered, each in whole: a deadline that discounted slow calls would cut them
-    cost: DraftCostModel = field(default_factory=lambda: DraftCostModel(outlier_factor=None))
+    cost: DraftCostModel = field(default_factory=DraftCostModel)  # seconds of the calls that answered
 
     def for_call(self, k: int) -> float:
         """Seconds to wait for a call drafting at most `k` tokens."""
