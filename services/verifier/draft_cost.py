@@ -47,6 +47,10 @@ class DraftCostModel:
         self.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
         self.measured_at[k] = self.steps
 
+    def needs_measuring(self, k: int) -> bool:
+        """No figure for `k` yet, or a stale one (what a probe's call is measured for)."""
+        return k not in self.seconds_by_k or self._age(k) >= STALE_STEPS
+
     def age(self) -> None:
         """One more step has passed (see the module docstring)."""
         self.steps += 1
