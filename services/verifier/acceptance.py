@@ -138,11 +138,11 @@ class AcceptanceEstimate:
         method's counts too, and counted twice they weighed as if seen twice. Alone on its drafter, a request whose
         first draft was rejected fell from 0.6 to 0.27 at position 1, and so at every position after it (0.4
         counted once), and with the asks priced at a third of a step it never asked again (eagle-sim at 1
-        request). Every later position toward this request's own
-        estimate of the position before it. Requests differ far more from each other than positions of one
-        draft do: a request that copies (code edit) is accepted deep into its drafts while another of the same
-        method (new code) is not, and the method's figure for a deep position would hold the first back until
-        it had been verified that deep, which a narrow schedule never does.
+        request). Every later position is pulled toward this request's own estimate of the position before it.
+        Requests differ far more from each other than positions of one draft do: a request that copies (code edit)
+        is accepted deep into its drafts while another of the same method (new code) is not, and the method's
+        figure for a deep position would hold the first back until it had been verified that deep, which a narrow
+        schedule never does.
 
         Computed again only when either's counts changed: the planner reads every row's survival twice a step,
         about 2.5 us a row on a 2-core EPYC, and in steps that verify nothing (most, on new text under load)

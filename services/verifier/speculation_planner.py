@@ -126,8 +126,8 @@ class SpeculationPlanner:
         self.draft_cost = DraftCostModel()
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
-        # a probing step's (predicted seconds without the probe, seconds charged to the budget so far), until
-        # settle_probe charges what it really cost, less what its probes won; and a token's worth in that step
+        # a probing step's (predicted seconds without the probe, seconds charged to the budget so far, seconds a
+        # token is worth), until settle_probe charges what it really cost less what its probes won
         self._probe_step: tuple[float, float, float] | None = None
         self._probe_tokens = 0  # tokens this step's probes won (accepted draft tokens)
         self._opening = False  # this step asks a row for the first time (its drafting is not measured)
