@@ -38,18 +38,17 @@ class DraftCostModel:
     # several k a step, and the figures change at most once a step
     _fitted: tuple[tuple, tuple[float, float]] | None = field(default=None, repr=False, compare=False)
 
-    def observe(self, k: int, seconds: float) -> None:
-        """Collecting drafts of at most `k` tokens took `seconds` (a missed deadline reports the deadline)."""
+    def observe(self, k: int, seconds: float, renews: bool = True) -> None:
+        """Collecting drafts of at most `k` tokens took `seconds` (a missed deadline reports the deadline).
+        `renews` False (a probe's call): averaged in, but the figure keeps its age unless this replaced it, so a
+        figure that only probes measure still goes stale and is replaced (SpeculationPlanner.observe_drafting)."""
         if k <= 0 or seconds < 0:
             return
         previous = self.seconds_by_k.get(k)
         fresh = previous is None or self._age(k) >= STALE_STEPS
         self.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
-        self.measured_at[k] = self.steps
-
-    def needs_measuring(self, k: int) -> bool:
-        """No figure for `k` yet, or a stale one (what a probe's call is measured for)."""
-        return k not in self.seconds_by_k or self._age(k) >= STALE_STEPS
+        if fresh or renews:
+            self.measured_at[k] = self.steps
 
     def age(self) -> None:
         """One more step has passed (see the module docstring)."""

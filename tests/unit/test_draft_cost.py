@@ -122,6 +122,21 @@ def test_a_figure_measured_now_and_then_keeps_its_value_and_a_probe_resets_a_sta
     assert model.predict(1) == pytest.approx(0.004)
 
 
+def test_a_probes_call_is_averaged_in_but_does_not_keep_a_figure_from_going_stale():
+    from services.verifier.draft_cost import SMOOTHING, STALE_STEPS
+
+    model = DraftCostModel()
+    model.observe(1, 0.200)  # a pause
+    for _ in range(STALE_STEPS // 2):
+        model.age()
+    model.observe(1, 0.001, renews=False)  # a probe's call: averaged in
+    assert model.predict(1) == pytest.approx(0.200 + SMOOTHING * (0.001 - 0.200))
+    for _ in range(STALE_STEPS // 2):
+        model.age()
+    model.observe(1, 0.001, renews=False)  # the figure is stale all the same (its age is the pause's): replaced
+    assert model.predict(1) == pytest.approx(0.001)
+
+
 class OpeningProposer:
     """Drafts a reference text exactly; its first call for a sequence takes `opening_s` (as a drafter service's first
     call does: the link, the whole prompt, the head's prefill), later ones nothing. Counts its calls."""

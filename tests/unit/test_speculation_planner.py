@@ -339,8 +339,9 @@ def test_probes_that_win_their_tokens_pay_for_themselves():
 def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
     """A drafting call that took 200 ms once (a pause) stops the asking. Its figure fades slowly (draft_cost.py), so
     it is the probes that measure it again: granted at no more than a plain step's cost, they come within a few
-    hundred steps, and once the figure is stale a probe's measurement replaces it. Probes before that are not
-    measured: measured, they kept the figure from going stale and averaged it down a fifth at a time."""
+    hundred steps, and once the figure is stale a probe's measurement replaces it. Probes before that are averaged
+    in without renewing the figure's age: renewing it, they kept the figure from going stale and averaged it down a
+    fifth at a time."""
     import asyncio
 
     from services.verifier.draft_cost import STALE_STEPS
@@ -372,4 +373,4 @@ def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
         planner.settle_probe(plain_s)
         for state in decode:
             planner.observe_row(state, 0, 0)  # no draft came back
-    assert STALE_STEPS <= step <= 2 * STALE_STEPS, (step, probes)  # measured at every probe: 285
+    assert STALE_STEPS <= step <= 2 * STALE_STEPS, (step, probes)  # renewed by every probe: 285
