@@ -264,11 +264,12 @@ class SpeculationPlanner:
 
         A step that asked only probes is averaged in without renewing its figure's age (draft_cost.py). Rationed net
         of what they win, probes come more often than a figure goes stale (100 steps): renewing it, they kept a
-        figure that a pause left high from ever going stale, and averaged it down a fifth at a time. Measured only
-        where a figure was missing or stale, instead, ngram at 64 chats lost what the probes' calls taught
-        (0.95x against 0.97x none, engine_host_cost's chat text on a simulated H200 step)."""
+        figure that a pause left high from ever going stale, and averaged it down a fifth at a time. Not measured at
+        all where a figure was current, instead, they no longer taught what they cost: ngram at 64 chats read 0.95x
+        against 0.97x none with them measured (engine_host_cost's chat text on a simulated H200 step; within the
+        noise of one batch, but low in each of three against the code before)."""
         if k > 0 and not self._opening:  # set by draft_requests, which asked
-            # a probing step: set by draft_requests, cleared by settle_probe
+            # _probe_step: set by draft_requests on a probing step, cleared by settle_probe
             self.draft_cost.observe(k, seconds, renews=self._probe_step is None)
         self.draft_cost.age()
 
