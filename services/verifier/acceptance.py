@@ -27,6 +27,11 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations of the method's figure in each request
 DRAFT_RATE_SMOOTHING = 0.2  # weight of the newest ask in a request's rate of asks answered with a draft
 
 
+def shrunk(accepted: float, observed: float, prior: float, prior_weight: float) -> float:
+    """An acceptance rate from counts, shrunk toward `prior` by `prior_weight` pseudo-observations."""
+    return (accepted + prior * prior_weight) / (observed + prior_weight)
+
+
 @dataclass
 class PositionCounts:
     """Exponentially forgotten accept/observe counts per draft position (index 0 is position 1)."""
@@ -50,12 +55,14 @@ class PositionCounts:
             self.observed[j] += 1.0
             self.accepted[j] += 1.0 if j < num_accepted else 0.0
 
+    def at(self, position: int) -> tuple[float, float]:
+        """The (accepted, observed) counts of `position` (1-based); 0 where never observed."""
+        j = position - 1
+        return (self.accepted[j], self.observed[j]) if j < len(self.observed) else (0.0, 0.0)
+
     def rate(self, position: int, prior: float, prior_weight: float) -> float:
         """Conditional acceptance of `position` (1-based), shrunk toward `prior` by `prior_weight` observations."""
-        j = position - 1
-        accepted = self.accepted[j] if j < len(self.accepted) else 0.0
-        observed = self.observed[j] if j < len(self.observed) else 0.0
-        return (accepted + prior * prior_weight) / (observed + prior_weight)
+        return shrunk(*self.at(position), prior, prior_weight)
 
     def _grow(self, size: int) -> None:
         missing = size - len(self.observed)
@@ -74,12 +81,11 @@ class MethodAcceptance:
         """Acceptance of position 1 over the method's requests, from INITIAL_ACCEPTANCE before any draft (the
         prior of a request's position 1; deeper positions follow the request's own estimates, see survival).
         `own`: leave out what one request contributed (its estimate's prior is the others' record)."""
-        accepted = self.counts.accepted[0] if self.counts.accepted else 0.0
-        observed = self.counts.observed[0] if self.counts.observed else 0.0
+        accepted, observed = self.counts.at(1)
         if own is not None:
-            fade = self.counts.decay ** (self.counts.version - own.version)
-            accepted, observed = max(0.0, accepted - own.accepted * fade), max(0.0, observed - own.observed * fade)
-        return (accepted + INITIAL_ACCEPTANCE * INITIAL_WEIGHT) / (observed + INITIAL_WEIGHT)
+            own_accepted, own_observed = own.now(self.counts)
+            accepted, observed = max(0.0, accepted - own_accepted), max(0.0, observed - own_observed)
+        return shrunk(accepted, observed, INITIAL_ACCEPTANCE, INITIAL_WEIGHT)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.counts.observe(num_draft, num_accepted)
@@ -94,11 +100,15 @@ class OwnShare:
     observed: float = 0.0
     version: int = 0
 
+    def now(self, method: PositionCounts) -> tuple[float, float]:
+        """The share (accepted, observed) as `method` holds it now, faded by its observations since."""
+        fade = method.decay ** (method.version - self.version)
+        return self.accepted * fade, self.observed * fade
+
     def add(self, method: PositionCounts, accepted: bool) -> None:
         """After `method` counted this request's draft at position 1."""
-        fade = method.decay ** (method.version - self.version)
-        self.accepted = self.accepted * fade + float(accepted)
-        self.observed = self.observed * fade + 1.0
+        faded_accepted, faded_observed = self.now(method)
+        self.accepted, self.observed = faded_accepted + float(accepted), faded_observed + 1.0
         self.version = method.version
 
 
