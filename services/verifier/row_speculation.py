@@ -60,6 +60,17 @@ class ProbeBudget:
 
 
 @dataclass
+class ProbeStep:
+    """A step that probes, until it is settled (SpeculationPlanner.settle_probe): what it was predicted to take
+    without its probes, what its probes were charged so far, what a token is worth in it, and the tokens they won."""
+
+    expected_s: float
+    charged_s: float
+    token_s: float
+    won_tokens: int = 0
+
+
+@dataclass
 class RowSpeculation:
     """A decoding request's speculation state in the engine (on RequestState)."""
 

@@ -54,7 +54,7 @@ from services.verifier.cost_by_rows import CostByRows
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
 from services.verifier.request_state import RequestState
-from services.verifier.row_speculation import ProbeBudget, RowSpeculation
+from services.verifier.row_speculation import ProbeBudget, ProbeStep, RowSpeculation
 from services.verifier.step_cost import StepCostModel, StepShape
 from services.verifier.step_planning import PrefillBacklog, prefill_room
 from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains, tree_depth
@@ -126,10 +126,7 @@ class SpeculationPlanner:
         self.draft_cost = DraftCostModel()
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
-        # a probing step's (predicted seconds without the probe, seconds charged to the budget so far, seconds a
-        # token is worth), until settle_probe charges what it really cost less what its probes won
-        self._probe_step: tuple[float, float, float] | None = None
-        self._probe_tokens = 0  # tokens this step's probes won (accepted draft tokens)
+        self._probe_step: ProbeStep | None = None  # this step's probes, until settle_probe
         self._opening = False  # this step asks a row for the first time (its drafting is not measured)
 
     def start(self, method: str) -> RowSpeculation:
@@ -143,7 +140,7 @@ class SpeculationPlanner:
                        backlog: PrefillBacklog | None = None) -> list[int]:
         """How many tokens to ask each row's proposer for: `caps[i]` is row i's bound (its K, the room left);
         `backlog`: the prompt tokens waiting to be prefilled (None: none)."""
-        self._probe_step, self._probe_tokens = None, 0
+        self._probe_step = None
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
         survivals = [self._survival(s, cap) for s, cap in zip(decode, caps, strict=True)]
@@ -181,7 +178,7 @@ class SpeculationPlanner:
         self._opening = opening
         if probed:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
-            self._probe_step = (narrow + overhead_s, probe_call_s, token_s)
+            self._probe_step = ProbeStep(narrow + overhead_s, probe_call_s, token_s)
         return asks
 
     def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft],
@@ -209,8 +206,7 @@ class SpeculationPlanner:
             width = 2  # a probe pays for one column, which every drafted row then uses
             self.probes.spend(self._probe_column_s)
             if self._probe_step is not None:
-                expected_s, charged_s, token_s = self._probe_step
-                self._probe_step = (expected_s, charged_s + self._probe_column_s, token_s)
+                self._probe_step.charged_s += self._probe_column_s
         return [_cut(d, g, width - 1) for d, g in zip(drafts, gains, strict=True)]
 
     def settle_probe(self, step_s: float, measured: bool = True) -> None:
@@ -231,10 +227,10 @@ class SpeculationPlanner:
         the ration holds as before."""
         if self._probe_step is None:
             return
-        expected_s, charged_s, token_s = self._probe_step
-        self._probe_step = None
-        won_s = self._probe_tokens * token_s
-        self.probes.spend((max(0.0, step_s - expected_s) - charged_s if measured else 0.0) - won_s)
+        probe, self._probe_step = self._probe_step, None
+        if measured:  # what it really cost in place of what it was charged
+            self.probes.spend(max(0.0, step_s - probe.expected_s) - probe.charged_s)
+        self.probes.spend(-probe.won_tokens * probe.token_s)
 
     def observe_row(self, state: RequestState, num_draft: int, num_accepted: int) -> None:
         """A row's step outcome: a verified draft updates its estimates; none counts toward a re-probe."""
@@ -244,8 +240,8 @@ class SpeculationPlanner:
         if num_draft:
             row.acceptance.observe(num_draft, num_accepted)
             row.probe.verified(row.probing, num_accepted)
-            if row.probing:
-                self._probe_tokens += num_accepted
+            if row.probing and self._probe_step is not None:
+                self._probe_step.won_tokens += num_accepted
         elif row.probing:
             row.probe.unanswered()
         else:
