@@ -34,9 +34,10 @@ class DraftCostModel:
     seconds_by_k: dict[int, float] = field(default_factory=dict)  # moving average of collection seconds per k
     measured_at: dict[int, int] = field(default_factory=dict)  # the step each figure was last measured at
     steps: int = 0  # steps aged so far
-    # what the line predict() uses was fitted on (steps, figures, when measured) -> that line: a plan asks for
-    # several k a step, and the figures change at most once a step
-    _fitted: tuple[tuple, tuple[float, float]] | None = field(default=None, repr=False, compare=False)
+    observations: int = 0  # calls observed so far
+    # (steps, observations) when the line predict() uses was fitted -> that line: a plan prices several k a step
+    # (about 2 us each at 64 rows when it was fitted again for each), and the figures change at most once a step
+    _fitted: tuple[tuple[int, int], tuple[float, float]] | None = field(default=None, repr=False, compare=False)
 
     def observe(self, k: int, seconds: float, renews: bool = True) -> None:
         """Collecting drafts of at most `k` tokens took `seconds` (a missed deadline reports the deadline).
@@ -49,6 +50,7 @@ class DraftCostModel:
         self.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
         if fresh or renews:
             self.measured_at[k] = self.steps
+        self.observations += 1
 
     def age(self) -> None:
         """One more step has passed (see the module docstring)."""
@@ -66,8 +68,8 @@ class DraftCostModel:
 
     def _line(self) -> tuple[float, float]:
         """Fixed seconds and seconds a token through the aged figures, fitted again only when a step has passed
-        or a figure changed."""
-        key = (self.steps, tuple(self.seconds_by_k.items()), tuple(self.measured_at.items()))
+        or a call was observed."""
+        key = (self.steps, self.observations)
         if self._fitted is None or self._fitted[0] != key:
             figures = {seen: seconds * 0.5 ** (max(0, self._age(seen) - STALE_STEPS) / HALF_LIFE_STEPS)
                        for seen, seconds in self.seconds_by_k.items()}

@@ -46,13 +46,12 @@ target's randomness for the positions being verified (see rejection.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import zip_longest
-from operator import mul
 
 from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance
 from services.verifier.cost_by_rows import CostByRows
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
+from services.verifier.plan_rows import PlanRows, column_gains
 from services.verifier.request_state import RequestState
 from services.verifier.row_speculation import ProbeBudget, ProbeStep, RowSpeculation
 from services.verifier.step_cost import StepCostModel, StepShape
@@ -80,16 +79,36 @@ def best_width(
     `displaced_s(width)` what the prompt tokens that width's drafts push to a later step cost (None: nothing
     waits). With no cost observations yet (prediction 0) the widest is taken: the request's own K, as without
     adaptation."""
-    rows = len(survivals)
     columns = column_gains(survivals, weights)
+    forward_s = forward_seconds(cost, len(survivals), span, 1 + len(columns))
+    return best_width_of_columns(len(survivals), columns, forward_s, overhead_s, draft_s, speculative_overhead_s,
+                                 displaced_s)
+
+
+def forward_seconds(cost: StepCostModel, rows: int, span: int, widest: int) -> list[float]:
+    """The predicted verify forward of `rows` rows attending to `span` tokens, at each width 1..`widest`."""
+    return [cost.predict(StepShape(rows, width, span + width)) for width in range(1, widest + 1)]
+
+
+def best_width_of_columns(
+    rows: int,
+    columns: Sequence[float],
+    forward_s: Sequence[float],
+    overhead_s: float = 0.0,
+    draft_s: Callable[[int], float] | None = None,
+    speculative_overhead_s: float | None = None,
+    displaced_s: Callable[[int], float] | None = None,
+) -> int:
+    """best_width from the column gains (column_gains) and the predicted forward at each width from 1 to at least
+    1 + len(columns) (forward_seconds)."""
     widest = 1 + len(columns)
     best, best_rate = widest, -1.0
     expected_tokens = float(rows)
     wide_overhead_s = overhead_s if speculative_overhead_s is None else speculative_overhead_s
     for width in range(1, widest + 1):
+        seconds = forward_s[width - 1]
         if width > 1:
             expected_tokens += columns[width - 2]
-        seconds = cost.predict(StepShape(rows, width, span + width))
         if seconds <= 0:
             return widest
         seconds += (overhead_s if width == 1 else wide_overhead_s) + (draft_s(width - 1) if draft_s is not None
@@ -100,16 +119,6 @@ def best_width(
         if rate > best_rate:
             best, best_rate = width, rate
     return best
-
-
-def column_gains(survivals: Sequence[Sequence[float]], weights: Sequence[float] | None = None) -> list[float]:
-    """Per draft position, the tokens verifying it adds over the rows (each row's survival there, times its
-    weight; 0 where a row's survivals stop). Summed a column at a time in C (zip_longest, sum, map): a row at a
-    time in Python it was most of a 64-row plan, about 2 us a row on a 2-core EPYC."""
-    columns = zip_longest(*survivals, fillvalue=0.0)
-    if weights is None:
-        return [sum(column) for column in columns]
-    return [sum(map(mul, column, weights)) for column in columns]
 
 
 class SpeculationPlanner:
@@ -124,6 +133,7 @@ class SpeculationPlanner:
         self.overhead = CostByRows(OVERHEAD_SMOOTHING)
         self.speculative_extra = CostByRows(OVERHEAD_SMOOTHING)
         self.draft_cost = DraftCostModel()
+        self.rows = PlanRows()  # the rows' figures of the first plan, kept while unchanged (plan_rows.py)
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
         self._probe_step: ProbeStep | None = None  # this step's probes, until settle_probe
@@ -143,25 +153,32 @@ class SpeculationPlanner:
         self._probe_step = None
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
-        survivals = [self._survival(s, cap) for s, cap in zip(decode, caps, strict=True)]
-        draft_rates = [1.0 if s.speculation is None else s.speculation.drafts.rate for s in decode]
-        span = _span(decode)
-        overhead_s = self.overhead_s(len(decode))
-        narrow = self.cost.predict(StepShape(len(decode), 1, span + 1))
-        width = best_width(survivals, span, self.cost, overhead_s, self.draft_cost.predict,
-                           self.speculative_overhead_s(len(decode)),
-                           self._displacement(caps, narrow + overhead_s, backlog), weights=draft_rates)
-        self._probe_column_s = max(0.0, self.cost.predict(StepShape(len(decode), 2, span + 2)) - narrow)
+        figures = self.rows
+        figures.read(decode, caps, self._survival)
+        rows = len(decode)
+        span, due_wins = 0, 0.0  # the context attended to; what the rows due a probe are expected to win with one
+        for state, survival, rate in zip(decode, figures.survivals, figures.draft_rates, strict=True):
+            length = len(state.token_ids)
+            if length > span:
+                span = length
+            if survival and state.speculation.probe.due:
+                due_wins += survival[0] * rate
+        overhead_s = self.overhead_s(rows)
+        # at least to width 2, where a probe's column is priced
+        forward_s = forward_seconds(self.cost, rows, span, max(2, 1 + len(figures.columns)))
+        narrow = forward_s[0]
+        width = best_width_of_columns(rows, figures.columns, forward_s, overhead_s, self.draft_cost.predict,
+                                      self.speculative_overhead_s(rows),
+                                      self._displacement(caps, narrow + overhead_s, backlog))
+        self._probe_column_s = max(0.0, forward_s[1] - narrow)
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it.
         # Granted at no more than a plain step's time: a figure a pause left high would otherwise keep away the very
         # probes that measure it again (draft_cost.py); settle_probe charges the probe what it really cost.
         probe_call_s = min(self.draft_cost.predict(1), narrow + overhead_s) if width == 1 else 0.0
-        token_s = (narrow + overhead_s) / len(decode)  # a token's share of a plain step: what a probe's win saves
+        token_s = (narrow + overhead_s) / rows  # a token's share of a plain step: what a probe's win saves
         probe_s = self._probe_column_s + probe_call_s
         if width == 1:  # granted at its cost less what its due rows are expected to win (settle_probe)
-            probe_s -= token_s * sum(survival[0] * rate for state, survival, rate
-                                     in zip(decode, survivals, draft_rates, strict=True)
-                                     if survival and state.speculation.probe.due)
+            probe_s -= token_s * due_wins
         can_probe = self.probes.earn(narrow + overhead_s, max(0.0, probe_s))
         asks, probed, opening = [], False, False
         for state, cap in zip(decode, caps, strict=True):
@@ -191,6 +208,7 @@ class SpeculationPlanner:
             row = state.speculation
             if row is not None and row.asked:
                 row.drafts.observe(bool(draft.tokens))
+                self.rows.changed()
         if not any(d.tokens for d in drafts):
             return list(drafts)
         gains = [self._tree_gains(s, d) for s, d in zip(decode, drafts, strict=True)]
@@ -239,6 +257,7 @@ class SpeculationPlanner:
             return
         if num_draft:
             row.acceptance.observe(num_draft, num_accepted)
+            self.rows.changed()
             row.probe.verified(row.probing, num_accepted)
             if row.probing and self._probe_step is not None:
                 self._probe_step.won_tokens += num_accepted

@@ -72,7 +72,9 @@ async def test_a_proposer_known_to_be_slower_than_the_floor_is_waited_for():
     proposer.seconds = 0.3  # slower than the floor and than twice what its calls took so far
     assert not any(d.tokens for d in await collector.collect(states, [3, 3]))  # missed: K = 0 this step
     assert collector.num_fallbacks("slow") == 1
-    collector.deadline("slow").cost.seconds_by_k[3] = 0.25  # its calls of 3 tokens have been taking 0.25 s
+    known = DraftCostModel()
+    known.observe(3, 0.25)  # its calls of 3 tokens have been taking 0.25 s
+    collector.deadline("slow").cost = known
     assert collector.deadline("slow").for_call(3) == pytest.approx(0.5)
     assert all(d.tokens for d in await collector.collect(states, [3, 3]))  # waited for
     assert collector.num_fallbacks("slow") == 1
