@@ -40,6 +40,7 @@ class PlanRows:
         self.survivals: list[Sequence[float]] = []  # per row, P(position j accepted) for j = 1..its cap
         self.draft_rates: list[float] = []  # per row, how often its proposer has a draft (1.0 without one)
         self.columns: list[float] = []  # column_gains of the survivals weighted by the draft rates
+        self.first_wins: list[float] = []  # per row, its first position's survival times its draft rate (a probe's)
         self._version = 0  # bumped by `changed`
         self._computed_at: tuple[int, list[RequestState], list[int]] | None = None  # (version, rows, caps)
 
@@ -60,4 +61,6 @@ class PlanRows:
         self.survivals = [survival(state, cap) for state, cap in zip(decode, caps, strict=True)]
         self.draft_rates = [1.0 if s.speculation is None else s.speculation.drafts.rate for s in decode]
         self.columns = column_gains(self.survivals, self.draft_rates)
+        self.first_wins = [survival[0] * rate if survival else 0.0
+                           for survival, rate in zip(self.survivals, self.draft_rates, strict=True)]
         self._computed_at = (self._version, list(decode), caps)

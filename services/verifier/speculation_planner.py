@@ -155,14 +155,7 @@ class SpeculationPlanner:
             return list(caps)
         figures = self.rows
         figures.read(decode, caps, self._survival)
-        rows = len(decode)
-        span, due_wins = 0, 0.0  # the context attended to; what the rows due a probe are expected to win with one
-        for state, survival, rate in zip(decode, figures.survivals, figures.draft_rates, strict=True):
-            length = len(state.token_ids)
-            if length > span:
-                span = length
-            if survival and state.speculation.probe.due:
-                due_wins += survival[0] * rate
+        rows, span = len(decode), _span(decode)
         overhead_s = self.overhead_s(rows)
         # at least to width 2, where a probe's column is priced
         forward_s = forward_seconds(self.cost, rows, span, max(2, 1 + len(figures.columns)))
@@ -178,7 +171,8 @@ class SpeculationPlanner:
         token_s = (narrow + overhead_s) / rows  # a token's share of a plain step: what a probe's win saves
         probe_s = self._probe_column_s + probe_call_s
         if width == 1:  # granted at its cost less what its due rows are expected to win (settle_probe)
-            probe_s -= token_s * due_wins
+            probe_s -= token_s * sum(first for first, state in zip(figures.first_wins, decode, strict=True)
+                                     if first and state.speculation.probe.due)
         can_probe = self.probes.earn(narrow + overhead_s, max(0.0, probe_s))
         asks, probed, opening = [], False, False
         for state, cap in zip(decode, caps, strict=True):

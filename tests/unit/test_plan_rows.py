@@ -30,12 +30,14 @@ def test_figures_are_read_again_only_when_what_they_depend_on_changed():
     figures = PlanRows()
     figures.read(rows, [2, 2, 1], survival)
     assert len(reads) == 3 and figures.columns == pytest.approx([2.0, 1.0])
+    assert figures.first_wins == pytest.approx([0.5, 0.5, 1.0])
     figures.read(list(rows), [2, 2, 1], survival)  # the same rows (a new list) at the same caps: kept
     assert len(reads) == 3
     rows[0].speculation.drafts.rate = 0.0  # its proposer came back empty
     figures.changed()
     figures.read(rows, [2, 2, 1], survival)
     assert len(reads) == 6 and figures.columns == pytest.approx([1.5, 0.5]) and figures.draft_rates[0] == 0.0
+    assert figures.first_wins == pytest.approx([0.0, 0.5, 1.0])
     figures.read(rows, [2, 2, 2], survival)  # a cap changed
     assert len(reads) == 9 and figures.columns == pytest.approx([1.5, 1.5])
     figures.read([rows[0], rows[1], row(1.0)], [2, 2, 2], survival)  # another row in the same place
