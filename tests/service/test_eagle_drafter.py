@@ -20,6 +20,7 @@ from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.remote_proposer import RemoteProposer, RemoteProposerConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.cpu_features import needs_bf16_linear
 from tests.engine_harness import run_schedule
 from tests.stats import ALPHA, chi_square_p_value, reference_processed, total_variation
 from tests.tiny_heads import random_eagle3_head
@@ -99,7 +100,7 @@ def target():
                          [((), None, False, False, False), ((1, 3, 4, 5, 6, 7, 9), None, False, False, False),
                           ((), True, False, False, False), ((), None, True, False, False),
                           ((1, 3, 4, 5, 6, 7, 9), None, False, True, False), ((), True, True, True, False),
-                          ((), True, True, False, True)],
+                          pytest.param((), True, True, False, True, marks=needs_bf16_linear)],
                          ids=["whole vocabulary", "reduced vocabulary", "pipelined", "trees", "eagle3",
                               "eagle3 pipelined trees", "pipelined trees on bf16 kernels"])
 async def test_greedy_output_is_identical_with_the_eagle_drafter(target, draft_vocab, pipelining, trees, eagle3,
@@ -142,7 +143,8 @@ def exact_joint(model, params: SamplingParams) -> np.ndarray:
 @pytest.mark.parametrize(("pipelining", "trees", "eagle3", "sampled_trees", "bf16"),
                          [(False, False, False, False, False), (True, False, False, False, False),
                           (False, True, False, False, False), (False, False, True, False, False),
-                          (False, True, True, True, False), (False, True, True, True, True)],
+                          (False, True, True, True, False),
+                          pytest.param(False, True, True, True, True, marks=needs_bf16_linear)],
                          ids=["plain", "pipelined", "trees", "eagle3", "eagle3 sampled trees with q",
                               "eagle3 sampled trees with q on bf16 kernels"])
 async def test_sampled_output_follows_the_target_with_the_eagle_drafter(target, pipelining, trees, eagle3,

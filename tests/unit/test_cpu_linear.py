@@ -21,6 +21,7 @@ from services.modeling.kernel_choice import (
 )
 from services.modeling.llama_runner import LlamaFamilyRunner
 from services.modeling.runner import RowInput
+from tests.cpu_features import bf16_linear_supported, needs_bf16_linear
 from tests.memory import mapping_rss
 from tests.tiny_models import tiny_llama
 
@@ -44,6 +45,7 @@ def test_unsupported_inputs_fall_back_to_none():
 
 
 
+@needs_bf16_linear
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_bfloat16_copy_computes_the_linear_of_the_rounded_weights_and_inputs(with_bias):
     """The drafters' bf16 candidate: the products of bf16-rounded weights and inputs, accumulated in float32, the
@@ -198,23 +200,28 @@ def bf16_wins(name: str, m: int) -> float:
     return 1e-6 if name == "bf16" else 3e-6
 
 
-def test_bfloat16_is_a_candidate_only_where_a_drafter_allows_it():
+def test_bfloat16_is_a_candidate_only_where_a_drafter_allows_it_and_the_cpu_has_it():
     torch.manual_seed(0)
     weights = [torch.randn(48, 64)]
+    supported = bf16_linear_supported()
+    assert (packed_linear(weights, [None], torch.bfloat16) is not None) == supported
     timed: set[str] = set()
     drafter = KernelChooser(measure=fake_timer(lambda name, m: timed.add(name) or bf16_wins(name, m)),
                             allow_bf16=True)
     linear = drafter.linear("gate/up", weights, [None])
-    assert timed == {"plain", "packed", "bf16"} and linear.choice.describe() == "bf16 at all M"
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(linear(x), packed_linear(weights, [None], torch.bfloat16)(x))
+    if supported:
+        assert timed == {"plain", "packed", "bf16"} and linear.choice.describe() == "bf16 at all M"
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(linear(x), packed_linear(weights, [None], torch.bfloat16)(x))
+    else:  # an AVX2-only CPU: the copy cannot be built, so it is neither timed nor chosen
+        assert timed == {"plain", "packed"} and "bf16" not in linear.choice.describe()
     timed.clear()
     verifier = KernelChooser(measure=fake_timer(lambda name, m: timed.add(name) or bf16_wins(name, m)))
     assert verifier.linear("gate/up", weights, [None]).choice.describe() != "bf16 at all M"
     assert timed == {"plain", "packed"}
-    timed.clear()  # weights already in bf16 have no rounded copy to add
+    timed.clear()  # weights already in bf16 have no rounded copy to add (and without a bf16 linear, no packed one)
     drafter.linear("o_proj", [torch.randn(8, 64, dtype=torch.bfloat16)], [None])
-    assert timed == {"plain", "packed"}
+    assert timed == ({"plain", "packed"} if supported else set())
 
 
 def test_a_verifier_runner_never_rounds_its_target_to_bfloat16():

@@ -37,6 +37,7 @@ from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from tests.cpu_features import needs_bf16_linear
 from tests.engine_harness import run_schedule
 from tests.prompts import random_workload, repetitive_prompt
 from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2, word_tokenizer
@@ -290,7 +291,8 @@ async def run_requests(engine: Engine, prompts, max_tokens, spec: SpeculationPar
     return await run_schedule(engine, {0: requests[:3], 3: requests[3:]})
 
 
-@pytest.mark.parametrize("drafter", ["target itself", "other model", "target itself on bf16 kernels"])
+@pytest.mark.parametrize("drafter", ["target itself", "other model",
+                                     pytest.param("target itself on bf16 kernels", marks=needs_bf16_linear)])
 async def test_greedy_output_is_identical_and_acceptance_follows_the_draft_model(target, draft_model, drafter):
     prompts, max_tokens = random_workload(17, 6, (4, 40), (10, 40))
     baseline = await run_requests(make_engine(target, {}), prompts, max_tokens, SpeculationParams())

@@ -11,6 +11,7 @@ from services.common.proposer import DraftInput
 from services.drafter.head_kernels import ROUNDS, STEP_ROWS, ChosenLinear, use_chosen_kernels
 from services.drafter.methods.eagle import EagleProposer
 from services.modeling.cpu_linear import packed_linear
+from tests.cpu_features import needs_bf16_linear
 from tests.tiny_heads import reduced_vocabulary_eagle_head
 from tests.tiny_models import tiny_llama
 
@@ -54,6 +55,7 @@ def test_a_head_on_chosen_kernels_drafts_what_the_plain_head_drafts():
 
 
 @torch.no_grad()
+@needs_bf16_linear
 def test_the_choice_times_whole_draft_steps_and_bf16_scores_are_the_float32_scores_rounded():
     target = tiny_llama(seed=5, vocab_size=V)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
