@@ -2,11 +2,11 @@
 each row's survival by draft position, how often its proposer has a draft at all, and their weighted sums by
 column (what verifying each column is worth over the batch).
 
-Read a row at a time, they were most of the plan's cost under load. At 64 decoding rows the plan took about 0.5 ms
-a step on a 2-core EPYC, survivals and column sums about half of it (engine_host_cost's chat text on a simulated
-H200 step, timed inside the engine, where the rows' objects are cold in the CPU's caches: three to four times what
-the same loops take when timed warm). Speculation's plain steps cost that much more than a run without
-speculation, on steps that verify nothing, ask nothing and so change nothing.
+Read a row at a time, they were most of the plan's cost under load. At 64 decoding rows the plan took about 0.45 ms
+a step on a 2-core EPYC, survivals, draft rates and column sums about half of it (engine_host_cost's chat text on
+a simulated H200 step, timed inside the engine, where the rows' objects are cold in the CPU's caches: three to four
+times what the same loops take timed warm), and most steps under load verify nothing and ask nothing, so nothing
+they read had changed. Kept, the plan takes about 0.22 ms there (with cheaper cost predictions, step_cost.py).
 
 A row's figures change only when its acceptance is observed (a verified draft, which also moves its method's
 prior, so every row of that method), when its proposer is asked (its draft rate), or when its cap changes; and

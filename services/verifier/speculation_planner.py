@@ -133,7 +133,7 @@ class SpeculationPlanner:
         self.overhead = CostByRows(OVERHEAD_SMOOTHING)
         self.speculative_extra = CostByRows(OVERHEAD_SMOOTHING)
         self.draft_cost = DraftCostModel()
-        self.rows = PlanRows()  # the rows' figures of the first plan, kept while unchanged (plan_rows.py)
+        self.row_figures = PlanRows()  # what the first plan reads of its rows, kept while unchanged (plan_rows.py)
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
         self._probe_step: ProbeStep | None = None  # this step's probes, until settle_probe
@@ -153,7 +153,7 @@ class SpeculationPlanner:
         self._probe_step = None
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
-        figures = self.rows
+        figures = self.row_figures
         figures.read(decode, caps, self._survival)
         rows, span = len(decode), _span(decode)
         overhead_s = self.overhead_s(rows)
@@ -202,7 +202,7 @@ class SpeculationPlanner:
             row = state.speculation
             if row is not None and row.asked:
                 row.drafts.observe(bool(draft.tokens))
-                self.rows.changed()
+                self.row_figures.changed()
         if not any(d.tokens for d in drafts):
             return list(drafts)
         gains = [self._tree_gains(s, d) for s, d in zip(decode, drafts, strict=True)]
@@ -251,7 +251,7 @@ class SpeculationPlanner:
             return
         if num_draft:
             row.acceptance.observe(num_draft, num_accepted)
-            self.rows.changed()
+            self.row_figures.changed()
             row.probe.verified(row.probing, num_accepted)
             if row.probing and self._probe_step is not None:
                 self._probe_step.won_tokens += num_accepted

@@ -63,18 +63,18 @@ def test_the_plan_reads_each_empty_answer_and_each_verified_draft():
     planner = SpeculationPlanner(FixedCost(base=0.004, per_row=0.00003, per_token=0.000002), adaptive=True)
     decode = decoding_rows(planner, 8)
     assert planner.draft_requests(decode, [4] * 8) == [4] * 8  # nothing known yet: every row asked
-    first = planner.rows.survivals
+    first = planner.row_figures.survivals
     planner.choose_drafts(decode, [ProposedDraft([], None)] * 8)  # every proposer came back empty
     for state in decode:
         planner.observe_row(state, 0, 0)
     planner.draft_requests(decode, [4] * 8)
-    assert planner.rows.draft_rates == [s.speculation.drafts.rate for s in decode]
-    assert max(planner.rows.draft_rates) < 1.0
+    assert planner.row_figures.draft_rates == [s.speculation.drafts.rate for s in decode]
+    assert max(planner.row_figures.draft_rates) < 1.0
     for _ in range(40):  # then every draft rejected at its first token
         asks = planner.draft_requests(decode, [4] * 8)
         planner.choose_drafts(decode, [ProposedDraft([7] * ask, None) for ask in asks])
         for state, ask in zip(decode, asks, strict=True):
             planner.observe_row(state, ask, 0)
         planner.draft_requests(decode, [4] * 8)
-        assert planner.rows.survivals == [s.speculation.acceptance.survival(4) for s in decode]
-    assert all(now[0] < 0.5 * then[0] for now, then in zip(planner.rows.survivals, first, strict=True))
+        assert planner.row_figures.survivals == [s.speculation.acceptance.survival(4) for s in decode]
+    assert all(now[0] < 0.5 * then[0] for now, then in zip(planner.row_figures.survivals, first, strict=True))
