@@ -21,7 +21,10 @@ round trip (in process, the lookup alone).
 The vocabulary is small by default (--vocab 512): on a CPU the sampling and verification over the vocabulary run
 as host math, where an accelerator runs them as kernels and the host pays only to launch each one. With a small
 vocabulary each tensor operation costs about its dispatch, as a launch does, so what is measured is the host's
-part of an accelerator's step. `--vocab 49152` (SmolLM2's) shows the CPU's own case instead.
+part of an accelerator's step. `--vocab 49152` (SmolLM2's) shows the CPU's own case instead. With a simulated
+device a plain decode step verifies inside the simulated graph, as a captured step on an accelerator does
+(ScriptedRunner.forward_with_tail): the host packs the verification's inputs and reads one result, and the
+eager verification runs only where a GPU's would (prompt chunks, logprobs, grammars, trees).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
         await asyncio.gather(*(one(f"warm-{i}", i) for i in range(rows)))
         await asyncio.gather(*(one(f"burst-{i}", i) for i in range(burst)))
         forwards, forward_s, started, asked = runner.forwards, runner.forward_s, time.perf_counter(), calls.count
+        captured = runner.captured_forwards
         before = copy.deepcopy(engine.stats_by_method.get(method)) or SpecDecodeStats()
 
         async def client(i: int) -> list[tuple[int, list[int]]]:
@@ -105,6 +109,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
         proposers[method].close()
     steps = runner.forwards - forwards
     return {"tokens": sum(len(out) for _, out in outputs), "seconds": seconds, "forwards": steps,
+            "captured_forwards": runner.captured_forwards - captured,
             "drafter_calls": calls.count - asked,
             "drafts": after.num_drafts - before.num_drafts,
             "draft_tokens": after.num_draft_tokens - before.num_draft_tokens,

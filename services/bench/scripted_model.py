@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +114,7 @@ class ScriptedRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.forwards = 0
+        self.captured_forwards = 0  # of them, those verified in the simulated graph (forward_with_tail)
         self.forward_s = 0.0
         self._lengths: dict[Hashable, int] = {}
         self._salts: dict[Hashable, int] = {}  # each sequence's (Script.salt_of), read from its first prefill row
@@ -153,6 +154,31 @@ class ScriptedRunner:
 
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         started = time.perf_counter()
+        logits, states = self._scripted(rows)
+        self._wait_for_device(rows, started)
+        return ForwardOutput(logits=logits, hidden_states=states)
+
+    def forward_with_tail(self, rows: Sequence[RowInput], tail, launched: Callable[[], None] = lambda: None
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As an accelerator's captured step (llama_runner.forward_with_tail): the tail (captured_verify.VerifyTail)
+        runs on the forward's logits within the simulated device time, so that the engine's host does for a plain
+        decode step what it does on a GPU (packs the tail's inputs, reads one result) and not the eager
+        verification a CPU step runs. `launched` is called as the device time starts, as a replay is queued, so
+        that the engine's loop serves what the last step woke meanwhile. Only with a simulated device: without one
+        (None) the engine runs forward()."""
+        if self.simulated is None or any(row.parents is not None for row in rows):
+            return None
+        inputs = tail.inputs(len(rows), max(len(row.token_ids) for row in rows))  # host work, before the replay
+        started = time.perf_counter()
+        launched()
+        logits, states = self._scripted(rows)
+        out = tail.run(logits, inputs)
+        self.captured_forwards += 1
+        self._wait_for_device(rows, started)
+        return out, states
+
+    def _scripted(self, rows: Sequence[RowInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' logits [B, max num_logits, V] and hidden states [B, widest, state width]."""
         self.forwards += 1
         width = max(len(row.token_ids) for row in rows)
         logits = torch.zeros(len(rows), max(row.num_logits for row in rows), self.vocab_size)
@@ -165,11 +191,15 @@ class ScriptedRunner:
                 position = start + fed - row.num_logits + i + 1
                 logits[b, i, self.script.token(position, salt)] = CONFIDENT
             self._lengths[row.seq_id] = start + fed
-        states = torch.empty(len(rows), width, self._state_width)  # a tensor of its own, as a forward's are
-        if self.simulated is not None:  # the rows run padded to the widest, as the engine's decode rows do
+        return logits, torch.empty(len(rows), width, self._state_width)  # a tensor of its own, as a forward's are
+
+    def _wait_for_device(self, rows: Sequence[RowInput], started: float) -> None:
+        """Sleep what is left of the simulated step begun at `started` (the rows run padded to the widest, as the
+        engine's decode rows do), and count the forward's time."""
+        if self.simulated is not None:
+            width = max(len(row.token_ids) for row in rows)
             time.sleep(max(0.0, self.simulated.seconds(len(rows), len(rows) * width) - (time.perf_counter() - started)))
         self.forward_s += time.perf_counter() - started
-        return ForwardOutput(logits=logits, hidden_states=states)
 
 
 def add_simulated_step_argument(parser) -> None:

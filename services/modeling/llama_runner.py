@@ -9,7 +9,7 @@ two matmuls with per-row masks (attention.py), logits only for the positions ask
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -354,13 +354,15 @@ class LlamaFamilyRunner:
         return self.graphs.shape_for(rows, width, span) or (rows, width, span)
 
     @torch.inference_mode()
-    def forward_with_tail(self, rows: Sequence[RowInput], tail: GraphTail) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward_with_tail(self, rows: Sequence[RowInput], tail: GraphTail, launched: Callable[[], None] = lambda: None
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The forward of chain rows (every fed position's logits) with `tail` run on its logits [B, L, V] inside
         the step's captured graph, where no logits leave the device and nothing is launched but the replay. Returns
         (the tail's output, its rows padded to the graph's; the served states [B, L, layers * H]), both the graph's
         own, which the next forward overwrites; None, with nothing done, where no captured graph takes this forward
         (CPU, --enforce-eager, the batch-invariant mode, a shape beyond the graphs, a capture that failed): the
-        caller then runs forward()."""
+        caller then runs forward(). Calls `launched` once the replay is queued (the engine's loop waits for it:
+        Engine.step says why)."""
         if self.graphs is None or self.invariant is not None or any(r.parents is not None for r in rows):
             return None
         starts, lengths = self._checked(rows)
@@ -373,6 +375,7 @@ class LlamaFamilyRunner:
         replayed = self.graphs.run(batch, tail)
         if replayed is None:  # the capture failed just now: the caller's forward() writes the same K/V again
             return None
+        launched()
         _, _, served, out = replayed
         for row in rows:
             self.cache.append_tokens(row.seq_id, row.token_ids)

@@ -290,18 +290,17 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
                       to_host: DeviceToHost, timing: list[tuple[StepShape, float]] | None,
                       launched: Callable[[], None] = lambda: None) -> list[SampledRow] | None:
     """The decode rows' forward and verification as one captured graph (captured_verify.py), where the runner has
-    one for this step and the rows need nothing beyond it; None, with nothing done, otherwise. Calls `launched`
-    once the replay is queued."""
+    one for this step and the rows need nothing beyond it; None, with nothing done, otherwise. The runner calls
+    `launched` once its device work is queued (llama_runner: the replay; a simulated device: before its time)."""
     forward_with_tail = getattr(runner, "forward_with_tail", None)
     if forward_with_tail is None or not captured_verify.takes(decode, drafts, runner.vocab_size):
         return None
     started = time.perf_counter()
     rows = [RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens))
             for s, d in zip(decode, drafts, strict=True)]
-    replayed = forward_with_tail(rows, captured_verify.VerifyTail.of(decode, drafts))
+    replayed = forward_with_tail(rows, captured_verify.VerifyTail.of(decode, drafts), launched)
     if replayed is None:
         return None
-    launched()
     results, served = replayed
     rows_with_states = [b for b, state in enumerate(decode) if state.hidden is not None]
     states_on_host = to_host.queue(rows_of(served, rows_with_states)) if rows_with_states else None

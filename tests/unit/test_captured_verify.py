@@ -46,8 +46,8 @@ def count_tail_steps(runner: LlamaFamilyRunner) -> list[int]:
     """Counts the forwards that ran with their verification in the graph ([n], updated as the runner runs)."""
     counted, forward_with_tail = [0], runner.forward_with_tail
 
-    def counting(rows, tail):
-        out = forward_with_tail(rows, tail)
+    def counting(rows, tail, *launched):
+        out = forward_with_tail(rows, tail, *launched)
         counted[0] += out is not None
         return out
 

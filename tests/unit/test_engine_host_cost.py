@@ -46,6 +46,35 @@ async def test_the_chat_script_gives_some_drafts_a_token_or_two_and_the_simulate
     assert runner.forward_s >= device.seconds(rows=4, tokens=12) == (20.0 + 3 * 1.0 + 8 * 0.5) / 1000
 
 
+async def test_with_a_simulated_device_decode_steps_verify_in_its_graph_as_on_an_accelerator():
+    """On an accelerator a plain decode step's verification runs inside its captured graph (captured_verify.py), so
+    the simulated device does the same: most forwards verify in it (greedy chains; steps with a prompt chunk run
+    eagerly), the script is still followed, drafts are still accepted, and the device's time is waited."""
+    from services.bench.scripted_model import ScriptedRunner, Script, SimulatedDevice
+    from services.modeling.runner import RowInput
+    from services.verifier.captured_verify import VerifyTail
+
+    device = SimulatedDevice(1.0, 0.0, 0.0)
+    for speculate in (False, True):
+        figures = await run_case(rows=3, speculate=speculate, tokens=32, vocab=512, adaptive=False, text="chat",
+                                 simulated=device, rounds=2)
+        assert figures["follows_script"] and figures["tokens"] == 3 * 2 * 32
+        assert figures["captured_forwards"] > 0.7 * figures["forwards"], figures
+        if speculate:
+            assert figures["accepted"] > 0
+    runner = ScriptedRunner(2, Script("chat", 512), simulated=SimulatedDevice(20.0, 0.0, 0.0))
+    for seq in (0, 1):  # two sequences of one prompt: the script gives them the same next tokens
+        runner.add_sequence(seq)
+        runner.forward([RowInput(seq, [1, 2, 3], 1)])
+    t0, t1, t2 = runner.forward([RowInput(0, [7, 8, 9], 3)]).logits[0].argmax(dim=-1).tolist()
+    tail = VerifyTail(sampled=False, drafts=((t0, t1),), positions=(4,), seeds=(0,), greedy=(True,),
+                      temperatures=(1.0,))
+    before = runner.forward_s
+    out, _ = runner.forward_with_tail([RowInput(1, [7, t0, t1], 3)], tail)
+    assert out.tolist() == [[t0, t1, t2, 2]] and runner.forward_s - before >= 0.02  # both drafts accepted
+    assert ScriptedRunner(1, Script("chat", 512)).forward_with_tail([], tail) is None  # no device: forward()
+
+
 async def test_through_the_verifiers_grpc_streams_the_scripted_engine_is_followed_and_timed():
     """verifier_stream_cost: the same scripted engine behind a real verifier server, read by a client process
     through a Generate call a request or one GenerateMany call; every token is the script's, and a step's wall,
