@@ -291,7 +291,8 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
                       launched: Callable[[], None] = lambda: None) -> list[SampledRow] | None:
     """The decode rows' forward and verification as one captured graph (captured_verify.py), where the runner has
     one for this step and the rows need nothing beyond it; None, with nothing done, otherwise. The runner calls
-    `launched` once its device work is queued (llama_runner: the replay; a simulated device: before its time)."""
+    `launched` once its device work is queued (llama_runner: the replay; the bench's simulated device: once its
+    logits and verification are computed)."""
     forward_with_tail = getattr(runner, "forward_with_tail", None)
     if forward_with_tail is None or not captured_verify.takes(decode, drafts, runner.vocab_size):
         return None
