@@ -154,8 +154,9 @@ class ScriptedRunner:
 
     def forward(self, rows: Sequence[RowInput]) -> ForwardOutput:
         started = time.perf_counter()
-        logits, states = self._scripted(rows)
-        self._wait_for_device(rows, started)
+        width = max(len(row.token_ids) for row in rows)
+        logits, states = self._scripted(rows, width)
+        self._wait_for_device(len(rows), width, started)
         return ForwardOutput(logits=logits, hidden_states=states)
 
     def forward_with_tail(self, rows: Sequence[RowInput], tail, launched: Callable[[], None] = lambda: None
@@ -171,19 +172,19 @@ class ScriptedRunner:
         engine runs forward()."""
         if self.simulated is None or any(row.parents is not None for row in rows):
             return None
-        inputs = tail.inputs(len(rows), max(len(row.token_ids) for row in rows))  # host work, before the replay
+        width = max(len(row.token_ids) for row in rows)
+        inputs = tail.inputs(len(rows), width)  # host work, before the replay
         started = time.perf_counter()
-        logits, states = self._scripted(rows)
+        logits, states = self._scripted(rows, width)
         out = tail.run(logits, inputs)
         launched()
         self.captured_forwards += 1
-        self._wait_for_device(rows, started)
+        self._wait_for_device(len(rows), width, started)
         return out, states
 
-    def _scripted(self, rows: Sequence[RowInput]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' logits [B, max num_logits, V] and hidden states [B, widest, state width]."""
+    def _scripted(self, rows: Sequence[RowInput], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' logits [B, max num_logits, V] and hidden states [B, width (the widest row's), state width]."""
         self.forwards += 1
-        width = max(len(row.token_ids) for row in rows)
         logits = torch.zeros(len(rows), max(row.num_logits for row in rows), self.vocab_size)
         for b, row in enumerate(rows):
             start, fed = self._lengths[row.seq_id], len(row.token_ids)
@@ -196,12 +197,11 @@ class ScriptedRunner:
             self._lengths[row.seq_id] = start + fed
         return logits, torch.empty(len(rows), width, self._state_width)  # a tensor of its own, as a forward's are
 
-    def _wait_for_device(self, rows: Sequence[RowInput], started: float) -> None:
-        """Sleep what is left of the simulated step begun at `started` (the rows run padded to the widest, as the
-        engine's decode rows do), and count the forward's time."""
+    def _wait_for_device(self, rows: int, width: int, started: float) -> None:
+        """Sleep what is left of the simulated step of `rows` rows of `width` tokens begun at `started` (padded to the
+        widest, as the engine's decode rows are), and count the forward's time."""
         if self.simulated is not None:
-            width = max(len(row.token_ids) for row in rows)
-            time.sleep(max(0.0, self.simulated.seconds(len(rows), len(rows) * width) - (time.perf_counter() - started)))
+            time.sleep(max(0.0, self.simulated.seconds(rows, rows * width) - (time.perf_counter() - started)))
         self.forward_s += time.perf_counter() - started
 
 
