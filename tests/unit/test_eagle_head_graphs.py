@@ -204,6 +204,28 @@ def test_captured_trees_draft_what_eager_trees_draft_and_reuse_their_graph():
     assert captured.capture_graphs(2, 10, max_span=100) == 5 and backend.captures == 6
 
 
+def test_trees_captured_ahead_take_asks_of_every_node_limit_without_a_capture_in_a_call():
+    """A tree drafter is asked for up to its tree_nodes tokens whatever its chain depth K: captured ahead with K = 4,
+    trees of 10 nodes (top-8, depth 4) have their whole shape captured too ((8, 4), beside (1, 1), (2, 2) and
+    (4, 4)), so a call asking 10 tokens replays it. Before, only the limits up to K were captured, and on an H200
+    the capture inside such a call made the planner stop asking the trees."""
+    backend = ReplayingBackend()
+    target = tiny_llama(seed=5, vocab_size=V)
+    head = reduced_vocabulary_eagle_head(target, V)
+    config = head.config
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    proposer = EagleProposer(head, embed, lm_head, V, tree_nodes=10, tree_topk=8, tree_depth=4)
+    proposer.tree_graphs = HeadGraphs(
+        lambda inputs, tree: tree_candidates(head, embed, proposer._draft_rows(), inputs, *tree, V), backend,
+        config.num_key_value_heads, config.head_dim, config.hidden_size, torch.float32, torch.device("cpu"))
+    assert proposer.capture_graphs(1, 4, max_span=64) == 4 and backend.captures == 4
+    ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        states = target.model(input_ids=torch.tensor([ids])).last_hidden_state[0, :-1]
+    (tree,) = proposer._draft_all([DraftInput("a", ids, 10, states)])
+    assert len(tree.token_ids) == 10 and backend.captures == 4 and backend.replays == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: captures real CUDA graphs")
 @torch.no_grad()
 def test_cuda_graphs_draft_what_eager_chains_and_trees_draft():

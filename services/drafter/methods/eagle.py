@@ -240,17 +240,22 @@ class EagleProposer:
 
     def capture_graphs(self, max_rows: int, max_k: int, max_span: int | None = None) -> int:
         """On an accelerator, capture now, before serving, the drafting graphs of calls of up to `max_rows`
-        sequences asking up to `max_k` tokens (eagle_head_graphs.HeadGraphs.capture_ahead): chains of every K as
-        _chains rounds it, or trees of every node limit as tree_shape shapes them; and the catch-up of every
+        sequences (eagle_head_graphs.HeadGraphs.capture_ahead): chains of every K up to `max_k` as _chains rounds
+        it, or trees of every node limit up to tree_nodes as tree_shape shapes them; and the catch-up of every
         padded number of new positions (eagle_catch_up.py). Returns how many were captured; 0 where drafting
-        runs eagerly."""
+        runs eagerly.
+
+        A tree's ask is for up to tree_nodes tokens (the verifier asks as many as a step affords), whatever the
+        depth `max_k` a chain would have: capturing only the limits up to K left the whole tree's shape to be
+        captured inside a step that asked for it, and on an H200 the planner never asked the EAGLE-3 trees again
+        after the warm-up met three such captures (accelerator_step, stop 65)."""
         if self.tree_nodes is None:
             graphs, parameters = self.chain_graphs, [power_of_two_at_least(k) for k in range(1, max_k + 1)]
         else:
             rows = self._draft_rows().weight.shape[0]
             graphs = self.tree_graphs
             parameters = [tree_shape(self.tree_topk, self.tree_depth, [limit], rows, bucketed=True)
-                          for limit in range(1, min(max_k, self.tree_nodes) + 1)]
+                          for limit in range(1, self.tree_nodes + 1)]
         drafting = 0 if graphs is None else graphs.capture_ahead(max_rows, parameters, max_span)
         return drafting + (0 if self.catch_up_graphs is None else self.catch_up_graphs.capture_ahead())
 
