@@ -53,7 +53,7 @@ from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
 from services.verifier.plan_rows import PlanRows, column_gains
 from services.verifier.request_state import RequestState
-from services.verifier.row_speculation import ProbeBudget, ProbeStep, RowSpeculation
+from services.verifier.row_speculation import PROBE_CHARGE_STEPS, ProbeBudget, ProbeStep, RowSpeculation
 from services.verifier.step_cost import StepCostModel, StepShape
 from services.verifier.step_planning import PrefillBacklog, prefill_room
 from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains, tree_depth
@@ -236,12 +236,19 @@ class SpeculationPlanner:
         drafter, a probe's token is worth a whole step, and a probe that lands pays for itself and the next;
         counted as a cost only, a request whose first draft was rejected probed once in about 45 steps and often
         never asked again (eagle-sim at 1 request, 1 ms asks). At 64 rows a token is worth a 64th of a step, and
-        the ration holds as before."""
+        the ration holds as before.
+
+        A step is charged at most PROBE_CHARGE_STEPS plain steps' time: what a probe itself costs (a call, a column,
+        its rows' opening: 28 ms at 64 EAGLE rows on an H200 against a 7 ms step) is within that, and a step that took
+        longer met something the probe did not cause and will not meet again (a graph captured inside the call, a
+        pause). Charged in full, one such step silenced probing for good: on an H200 the EAGLE-3 trees were asked for
+        nothing in 1,200 steps after a warm-up whose asks had graphs captured inside them (stop 65)."""
         if self._probe_step is None:
             return
         probe, self._probe_step = self._probe_step, None
         if measured:  # what it really cost in place of what it was charged
-            self.probes.spend(max(0.0, step_s - probe.expected_s) - probe.charged_s)
+            excess_s = min(max(0.0, step_s - probe.expected_s), PROBE_CHARGE_STEPS * probe.expected_s)
+            self.probes.spend(excess_s - probe.charged_s)
         self.probes.spend(-probe.won_tokens * probe.token_s)
 
     def observe_row(self, state: RequestState, num_draft: int, num_accepted: int) -> None:

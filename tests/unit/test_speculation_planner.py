@@ -374,3 +374,42 @@ def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
         for state in decode:
             planner.observe_row(state, 0, 0)  # no draft came back
     assert STALE_STEPS <= step <= 2 * STALE_STEPS, (step, probes)  # renewed by every probe: 285
+
+
+def test_one_probing_step_that_took_far_longer_than_a_probe_costs_does_not_silence_probing():
+    """A probing step that took 100 plain steps (a graph captured inside its drafting call, a pause) is charged at
+    most PROBE_CHARGE_STEPS plain steps: probes, rejected ones too, come again within a few hundred steps, where the
+    whole 100 steps charged at PROBE_TIME_SHARE would take 10,000."""
+    import asyncio
+
+    from services.verifier.request_state import RequestState
+    from services.verifier.row_speculation import PROBE_CHARGE_STEPS, PROBE_TIME_SHARE
+    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
+
+    async def state() -> RequestState:
+        return RequestState(GenerationRequest("r", (1, 2, 3), speculation=SpeculationParams("eagle", 4)), 0,
+                            [1, 2, 3], asyncio.Queue())
+
+    cost = cpu_like_cost(base=0.0024, per_row=0.0, per_token=0.00003)  # an accelerator's step at one row
+    planner = SpeculationPlanner(cost, adaptive=True)
+    for _ in range(200):
+        planner.observe_overhead(0.0002)
+    planner.draft_cost.observe(1, 0.001)
+    row = asyncio.run(state())
+    row.speculation = planner.start("eagle")
+    row.speculation.asked_before = True
+    plain_s = cost.predict(StepShape(1, 1, 4)) + 0.0002
+    probes = []
+    for step in range(3000):
+        collapsed = AcceptanceEstimate(MethodAcceptance())  # estimated too low to ask: only probes ask
+        for _ in range(5):
+            collapsed.observe(4, 0)
+        row.speculation.acceptance = collapsed
+        row.speculation.probe.interval = 0  # due at every step: the budget decides
+        asks = planner.draft_requests([row], [4])
+        if asks[0]:
+            probes.append(step)
+        planner.observe_row(row, asks[0], 0)
+        planner.settle_probe(100 * plain_s if len(probes) == 1 and probes[0] == step else plain_s)
+    assert len(probes) >= 2, probes
+    assert probes[1] - probes[0] <= 1.5 * PROBE_CHARGE_STEPS / PROBE_TIME_SHARE, probes[:3]
