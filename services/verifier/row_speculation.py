@@ -81,3 +81,6 @@ class RowSpeculation:
     asked: bool = False  # this step asked the proposer for a draft
     asked_before: bool = False  # an earlier step did (the first call opens the sequence on the drafter)
     probing: bool = False  # ... as a probe
+    # a tree row: what its trees' j-th best node was worth against a chain's j-th token, by j (SpeculationPlanner.
+    # _observe_tree_yield); empty: no tree seen yet, valued as a chain
+    tree_yield: list[float] = field(default_factory=list)
