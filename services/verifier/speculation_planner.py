@@ -27,9 +27,10 @@ step_planning.PrefillBacklog); the engine plans the chunks once the drafts are i
 A token tree's positions are its nodes, best first (tree_budget.py): each widens the forward by one column and is
 worth its depth's survival shared among the nodes at that depth, so a tree is cut to its best nodes as a chain is
 cut to its first tokens, and under load the planner verifies a few of them, or none. Before drafting, a tree row is
-planned as a chain (its survival per position) and asked for as many tokens as that plan affords: a tree of k
-tokens costs its drafter at most k levels of k expansions (EAGLE; suffix trees are free), so a small ask is a
-cheap one, and which of the tree's nodes are worth verifying is decided once it is in hand.
+planned as a chain whose j-th token is worth its survival there scaled by what its trees' j-th best nodes were worth
+against it (_planned_gains), and asked for as many tokens as that plan affords: a tree of k tokens costs its
+drafter at most k levels of k expansions (EAGLE; suffix trees are free), so a small ask is a cheap one, and which
+of the tree's nodes are worth verifying is decided once it is in hand.
 
 A request whose drafts are never verified teaches nothing, so it could stay at K = 0 after its estimate fell,
 even when its text turns repetitive later. Such a row is re-probed: after `interval` steps without a verified
