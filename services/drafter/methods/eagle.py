@@ -247,8 +247,8 @@ class EagleProposer:
 
         A tree's ask is for up to tree_nodes tokens (the verifier asks as many as a step affords), whatever the
         depth `max_k` a chain would have: capturing only the limits up to K left the whole tree's shape to be
-        captured inside a step that asked for it, and on an H200 the planner never asked the EAGLE-3 trees again
-        after the warm-up met three such captures (accelerator_step, stop 65)."""
+        captured inside a step that asked for it: on an H200 the EAGLE-3 trees' warm-up met such captures, after
+        which the planner asked them for nothing (accelerator_step, stop 65)."""
         if self.tree_nodes is None:
             graphs, parameters = self.chain_graphs, [power_of_two_at_least(k) for k in range(1, max_k + 1)]
         else:
