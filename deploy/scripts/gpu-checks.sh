@@ -10,6 +10,8 @@
 #   step   accelerator_step: captured steps, decode step and launches, none/ngram-or-suffix/EAGLE-3 (chains and
 #          trees) at 1, 8, 64 chats under a steady load (3 requests a client), and the code edit (STEP_ARGS replaces
 #          its arguments after --device and --dtype)
+#   ngram  accelerator_step with the ngram drafter (issue 29's ngram target; `step` drafts with serve's default,
+#          suffix where it installs), no EAGLE rows
 #   http   accelerator_http: the same stack through the OpenAI HTTP API, steady load
 #   link   drafter_link: what the gRPC link adds to an EAGLE-3 ask
 # CHECKS names a subset or another order (e.g. CHECKS="step http"); DEVICE (default cuda) and DTYPE (bfloat16)
@@ -25,7 +27,7 @@ summary=()
 
 limit_of() {  # each check's own limit in seconds
     case "$1" in
-        tests) echo 90 ;; step) echo 300 ;; http) echo 240 ;; link) echo 120 ;; *) echo 0 ;;
+        tests) echo 90 ;; step) echo 300 ;; ngram) echo 120 ;; http) echo 240 ;; link) echo 120 ;; *) echo 0 ;;
     esac
 }
 
@@ -37,6 +39,8 @@ tests/unit/test_host_copies.py tests/unit/test_accelerator_kernels.py tests/unit
 -k 'cuda or launch'" ;;
         step) echo "BENCH=accelerator_step bash deploy/scripts/gpu-bench.sh --device $device --dtype $dtype \
 ${STEP_ARGS:---modes captured --rounds 3 --eagle eagle3 eagle3-tree}" ;;
+        ngram) echo "BENCH=accelerator_step bash deploy/scripts/gpu-bench.sh --device $device --dtype $dtype \
+--modes captured --rounds 3 --method ngram --no-eagle" ;;
         http) echo "BENCH=accelerator_http bash deploy/scripts/gpu-bench.sh --device $device --dtype $dtype \
 --modes captured --rounds 3" ;;
         link) echo "BENCH=drafter_link bash deploy/scripts/gpu-bench.sh --method eagle3 --device $device \
@@ -50,7 +54,7 @@ if [ ! -d /tmp/site/transformers ]; then
     [ -n "$setup" ] || { echo "no /tmp/site and no .gpu/p*/setup.sh: carry the kit's last part" >&2; exit 2; }
     bash "$setup" || exit 2
 fi
-for name in ${CHECKS:-tests step http link}; do
+for name in ${CHECKS:-tests step ngram http link}; do
     limit=$(limit_of "$name")
     [ "$limit" -gt 0 ] || { summary+=("$name: unknown check"); continue; }
     left=$(( budget - ($(date +%s) - started) ))

@@ -133,13 +133,19 @@ class StepPhases:
     events, and the loop's own work (planning, committing, emitting). Events are read after the run, so timing
     adds no sync. Drafting calls that ask a request for the first time are also timed apart ("openings": the
     drafter takes in the whole prompt, for EAGLE the head's prefill), so that an ask's cost after many steps
-    unasked shows apart from a request's first."""
+    unasked shows apart from a request's first. And the forward's host part is split three ways, as medians:
+    before the run's first ask, after it in steps that asked, and after it in steps that did not. Why: on an H200
+    the EAGLE-3 rows of the code edit (stop 65) spent 1.3-2.2 ms more a forward on the host than without
+    speculation with only 5-14 asks in the run, and whether that comes with the asks or stays after the first
+    one says where to look."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
         self.steps = self.forwards = self.verified_in_graph = 0
         self.calls = self.rows_asked = self.rows_drafted = 0  # steps that asked, rows asked, rows answered a draft
         self.openings = 0  # drafting calls that asked some request for the first time
+        self.step_asked = False  # the step under way asked for drafts
+        self.host_by_phase: dict[str, list[float]] = {}  # forward host seconds: "before asks", "asked", "unasked"
         self._asked: set[str] = set()  # requests asked so far
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.cuda = engine.runner.device.type == "cuda"
@@ -148,6 +154,7 @@ class StepPhases:
 
         async def timed_step():
             self.steps += 1
+            self.step_asked = False
             with self.timing("step"):
                 await step()
 
@@ -159,6 +166,7 @@ class StepPhases:
                 drafts = await collect(decode, lengths)
             asked = sum(k > 0 for k in lengths)
             self.calls += asked > 0
+            self.step_asked = asked > 0
             self.rows_asked += asked
             self.rows_drafted += sum(bool(draft.tokens) for draft in drafts)
             return drafts
@@ -174,8 +182,12 @@ class StepPhases:
                 if self.cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
+                started = time.perf_counter()
                 with self.timing("forward host"):
                     output = run_forward(*args)
+                if output is not None:  # (a forward_with_tail that declined: the step's forward() follows)
+                    phase = "asked" if self.step_asked else "unasked" if self.calls else "before asks"
+                    self.host_by_phase.setdefault(phase, []).append(time.perf_counter() - started)
                 if self.cuda:
                     end.record()
                     self.events.append((start, end))
@@ -216,6 +228,7 @@ class StepPhases:
         self.steps = self.forwards = self.verified_in_graph = 0
         self.calls = self.rows_asked = self.rows_drafted = self.openings = 0
         self._asked.clear()
+        self.host_by_phase.clear()
 
     def summary(self) -> str:
         """ms per step of each phase, over the steps since reset()."""
@@ -232,7 +245,9 @@ class StepPhases:
             asks = (f"; {self.calls} steps asked drafts of {self.rows_asked} rows, {self.rows_drafted} had one; "
                     f"ms an ask: {self.openings} openings "
                     f"{1000 * self.seconds.get('openings', 0.0) / max(self.openings, 1):.2f}, {later} later "
-                    f"{1000 * self.seconds.get('later asks', 0.0) / max(later, 1):.2f}")
+                    f"{1000 * self.seconds.get('later asks', 0.0) / max(later, 1):.2f}; ms of forward host "
+                    "(medians): " + ", ".join(f"{phase} {1000 * statistics.median(seconds):.2f}"
+                                              for phase, seconds in self.host_by_phase.items()))
         return (f"{self.steps} steps, {self.forwards} forwards ({self.verified_in_graph} verified in their graph); "
                 f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}{asks}")
 
