@@ -290,37 +290,50 @@ def test_a_probe_is_charged_what_its_step_really_cost():
     assert probe_share(measured=False) > 2 * PROBE_TIME_SHARE
 
 
-def test_probes_that_win_their_tokens_pay_for_themselves():
-    """The probe ration bounds what probing loses, net of the tokens probes win. One request alone with a cheap
-    drafter: a probe's call costs less than the step its accepted token saves, so probes that land are not rationed,
-    while probes that are rejected keep to PROBE_TIME_SHARE of step time."""
+def one_eagle_row_on_an_accelerator():
+    """A planner that knows an accelerator's step at one row (2.4 ms), 0.2 ms of overhead and asks of 1 ms, and one
+    EAGLE request already opened on its drafter: (planner, the request, a plain step's seconds)."""
     import asyncio
 
     from services.verifier.request_state import RequestState
-    from services.verifier.row_speculation import PROBE_TIME_SHARE
     from services.verifier.sampling_params import GenerationRequest, SpeculationParams
 
     async def state() -> RequestState:
         return RequestState(GenerationRequest("r", (1, 2, 3), speculation=SpeculationParams("eagle", 4)), 0,
                             [1, 2, 3], asyncio.Queue())
 
+    cost = cpu_like_cost(base=0.0024, per_row=0.0, per_token=0.00003)
+    planner = SpeculationPlanner(cost, adaptive=True)
+    for _ in range(200):
+        planner.observe_overhead(0.0002)
+    planner.draft_cost.observe(1, 0.001)
+    row = asyncio.run(state())
+    row.speculation = planner.start("eagle")
+    row.speculation.asked_before = True
+    return planner, row, cost.predict(StepShape(1, 1, 4)) + 0.0002
+
+
+def only_probes_ask(row) -> None:
+    """The row's estimate too low to ask (five drafts of 4, all rejected) and a probe due at every step: whether it
+    probes is the budget's to decide."""
+    collapsed = AcceptanceEstimate(MethodAcceptance())
+    for _ in range(5):
+        collapsed.observe(4, 0)
+    row.speculation.acceptance = collapsed
+    row.speculation.probe.interval = 0  # a rejection doubles 0
+
+
+def test_probes_that_win_their_tokens_pay_for_themselves():
+    """The probe ration bounds what probing loses, net of the tokens probes win. One request alone with a cheap
+    drafter: a probe's call costs less than the step its accepted token saves, so probes that land are not rationed,
+    while probes that are rejected keep to PROBE_TIME_SHARE of step time."""
+    from services.verifier.row_speculation import PROBE_TIME_SHARE
+
     def probes(lands: bool) -> tuple[int, float]:
-        cost = cpu_like_cost(base=0.0024, per_row=0.0, per_token=0.00003)  # an accelerator's step at one row
-        planner = SpeculationPlanner(cost, adaptive=True)
-        for _ in range(200):
-            planner.observe_overhead(0.0002)
-        planner.draft_cost.observe(1, 0.001)  # a call: 1 ms
-        row = asyncio.run(state())
-        row.speculation = planner.start("eagle")
-        row.speculation.asked_before = True
-        plain_s = cost.predict(StepShape(1, 1, 4)) + 0.0002
+        planner, row, plain_s = one_eagle_row_on_an_accelerator()
         count, lost_s = 0, 0.0
         for _ in range(2000):
-            collapsed = AcceptanceEstimate(MethodAcceptance())  # estimated too low to ask: only probes ask
-            for _ in range(5):
-                collapsed.observe(4, 0)
-            row.speculation.acceptance = collapsed
-            row.speculation.probe.interval = 0  # due at every step: the budget decides
+            only_probes_ask(row)
             asks = planner.draft_requests([row], [4])
             step_s = plain_s + (0.0011 if asks[0] else 0.0)
             accepted = int(lands and asks[0] > 0)
@@ -380,37 +393,17 @@ def test_one_probing_step_that_took_far_longer_than_a_probe_costs_does_not_silen
     """A probing step that took 100 plain steps (a graph captured inside its drafting call, a pause) is charged at
     most PROBE_CHARGE_STEPS plain steps: probes, rejected ones too, come again within a few hundred steps, where the
     whole 100 steps charged at PROBE_TIME_SHARE would take 10,000."""
-    import asyncio
-
-    from services.verifier.request_state import RequestState
     from services.verifier.row_speculation import PROBE_CHARGE_STEPS, PROBE_TIME_SHARE
-    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
 
-    async def state() -> RequestState:
-        return RequestState(GenerationRequest("r", (1, 2, 3), speculation=SpeculationParams("eagle", 4)), 0,
-                            [1, 2, 3], asyncio.Queue())
-
-    cost = cpu_like_cost(base=0.0024, per_row=0.0, per_token=0.00003)  # an accelerator's step at one row
-    planner = SpeculationPlanner(cost, adaptive=True)
-    for _ in range(200):
-        planner.observe_overhead(0.0002)
-    planner.draft_cost.observe(1, 0.001)
-    row = asyncio.run(state())
-    row.speculation = planner.start("eagle")
-    row.speculation.asked_before = True
-    plain_s = cost.predict(StepShape(1, 1, 4)) + 0.0002
+    planner, row, plain_s = one_eagle_row_on_an_accelerator()
     probes = []
     for step in range(3000):
-        collapsed = AcceptanceEstimate(MethodAcceptance())  # estimated too low to ask: only probes ask
-        for _ in range(5):
-            collapsed.observe(4, 0)
-        row.speculation.acceptance = collapsed
-        row.speculation.probe.interval = 0  # due at every step: the budget decides
+        only_probes_ask(row)
         asks = planner.draft_requests([row], [4])
         if asks[0]:
             probes.append(step)
         planner.observe_row(row, asks[0], 0)
-        planner.settle_probe(100 * plain_s if len(probes) == 1 and probes[0] == step else plain_s)
+        planner.settle_probe(100 * plain_s if probes == [step] else plain_s)
     assert len(probes) >= 2, probes
     assert probes[1] - probes[0] <= 1.5 * PROBE_CHARGE_STEPS / PROBE_TIME_SHARE, probes[:3]
 
