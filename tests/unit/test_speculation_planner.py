@@ -4,6 +4,7 @@ re-probing (the engine-level tests are in test_engine_greedy.py and test_adaptiv
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -37,6 +38,21 @@ def test_survival_is_the_product_of_conditionals_and_learns_per_request():
     assert high[3] > 0.6 and low[0] < 0.3
     fresh = AcceptanceEstimate(method)  # a new request starts from the method's record (half good, half bad)
     assert low[0] < fresh.survival(1)[0] < high[0]
+
+
+def decoding_states(count: int, method: str, k: int, context: Sequence[int] = (1, 2, 3)) -> list:
+    """`count` decoding requests (RequestState) of `method` asking for K = k, their prompt (1, 2, 3) and their
+    tokens so far `context`; built inside an event loop, which a request's output queue needs."""
+    import asyncio
+
+    from services.verifier.request_state import RequestState
+    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
+
+    async def states() -> list[RequestState]:
+        return [RequestState(GenerationRequest(f"r{i}", (1, 2, 3), speculation=SpeculationParams(method, k)), 0,
+                             list(context), asyncio.Queue()) for i in range(count)]
+
+    return asyncio.run(states())
 
 
 def test_non_negative_least_squares_recovers_costs_and_never_goes_negative():
@@ -176,21 +192,13 @@ def test_drafts_that_push_waiting_prompts_to_a_later_step_pay_for_it():
     """Where prompts wait and the token budget binds, each draft token fed pushes a prompt token to a later step:
     64 rows that would verify drafts with a step to themselves verify fewer or none beside a backlog, and the same
     when the backlog fits beside the drafts."""
-    import asyncio
-
-    from services.verifier.request_state import RequestState
-    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
     from services.verifier.step_planning import PrefillBacklog
-
-    async def states() -> list[RequestState]:
-        return [RequestState(GenerationRequest(f"r{i}", (1, 2, 3), speculation=SpeculationParams("ngram", 4)), 0,
-                             [1, 2, 3], asyncio.Queue()) for i in range(64)]
 
     cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)  # an accelerator's flat step
     planner = SpeculationPlanner(cost, adaptive=True)
     for _ in range(200):
         planner.observe_overhead(0.002)
-    decode = asyncio.run(states())
+    decode = decoding_states(64, "ngram", 4)
     for state in decode:
         state.speculation = planner.start("ngram")
         for _ in range(20):
@@ -251,15 +259,7 @@ def test_a_probe_is_charged_what_its_step_really_cost():
     """Probes are rationed to PROBE_TIME_SHARE of step time. A probe's step also pays the speculative bookkeeping and
     its rows' first call on the drafter, which the prediction that granted it leaves out: settled at what the step
     really cost, probes stay within the share; charged the prediction, they took several times it."""
-    import asyncio
-
-    from services.verifier.request_state import RequestState
     from services.verifier.row_speculation import PROBE_TIME_SHARE
-    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
-
-    async def states() -> list[RequestState]:
-        return [RequestState(GenerationRequest(f"r{i}", (1, 2, 3), speculation=SpeculationParams("ngram", 4)), 0,
-                             [1, 2, 3], asyncio.Queue()) for i in range(64)]
 
     def probe_share(measured: bool) -> float:
         cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)  # an accelerator's flat step
@@ -267,7 +267,7 @@ def test_a_probe_is_charged_what_its_step_really_cost():
         for _ in range(200):
             planner.observe_overhead(0.002)
         planner.draft_cost.observe(1, 0.001)  # a call predicted at 1 ms
-        decode = asyncio.run(states())
+        decode = decoding_states(64, "ngram", 4)
         for state in decode:
             state.speculation = planner.start("ngram")
             for _ in range(20):
@@ -293,21 +293,12 @@ def test_a_probe_is_charged_what_its_step_really_cost():
 def one_eagle_row_on_an_accelerator():
     """A planner that knows an accelerator's step at one row (2.4 ms), 0.2 ms of overhead and asks of 1 ms, and one
     EAGLE request already opened on its drafter: (planner, the request, a plain step's seconds)."""
-    import asyncio
-
-    from services.verifier.request_state import RequestState
-    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
-
-    async def state() -> RequestState:
-        return RequestState(GenerationRequest("r", (1, 2, 3), speculation=SpeculationParams("eagle", 4)), 0,
-                            [1, 2, 3], asyncio.Queue())
-
     cost = cpu_like_cost(base=0.0024, per_row=0.0, per_token=0.00003)
     planner = SpeculationPlanner(cost, adaptive=True)
     for _ in range(200):
         planner.observe_overhead(0.0002)
     planner.draft_cost.observe(1, 0.001)
-    row = asyncio.run(state())
+    (row,) = decoding_states(1, "eagle", 4)
     row.speculation = planner.start("eagle")
     row.speculation.asked_before = True
     return planner, row, cost.predict(StepShape(1, 1, 4)) + 0.0002
@@ -355,22 +346,14 @@ def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
     hundred steps, and once the figure is stale a probe's measurement replaces it. Probes before that are averaged
     in without renewing the figure's age: renewing it, they kept the figure from going stale and averaged it down a
     fifth at a time."""
-    import asyncio
-
     from services.verifier.draft_cost import STALE_STEPS
-    from services.verifier.request_state import RequestState
-    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
-
-    async def states() -> list[RequestState]:
-        return [RequestState(GenerationRequest(f"r{i}", (1, 2, 3), speculation=SpeculationParams("ngram", 4)), 0,
-                             [1, 2, 3], asyncio.Queue()) for i in range(4)]
 
     cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)
     planner = SpeculationPlanner(cost, adaptive=True)
     for _ in range(200):
         planner.observe_overhead(0.001)
     planner.draft_cost.observe(1, 0.200)
-    decode = asyncio.run(states())
+    decode = decoding_states(4, "ngram", 4)
     for state in decode:
         state.speculation = planner.start("ngram")
         state.speculation.asked_before = True
@@ -413,11 +396,7 @@ def test_tree_rows_are_asked_for_the_nodes_the_plan_after_drafting_keeps():
     a chain before drafting, 16 tree rows were asked for about 3 tokens each of which the plan after drafting kept
     none (on an H200: 841 rows asked for EAGLE-3 trees at 8 chats, 144 verified); valued by what their trees' j-th
     best nodes were worth, they are asked for what is then verified."""
-    import asyncio
-
     from services.common.token_trees import tree_depths
-    from services.verifier.request_state import RequestState
-    from services.verifier.sampling_params import GenerationRequest, SpeculationParams
 
     def likeliest_nodes(k: int) -> ProposedDraft:
         """The k likeliest nodes of a tree whose roots have probabilities 0.45, 0.2, 0.1 and 0.05 and whose nodes'
@@ -430,16 +409,12 @@ def test_tree_rows_are_asked_for_the_nodes_the_plan_after_drafting_keeps():
             frontier += [(probability / 2, len(chosen) - 1), (probability / 6, len(chosen) - 1)]
         return ProposedDraft(list(range(1, k + 1)), None, [p for _, p in chosen], [q for q, _ in chosen])
 
-    async def states() -> list[RequestState]:
-        return [RequestState(GenerationRequest(f"r{i}", (1, 2, 3), speculation=SpeculationParams("eagle", 24)), 0,
-                             [1, 2, 3] * 100, asyncio.Queue()) for i in range(16)]
-
     planner = SpeculationPlanner(cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.001), adaptive=True)
     for _ in range(200):
         planner.observe_overhead(0.001)
     for k in (1, 2, 4, 8, 16, 24):
         planner.draft_cost.observe(k, 0.0005 + 0.00005 * k)
-    decode = asyncio.run(states())
+    decode = decoding_states(16, "eagle", 24, [1, 2, 3] * 100)
     for state in decode:
         state.speculation = planner.start("eagle")
         state.speculation.asked_before = True
