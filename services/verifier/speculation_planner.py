@@ -57,7 +57,7 @@ from services.verifier.request_state import RequestState
 from services.verifier.row_speculation import PROBE_CHARGE_STEPS, ProbeBudget, ProbeStep, RowSpeculation
 from services.verifier.step_cost import StepCostModel, StepShape
 from services.verifier.step_planning import PrefillBacklog, prefill_room
-from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains, tree_depth
+from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains
 
 OVERHEAD_SMOOTHING = 0.05  # weight of the newest step in the moving average of step overhead
 TREE_YIELD_SMOOTHING = 0.5  # weight of a row's newest tree in its trees' yield (_observe_tree_yield)
@@ -376,10 +376,12 @@ class SpeculationPlanner:
 
     @classmethod
     def _tree_gains(cls, state: RequestState, draft: ProposedDraft) -> list[float] | None:
-        """A tree draft's node gains (tree_budget.py); None for a chain."""
+        """A tree draft's node gains (tree_budget.py); None for a chain. The survival read is as long as the tree has
+        nodes, not just as deep as it is (the positions past its depth are read by no node): the same read that
+        _observe_tree_yield then makes, which the row's estimate then serves from its cache."""
         if draft.parents is None:
             return None
-        return node_gains(draft, cls._survival(state, tree_depth(draft)))
+        return node_gains(draft, cls._survival(state, len(draft.tokens)))
 
 
 def _span(decode: Sequence[RequestState]) -> int:
