@@ -96,3 +96,18 @@ def test_a_start_up_profile_of_a_few_shapes_fits_the_four_base_terms_only():
                 profile.observe(StepShape(rows, width, span + width), ms / 1000)
     profile.fit()
     assert profile.predict(StepShape(1, 2, 514)) > 1.08 * profile.predict(StepShape(1, 1, 513))
+
+
+def test_the_shapes_most_steps_run_weigh_most_in_the_fit():
+    """A batch of 64 that drains and refills passes through many shapes once each (39-63 rows, each at its own
+    context), slower a row than the few shapes at 64 rows that most of its steps run (engine_host_cost's chat text
+    on a simulated H200 step: 6.5-7.5 ms at 39-63 rows, 5.5 at 64). The fit has to be right where the steps are."""
+    model = StepCostModel()
+    for rows in range(39, 64):
+        model.observe(StepShape(rows, 1, 140 + 60 * (rows % 3)), 0.007)
+    for _ in range(100):
+        for span in (140, 200, 260):
+            model.observe(StepShape(64, 1, span), 0.0055)
+    model.fit()
+    for span in (140, 200, 260):
+        assert abs(model.predict(StepShape(64, 1, span)) - 0.0055) < 0.05 * 0.0055
