@@ -78,9 +78,8 @@ class RowSpeculation:
     acceptance: AcceptanceEstimate
     probe: ProbeSchedule = field(default_factory=ProbeSchedule)
     drafts: DraftRate = field(default_factory=DraftRate)
-    asked: bool = False  # this step asked the proposer for a draft
-    asked_before: bool = False  # an earlier step did (the first call opens the sequence on the drafter)
-    probing: bool = False  # ... as a probe
+    asked_before: bool = False  # a step asked its proposer for a draft (the first call opens the sequence there)
+    probing: bool = False  # this step asked it as a probe
     # a tree row: what its trees' j-th best node was worth against a chain's j-th token, by j (SpeculationPlanner.
     # _observe_tree_yield); empty: no tree seen yet, valued as a chain
     tree_yield: list[float] = field(default_factory=list)

@@ -140,6 +140,8 @@ class SpeculationPlanner:
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
         self._probe_step: ProbeStep | None = None  # this step's probes, until settle_probe
         self._opening = False  # this step asks a row for the first time (its drafting is not measured)
+        self._asked: list[int] = []  # the rows (indices) this step asked for drafts, until choose_drafts
+        self._probing: list[RowSpeculation] = []  # ... of them the probes
 
     def start(self, method: str) -> RowSpeculation:
         """The speculation state of a newly admitted request using `method`."""
@@ -153,6 +155,9 @@ class SpeculationPlanner:
         """How many tokens to ask each row's proposer for: `caps[i]` is row i's bound (its K, the room left);
         `backlog`: the prompt tokens waiting to be prefilled (None: none)."""
         self._probe_step = None
+        for row in self._probing:  # a step that failed before observe_row leaves its probes' flags set
+            row.probing = False
+        self._asked, self._probing = [], []
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
         figures = self.row_figures
@@ -165,33 +170,39 @@ class SpeculationPlanner:
         width = best_width_of_columns(rows, figures.columns, forward_s, overhead_s, self.draft_cost.predict,
                                       self.speculative_overhead_s(rows),
                                       self._displacement(caps, narrow + overhead_s, backlog))
+        plain_s = narrow + overhead_s  # what a plain step is expected to take
         self._probe_column_s = max(0.0, forward_s[1] - narrow)
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it.
         # Granted at no more than a plain step's time: a figure a pause left high would otherwise keep away the very
         # probes that measure it again (draft_cost.py); settle_probe charges the probe what it really cost.
-        probe_call_s = min(self.draft_cost.predict(1), narrow + overhead_s) if width == 1 else 0.0
-        token_s = (narrow + overhead_s) / rows  # a token's share of a plain step: what a probe's win saves
+        probe_call_s = min(self.draft_cost.predict(1), plain_s) if width == 1 else 0.0
+        token_s = plain_s / rows  # a token's share of a plain step: what a probe's win saves
         probe_s = self._probe_column_s + probe_call_s
+        due: list[int] = []  # the rows a probe would ask
         if width == 1:  # granted at its cost less what its due rows are expected to win (settle_probe)
-            probe_s -= token_s * sum(first for first, state in zip(figures.first_wins, decode, strict=True)
-                                     if first and state.speculation.probe.due)
-        can_probe = self.probes.earn(narrow + overhead_s, max(0.0, probe_s))
-        asks, probed, opening = [], False, False
-        for state, cap in zip(decode, caps, strict=True):
-            row = state.speculation
-            ask = min(cap, width - 1)
-            if row is not None:
-                probing = can_probe and ask == 0 and cap > 0 and row.probe.due
-                if probing:
-                    ask, probed = 1, True
-                row.probing, row.asked = probing, ask > 0
-                if ask > 0 and not row.asked_before:
-                    opening = row.asked_before = True
-            asks.append(ask)
+            due = [i for i, (state, cap) in enumerate(zip(decode, caps, strict=True))
+                   if cap > 0 and state.speculation is not None and state.speculation.probe.due]
+            probe_s -= token_s * sum(figures.first_wins[i] for i in due)
+        can_probe = self.probes.earn(plain_s, max(0.0, probe_s))
+        if width > 1:
+            asks = [min(cap, width - 1) for cap in caps]
+            self._asked = [i for i, ask in enumerate(asks) if ask > 0]
+        else:  # a plain step (most under load) touches no row but the ones it probes
+            asks = [0] * rows
+            self._asked = due if can_probe else []
+            for i in self._asked:
+                asks[i] = 1
+                self._probing.append(decode[i].speculation)
+                decode[i].speculation.probing = True
+        opening = False
+        for i in self._asked:
+            row = decode[i].speculation
+            if row is not None and not row.asked_before:
+                opening = row.asked_before = True
         self._opening = opening
-        if probed:
+        if self._probing:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
-            self._probe_step = ProbeStep(narrow + overhead_s, probe_call_s, token_s)
+            self._probe_step = ProbeStep(plain_s, probe_call_s, token_s)
         return asks
 
     def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft],
@@ -200,10 +211,11 @@ class SpeculationPlanner:
         draft_requests."""
         if not self.adaptive or not decode:
             return list(drafts)
-        for state, draft in zip(decode, drafts, strict=True):
-            row = state.speculation
-            if row is not None and row.asked:
-                row.drafts.observe(bool(draft.tokens))
+        asked, self._asked = self._asked, []
+        for i in asked:
+            row = decode[i].speculation
+            if row is not None:
+                row.drafts.observe(bool(drafts[i].tokens))
                 self.row_figures.changed()
         if not any(d.tokens for d in drafts):
             return list(drafts)
@@ -219,7 +231,7 @@ class SpeculationPlanner:
         width = best_width(survivals, span, self.cost, overhead_s,
                            speculative_overhead_s=self.speculative_overhead_s(len(decode)),
                            displaced_s=self._displacement([len(d.tokens) for d in drafts], narrow_s, backlog))
-        if width == 1 and any(s.speculation and s.speculation.probing and d.tokens for s, d in zip(decode, drafts)):
+        if width == 1 and self._probing and any(drafts[i].tokens for i in asked):  # a probing step asks probes only
             width = 2  # a probe pays for one column, which every drafted row then uses
             self.probes.spend(self._probe_column_s)
             if self._probe_step is not None:

@@ -340,6 +340,20 @@ def test_probes_that_win_their_tokens_pay_for_themselves():
     assert 0 < lost_share <= 1.2 * PROBE_TIME_SHARE and rejected < 0.1 * landing
 
 
+def test_a_probe_that_was_never_observed_is_not_taken_for_one_in_the_next_step():
+    """A plain step touches only the rows it probes (at 64 rows, setting every row's flags was most of a plain
+    step's plan); a probing step whose rows were never observed (the step failed) leaves no flag behind: the next
+    step's outcome is not counted as a probe's."""
+    planner, row, _ = one_eagle_row_on_an_accelerator()
+    only_probes_ask(row)
+    planner.probes.credit_s = 1.0  # a probe is affordable
+    assert planner.draft_requests([row], [4]) == [1] and row.speculation.probing
+    row.speculation.probe.interval = 10**9  # no more probes due; the step above is never observed
+    assert planner.draft_requests([row], [4]) == [0] and not row.speculation.probing
+    planner.observe_row(row, 1, 0)  # a draft verified and rejected: not a probe, so the interval stands
+    assert row.speculation.probe.interval == 10**9
+
+
 def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
     """A drafting call that took 200 ms once (a pause) stops the asking. Its figure fades slowly (draft_cost.py), so
     it is the probes that measure it again: granted at no more than a plain step's cost, they come within a few
