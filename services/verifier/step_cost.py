@@ -15,7 +15,8 @@ as steps ran it lately (its observations, halved every WEIGHT_HALF_LIFE observat
 right where the steps are: weighed alike, the hundred shapes a batch of 64 passes through once each while it
 drains and refills (39-63 rows, each at its own context) outweighed the few shapes at 64 rows that most steps run,
 and a plain step at 64 chats was predicted at 7.2 ms where it took 5.5 (engine_host_cost's chat text on a
-simulated H200 step); the planner then took speculation for cheaper than it was. Only the four terms c0, c1,
+simulated H200 step; 5.9 weighed): the planner took a plain step for dearer than it was, and asked for drafts
+where they lost. Only the four terms c0, c1,
 c2 and c4 are fitted until the shapes seen show, by predicting shapes left out of the fit, that all seven do
 clearly better (choose_terms): a start-up profile's few shapes cannot pin seven down.
 
