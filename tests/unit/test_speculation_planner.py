@@ -341,7 +341,7 @@ def test_probes_that_win_their_tokens_pay_for_themselves():
 
 
 def test_a_probe_that_was_never_observed_is_not_taken_for_one_in_the_next_step():
-    """A plain step touches only the rows it probes (at 64 rows, setting every row's flags was most of a plain
+    """A plain step touches only the rows it probes (at 64 rows, setting every row's flags was about half a plain
     step's plan); a probing step whose rows were never observed (the step failed) leaves no flag behind: the next
     step's outcome is not counted as a probe's."""
     planner, row, _ = one_eagle_row_on_an_accelerator()
