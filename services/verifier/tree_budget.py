@@ -53,8 +53,3 @@ def keep_nodes(draft: ProposedDraft, kept: Sequence[int]) -> ProposedDraft:
     return ProposedDraft([draft.tokens[i] for i in kept], None if draft.probs is None else draft.probs[list(kept)],
                          renumbered_parents(draft.parents or [], kept),
                          None if draft.path_probs is None else [draft.path_probs[i] for i in kept])
-
-
-def tree_depth(draft: ProposedDraft) -> int:
-    """The tree's longest path (tokens)."""
-    return 1 + max(tree_depths(draft.parents or []), default=-1)

@@ -14,7 +14,7 @@ from services.verifier.draft_collection import ProposedDraft
 from services.verifier.request_state import RequestState
 from services.verifier.sampling_params import GenerationRequest, SpeculationParams
 from services.verifier.speculation_planner import SpeculationPlanner
-from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains, tree_depth
+from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains
 from tests.step_costs import FixedCost
 
 TREE = ProposedDraft([10, 11, 12, 13], None, [-1, -1, 0, 1], [0.6, 0.3, 0.5, 0.1])  # paths 10-12, 11-13
@@ -40,7 +40,8 @@ def test_the_best_nodes_are_a_tree_for_every_budget():
         parents = [rng.randint(-1, i - 1) for i in range(n)]
         probs = [rng.random() for _ in range(n)] if rng.random() < 0.7 else None
         draft = ProposedDraft(list(range(100, 100 + n)), None, parents, probs)
-        survival = sorted((rng.random() for _ in range(tree_depth(draft))), reverse=True)
+        depth = 1 + max(tree_depths(parents), default=-1)  # the longest path's tokens
+        survival = sorted((rng.random() for _ in range(depth)), reverse=True)
         gains = node_gains(draft, survival)
         for k in range(n + 1):
             kept = best_nodes(gains, k)
