@@ -122,7 +122,8 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
-        self._seed_source = random.SystemRandom()
+        # where a request without a seed gets one: reproducible under --seed (EngineConfig.seed)
+        self._seed_source = random.SystemRandom() if self.config.seed is None else random.Random(self.config.seed)
         self._cost_profiled = False
         self._graphs_captured = False
         # One thread for all tensor work: torch's OpenMP pool belongs to the calling thread, so every step reuses

@@ -36,6 +36,9 @@ class EngineConfig:
     # vLLM's --max-logprobs: the most alternatives a request may ask per position (logprobs, prompt_logprobs);
     # -1: the whole vocabulary
     max_logprobs: int = 20
+    # vLLM's --seed: the seeds of the requests that give none are drawn from a generator seeded with it, so a fresh
+    # engine sent the same requests in the same order samples the same tokens; None: fresh system randomness
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -181,6 +181,7 @@ async def start_verifier(
             extract_hidden_states_dir=extract_dir(settings),
             step_cost_cache=step_cost_cache,
             max_logprobs=settings.max_logprobs,
+            seed=settings.seed,
             hidden_layers=tuple(settings.hidden_layers) if settings.hidden_layers is not None else None,
         ),
         {d.name: d for d in drafters},

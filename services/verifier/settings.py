@@ -52,6 +52,7 @@ class VerifierSettings(TlsServerSettings):
     max_num_batched_tokens: int = Field(512, ge=1)
     max_waiting_requests: int = Field(256, ge=0)
     max_logprobs: int = Field(20, ge=-1)  # vLLM's: most alternatives per position a request may ask; -1: vocabulary
+    seed: int | None = None  # vLLM's: seeds the requests that give none (EngineConfig.seed); None: fresh randomness
     compute_thread: Literal["auto", "main", "worker"] = "auto"  # thread for the forwards; auto: measured
     enforce_eager: bool = False  # vLLM's: on an accelerator, never replay captured graphs (step_graphs.py)
     cuda_graph_sizes: list[int] | None = None  # vLLM's: row counts a graph is captured for; None: 1, 2, 4, 8, 16...
@@ -166,6 +167,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
         parser.add_argument("--max-logprobs", dest="max_logprobs", type=int, default=default,
                             help="most logprobs / prompt_logprobs alternatives a request may ask per position; -1: "
                             f"the whole vocabulary (default {shown('max_logprobs')})")
+        parser.add_argument("--seed", dest="seed", type=int, default=default,
+                            help="seed for the requests that give none: a fresh server sent the same requests in "
+                            "the same order samples the same tokens (default none: fresh randomness each request)")
     parser.add_argument("--adaptive-speculation", dest="adaptive_speculation", action=argparse.BooleanOptionalAction,
                         default=default, help="verify only the draft positions expected to pay for their cost, per "
                         "step (default on); --no-adaptive-speculation verifies every row's full K")

@@ -71,6 +71,21 @@ async def test_unsigned_64_bit_seeds_sample_reproducibly_beside_other_requests(m
     assert together["big"].tokens != together["big+1"].tokens
 
 
+async def test_the_engines_seed_makes_requests_without_one_reproducible(model):
+    """vLLM's --seed (EngineConfig.seed): a fresh engine sent the same unseeded requests in the same order samples the
+    same tokens, another seed other tokens; without one, each request draws fresh randomness."""
+    unseeded = SamplingParams(max_tokens=12, temperature=1.0)
+
+    async def sampled(seed):
+        engine = Engine(LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=96),
+                        EngineConfig(log_stats_interval_s=0, seed=seed), {})
+        return {rid: r.tokens for rid, r in (await run_schedule(engine, {0: requests(unseeded)})).items()}
+
+    first, again, other = await sampled(7), await sampled(7), await sampled(8)
+    assert first == again and first != other
+    assert await sampled(None) != await sampled(None)
+
+
 @pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64, 1.5])
 def test_seeds_outside_the_64_bit_range_are_refused_at_admission(seed):
     with pytest.raises(ValueError, match="seed"):
