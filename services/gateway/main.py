@@ -16,7 +16,9 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
                         "host:port,host:port or dns:///name:port (every address of a name, e.g. a headless "
                         "Service), balanced round robin over the healthy ones")
     parser.add_argument("--model", help="model spec for the tokenizer (default: the verifier's model id)")
-    parser.add_argument("--served-model-name", help="name clients send as 'model' (default: verifier's)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the names clients send as 'model'; responses give the first (vLLM's flag; default: the "
+                        "verifier's model id)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 (or SPECSERVE_API_KEY)")
     parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
     parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "

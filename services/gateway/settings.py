@@ -7,9 +7,10 @@ service; it is a SecretStr so it never shows up in logs or reprs.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class GatewaySettings(BaseSettings):
@@ -21,8 +22,9 @@ class GatewaySettings(BaseSettings):
     verifier: str = "127.0.0.1:50051"
     # The --model spec the verifier was started with; loads the tokenizer. None: use the verifier's model_id.
     model: str | None = None
-    # Name clients put in "model"; None: the verifier's Info.model_id.
-    served_model_name: str | None = None
+    # Names clients put in "model", as vLLM's --served-model-name: any is accepted, the first is the one responses
+    # and metrics give; None: the verifier's Info.model_id. In the environment: comma-separated.
+    served_model_name: Annotated[list[str] | None, NoDecode] = None
     api_key: SecretStr | None = Field(
         None,
         validation_alias=AliasChoices("api_key", "SPECSERVE_GATEWAY_API_KEY", "SPECSERVE_API_KEY"),
@@ -42,3 +44,15 @@ class GatewaySettings(BaseSettings):
     verifier_shared_stream: bool = False
     verifier_shared_stream_calls: int | None = Field(None, ge=1)
     verifier_shared_stream_max_age_s: float = Field(60.0, gt=0)
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value: object) -> object:
+        """One name or a comma-separated list (an environment value) as a list; an empty name is refused."""
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list):
+            value = [name.strip() if isinstance(name, str) else name for name in value]
+            if not value or "" in value:
+                raise ValueError("served_model_name: every name must be non-empty")
+        return value

@@ -101,13 +101,16 @@ class GatewayState:
                 code="tokenizer_mismatch",
             )
 
-    async def served_name(self) -> str:
-        return self.settings.served_model_name or (await self.model_info()).model_id
+    async def served_names(self) -> list[str]:
+        """The names a request may give as its model (--served-model-name), the one responses give first."""
+        return self.settings.served_model_name or [(await self.model_info()).model_id]
 
     async def check_model(self, name: str | None) -> str:
-        """The served name; a 404 when a request names another model (None: the request may leave it out)."""
-        served = await self.served_name()
-        if name is not None and name != served:
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
+        """The name responses give (the first served name, as vLLM's); a 404 when a request names a model that is
+        not served (None: the request may leave it out)."""
+        served = await self.served_names()
+        if name is not None and name not in served:
+            names = ", ".join(f"`{n}`" for n in served)
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves {names}.",
                            param="model", code="model_not_found")
-        return served
+        return served[0]
