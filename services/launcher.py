@@ -77,7 +77,7 @@ class TlsFlags:
 ENGINE_FLAGS = (
     "model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "compute_thread",
     "adaptive_speculation", "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "max_logprobs",
-    "enforce_eager", "cuda_graph_sizes", "batch_invariant",
+    "enforce_eager", "cuda_graph_sizes", "batch_invariant", "seed",
 )
 
 
@@ -160,6 +160,10 @@ def plan(args: argparse.Namespace) -> list[Child]:
     ]
     if args.model is not None:
         gateway += ["--model", args.model]
+    if args.served_model_name:
+        gateway += ["--served-model-name", *args.served_model_name]
+    if args.tool_call_parser:
+        gateway += ["--tool-call-parser", args.tool_call_parser]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     children.append(Child("gateway", gateway, args.host, args.port))
@@ -258,8 +262,19 @@ def port_number(text: str) -> int:
     return value
 
 
+def with_model_tag(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the positional model (`specserve serve MODEL`, as `vllm serve MODEL`) as --model; both given, they
+    must agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return args
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"the model is given twice, as {tag!r} and as --model {args.model!r}; give it once")
+    return argparse.Namespace(**{**vars(args), "model": tag})
+
+
 def run(args: argparse.Namespace) -> int:
-    args = with_free_ports(args)
+    args = with_free_ports(with_model_tag(args))
     children = plan(args)
     policy = RestartPolicy(initial_backoff_s=args.restart_backoff_initial_s,
                            max_backoff_s=args.restart_backoff_max_s, reset_after_s=args.restart_backoff_reset_s)
@@ -267,7 +282,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model to serve, as in `vllm serve MODEL`: the same as --model")
     add_engine_flags(parser, default=None)  # unset: the verifier's own settings (defaults or environment) decide
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the names clients send as 'model'; responses give the first (default: the model's id)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="how the model writes tool calls: hermes (default; Qwen2.5, Hermes)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool calls (tool_choice auto, none, required or a "
+                        "named function) are always on")
     parser.add_argument(
         "--speculative-config", default=None,
         help="JSON (default: suffix, or ngram where arctic-inference is not installed, K = 5, on a drafter of its "

@@ -323,3 +323,23 @@ def test_a_placed_child_runs_on_its_cpus_only_and_torch_follows():
         "raise SystemExit(process.wait())")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [f"[{cpu}]", "1"], out.stdout
+
+
+def test_a_vllm_serve_command_line_runs_as_it_is():
+    """`vllm serve MODEL --served-model-name NAME --seed N --enable-auto-tool-choice --tool-call-parser hermes` as users
+    already type it: the model as the verifier's and the gateway's --model, the names and the tool-call parser to the
+    gateway, the seed to the verifier; tool calls are always on."""
+    args = launcher.with_model_tag(parse("qwen2.5-coder-0.5b-instruct", "--served-model-name", "coder", "org/coder",
+                                         "--seed", "7", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    _, verifier, gateway = launcher.plan(args)
+    assert flag(gateway.argv, "--tool-call-parser") == "hermes" and "--enable-auto-tool-choice" not in gateway.argv
+    assert flag(verifier.argv, "--model") == "qwen2.5-coder-0.5b-instruct" == flag(gateway.argv, "--model")
+    names = gateway.argv.index("--served-model-name")
+    assert gateway.argv[names + 1 : names + 3] == ["coder", "org/coder"] and "--served-model-name" not in verifier.argv
+    assert flag(verifier.argv, "--seed") == "7" and "--seed" not in gateway.argv
+    same = launcher.with_model_tag(parse("smollm2-135m-instruct", "--model", "smollm2-135m-instruct"))
+    assert same.model == "smollm2-135m-instruct"
+    with pytest.raises(ValueError, match="given twice"):
+        launcher.with_model_tag(parse("smollm2-135m-instruct", "--model", "qwen2.5-coder-0.5b-instruct"))
+    _, verifier, gateway = launcher.plan(launcher.with_model_tag(parse()))
+    assert not {"--model", "--seed", "--served-model-name", "--tool-call-parser"} & set(verifier.argv + gateway.argv)
