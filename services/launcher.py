@@ -164,6 +164,8 @@ def plan(args: argparse.Namespace) -> list[Child]:
         gateway += ["--served-model-name", *args.served_model_name]
     if args.tool_call_parser:
         gateway += ["--tool-call-parser", args.tool_call_parser]
+    if args.chat_template:
+        gateway += ["--chat-template", args.chat_template]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     children.append(Child("gateway", gateway, args.host, args.port))
@@ -289,6 +291,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the names clients send as 'model'; responses give the first (default: the model's id)")
     parser.add_argument("--tool-call-parser", default=None,
                         help="how the model writes tool calls: hermes (default; Qwen2.5, Hermes)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or the path of a file holding one, for every chat request in "
+                        "place of the model's own (the gateway's)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command lines: tool calls (tool_choice auto, none, required or a "
                         "named function) are always on")

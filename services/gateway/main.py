@@ -19,6 +19,8 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the names clients send as 'model'; responses give the first (vLLM's flag; default: the "
                         "verifier's model id)")
+    parser.add_argument("--chat-template", help="a Jinja chat template, or the path of a file holding one, for every "
+                        "chat request in place of the model's own (vLLM's flag)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 (or SPECSERVE_API_KEY)")
     parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
     parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "

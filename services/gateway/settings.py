@@ -38,12 +38,22 @@ class GatewaySettings(BaseSettings):
     max_n: int = Field(16, ge=1)
     # How the model writes tool calls (services/gateway/tools/parsers.py); vLLM's --tool-call-parser.
     tool_call_parser: str = "hermes"
+    # vLLM's --chat-template: a Jinja chat template, or the path of a file holding one, used for every chat request
+    # in place of the model's own (read and checked at start-up: the setting then holds the template's text)
+    chat_template: str | None = None
     # Requests share GenerateMany calls instead of a Generate call each (shared_stream.py): this many (None: one per
     # address of a fixed --verifier list, else one; one per verifier replica is the intent), each taking new
     # requests for verifier_shared_stream_max_age_s before a new call replaces it (shared_stream_pool.py).
     verifier_shared_stream: bool = False
     verifier_shared_stream_calls: int | None = Field(None, ge=1)
     verifier_shared_stream_max_age_s: float = Field(60.0, gt=0)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        from services.gateway.tokenizer import read_chat_template
+
+        return None if value is None else read_chat_template(value)
 
     @field_validator("served_model_name", mode="before")
     @classmethod

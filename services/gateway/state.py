@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from services.gateway.errors import ApiError, from_grpc
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
-from services.gateway.tokenizer import load_tokenizer
+from services.gateway.tokenizer import load_tokenizer, with_chat_template
 from services.gateway.verifier_client import VerifierClient
 from services.modeling.model_source import ModelUnavailableError
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
@@ -34,6 +34,9 @@ class GatewayState:
     tokenizer_problem: str | None = None  # why the tokenizer cannot be had (then the gateway is not ready)
     info: Any = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.tokenizer = with_chat_template(self.tokenizer, self.settings.chat_template)
 
     async def model_info(self) -> Any:
         if self.info is None:
@@ -85,7 +88,7 @@ class GatewayState:
                 self.tokenizer_problem = f"the tokenizer of model {spec!r} could not be loaded: {error}"
                 logger.exception("gateway not ready: %s", self.tokenizer_problem)
                 return
-            self.tokenizer = tokenizer
+            self.tokenizer = with_chat_template(tokenizer, self.settings.chat_template)
 
     async def _check_tokenizer(self, info: Any, tokenizer: Any) -> None:
         """Ids from a tokenizer with another vocabulary would mean other tokens to the verifier's model."""

@@ -33,6 +33,38 @@ def load_tokenizer(spec: str) -> Any:
         raise ModelUnavailableError(f"the tokenizer of model {spec!r} could not be loaded: {error}") from error
 
 
+def read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the path of a file holding a Jinja chat template, or the template itself; checked
+    here, at start-up, so that a typo in a path or a template fails the start and not every chat request."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    try:
+        ImmutableSandboxedEnvironment().parse(text)  # transformers renders chat templates in this environment
+    except TemplateSyntaxError as error:
+        raise ValueError(f"chat_template is not a valid Jinja template: {error} (line {error.lineno})") from error
+    return text
+
+
+def with_chat_template(tokenizer: Any, template: str | None) -> Any:
+    """The tokenizer rendering chats with `template` in place of the model's own (None: unchanged). A copy: the
+    tokenizer object given may be shared."""
+    if template is None or tokenizer is None:
+        return tokenizer
+    import copy
+
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
 def encode_prompt(tokenizer: Any, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, list):
         return list(prompt)

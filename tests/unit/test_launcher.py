@@ -343,3 +343,8 @@ def test_a_vllm_serve_command_line_runs_as_it_is():
         launcher.with_model_tag(parse("smollm2-135m-instruct", "--model", "qwen2.5-coder-0.5b-instruct"))
     _, verifier, gateway = launcher.plan(launcher.with_model_tag(parse()))
     assert not {"--model", "--seed", "--served-model-name", "--tool-call-parser"} & set(verifier.argv + gateway.argv)
+
+
+def test_a_chat_template_reaches_the_gateway_only():
+    _, verifier, gateway = launcher.plan(parse("--chat-template", "./template.jinja"))
+    assert flag(gateway.argv, "--chat-template") == "./template.jinja" and "--chat-template" not in verifier.argv
