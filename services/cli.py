@@ -18,8 +18,8 @@ from services.verifier.settings import VerifierSettings, add_engine_flags
 
 LOCAL_ENGINE_FLAGS = (
     "model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "adaptive_speculation",
-    "kv_cache_memory_bytes", "block_size", "enable_prefix_caching", "enforce_eager", "cuda_graph_sizes",
-    "batch_invariant",
+    "kv_cache_memory_bytes", "gpu_memory_utilization", "block_size", "enable_prefix_caching", "enforce_eager",
+    "cuda_graph_sizes", "batch_invariant",
 )
 
 

@@ -38,6 +38,7 @@ class LocalEngineOptions:
     max_model_len: int | None = None  # None: the model's whole context (modeling/context_length.py)
     max_num_batched_tokens: int = 512
     kv_cache_memory_bytes: str | None = None  # None: kv_budget.py's default share of available memory
+    gpu_memory_utilization: float | None = None  # vLLM's: the share of the device's memory the instance holds
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
     adaptive_speculation: bool = True
@@ -82,7 +83,8 @@ def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None =
     loaded = loaded or load_model(options.model, device=options.device, dtype=options.dtype)
     max_model_len = resolve_max_model_len(loaded.model, options.max_model_len)
     memory = parse_bytes(options.kv_cache_memory_bytes) if options.kv_cache_memory_bytes is not None else None
-    kv_cache = KVCacheConfig(memory, options.block_size, options.enable_prefix_caching)
+    kv_cache = KVCacheConfig(memory, options.block_size, options.enable_prefix_caching,
+                             options.gpu_memory_utilization)
     graphs = GraphSettings(options.enforce_eager, tuple(options.cuda_graph_sizes or ()) or None)
     runner = create_runner(loaded.model, options.max_num_seqs, max_model_len, kv_cache, graphs=graphs,
                            batch_invariant=options.batch_invariant)

@@ -47,6 +47,7 @@ class VerifierSettings(TlsServerSettings):
     # the paged KV pool's size, as vLLM's --kv-cache-memory-bytes ("4GiB", "512M" or bytes); None: a share of
     # the memory available at start-up (services/modeling/kv_budget.py)
     kv_cache_memory_bytes: str | None = None
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)  # vLLM's: the device memory share (kv_budget.py)
     block_size: int = Field(16, ge=1, le=1024)  # tokens per KV block
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix (vLLM's APC)
     max_num_batched_tokens: int = Field(512, ge=1)
@@ -119,7 +120,7 @@ class VerifierSettings(TlsServerSettings):
         from services.modeling.kv_budget import KVCacheConfig
 
         memory = parse_bytes(self.kv_cache_memory_bytes) if self.kv_cache_memory_bytes is not None else None
-        return KVCacheConfig(memory, self.block_size, self.enable_prefix_caching)
+        return KVCacheConfig(memory, self.block_size, self.enable_prefix_caching, self.gpu_memory_utilization)
 
     @property
     def speculation(self) -> SpeculativeConfig:
@@ -156,6 +157,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
     parser.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", default=default,
                         help="memory for the paged KV cache, e.g. 4GiB, 512M or bytes "
                         f"(default {shown('kv_cache_memory_bytes')})")
+    parser.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float, default=default,
+                        help="the share of the device's memory (on CPU: of RAM) the instance may hold, weights and KV "
+                        "cache, as vLLM's flag: the KV cache takes what is free beyond the rest, all of it "
+                        "(default: unset, the KV cache as --kv-cache-memory-bytes says; that wins where both are given)")
     parser.add_argument("--block-size", dest="block_size", type=int, default=default,
                         help=f"tokens per KV cache block (default {shown('block_size')})")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",

@@ -348,3 +348,28 @@ def test_a_vllm_serve_command_line_runs_as_it_is():
 def test_a_chat_template_reaches_the_gateway_only():
     _, verifier, gateway = launcher.plan(parse("--chat-template", "./template.jinja"))
     assert flag(gateway.argv, "--chat-template") == "./template.jinja" and "--chat-template" not in verifier.argv
+
+
+def test_gpu_memory_utilization_reaches_the_verifiers_kv_cache():
+    from services.verifier.settings import VerifierSettings
+
+    _, verifier, _ = launcher.plan(parse("--gpu-memory-utilization", "0.85"))
+    assert flag(verifier.argv, "--gpu-memory-utilization") == "0.85"
+    assert VerifierSettings(gpu_memory_utilization=0.85).kv_cache.memory_utilization == 0.85
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VerifierSettings(gpu_memory_utilization=1.2)
+
+
+def test_every_engine_flag_declared_reaches_the_engine_it_is_for():
+    """serve passes on ENGINE_FLAGS and generate reads LOCAL_ENGINE_FLAGS: a flag declared by add_engine_flags and
+    missing from either list would be accepted and silently ignored."""
+    from services import cli
+    from services.verifier.settings import add_engine_flags
+
+    def declared(**options) -> set[str]:
+        parser = argparse.ArgumentParser()
+        add_engine_flags(parser, default=None, **options)
+        return {action.dest for action in parser._actions if action.dest != "help"}
+
+    assert declared() == set(launcher.ENGINE_FLAGS)
+    assert declared(compute_thread=False, serving=False) == set(cli.LOCAL_ENGINE_FLAGS)

@@ -172,6 +172,33 @@ def test_the_budget_sizes_the_pool():
         parse_bytes("lots")
 
 
+def test_gpu_memory_utilization_leaves_the_rest_of_the_device_to_others(monkeypatch):
+    """vLLM's --gpu-memory-utilization u: the pool takes what is free beyond the (1 - u) of the device's memory left
+    to others, uncapped; too little for one sequence is an error that names the flag; a byte budget wins."""
+    from services.modeling import kv_budget
+
+    per_token, cpu = PagedKVCache.bytes_per_token(2, 2, 8, torch.float32), torch.device("cpu")
+    block = per_token * 16
+    monkeypatch.setattr(kv_budget, "total_memory", lambda device: 1000 * block)
+    monkeypatch.setattr(kv_budget, "available_memory", lambda device: 600 * block)  # 400 blocks' worth held already
+    assert KVCacheConfig(block_size=16, memory_utilization=0.9).num_blocks(per_token, 64, 8, cpu) == 500 + 1
+    assert KVCacheConfig(block_size=16, memory_utilization=0.5).num_blocks(per_token, 64, 8, cpu) == 100 + 1
+    with pytest.raises(ValueError, match="--gpu-memory-utilization 0.4 leaves 0 bytes"):
+        KVCacheConfig(block_size=16, memory_utilization=0.4).num_blocks(per_token, 64, 8, cpu)
+    both = KVCacheConfig(memory_bytes=10 * block, block_size=16, memory_utilization=0.9)
+    assert both.num_blocks(per_token, 64, 8, cpu) == 10 + 1
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            KVCacheConfig(memory_utilization=bad)
+
+
+def test_the_devices_memory_is_read_from_the_device():
+    from services.modeling.kv_budget import available_memory, total_memory
+
+    cpu = torch.device("cpu")
+    assert 0 < available_memory(cpu) <= total_memory(cpu)
+
+
 def test_the_pool_is_resident_from_the_start():
     """An untouched CPU allocation is address space only: another process would size its pool from memory this
     one has already promised. Made, the pool is resident (a 256 MiB pool here): counted page by page on the pool's
