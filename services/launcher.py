@@ -32,6 +32,7 @@ from services.supervision import (
     stop_processes,
     wait_for_port,
 )
+from services.gateway.settings import add_cors_flags
 from services.verifier.settings import add_engine_flags
 
 
@@ -166,6 +167,11 @@ def plan(args: argparse.Namespace) -> list[Child]:
         gateway += ["--tool-call-parser", args.tool_call_parser]
     if args.chat_template:
         gateway += ["--chat-template", args.chat_template]
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        if getattr(args, name):
+            gateway += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    if args.allow_credentials is not None:
+        gateway += ["--allow-credentials"]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     children.append(Child("gateway", gateway, args.host, args.port))
@@ -294,6 +300,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or the path of a file holding one, for every chat request in "
                         "place of the model's own (the gateway's)")
+    add_cors_flags(parser)
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command lines: tool calls (tool_choice auto, none, required or a "
                         "named function) are always on")

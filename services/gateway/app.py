@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -68,6 +69,10 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         state.metrics.requests.labels(path, str(status)).inc()
 
     app.add_middleware(RequestCounter, count=count)
+    if settings.allowed_origins:  # outermost: a preflight is answered before the counter and any route's API key
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                           allow_credentials=settings.allow_credentials)
 
     async def require_api_key(request: Request) -> None:
         key = settings.api_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.gateway.settings import GatewaySettings
+from services.gateway.settings import GatewaySettings, add_cors_flags
 
 
 def parse_args(argv: list[str] | None) -> GatewaySettings:
@@ -22,6 +22,7 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--chat-template", help="a Jinja chat template, or the path of a file holding one, for every "
                         "chat request in place of the model's own (vLLM's flag)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 (or SPECSERVE_API_KEY)")
+    add_cors_flags(parser)
     parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
     parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "
                                                    "Hermes)")

@@ -6,6 +6,8 @@ service; it is a SecretStr so it never shows up in logs or reprs.
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -47,6 +49,13 @@ class GatewaySettings(BaseSettings):
     verifier_shared_stream: bool = False
     verifier_shared_stream_calls: int | None = Field(None, ge=1)
     verifier_shared_stream_max_age_s: float = Field(60.0, gt=0)
+    # CORS, as vLLM's --allowed-origins, --allowed-methods, --allowed-headers and --allow-credentials: the browser
+    # origins whose pages may call the API ("*": any). Unlike vLLM, none by default: a server on a workstation is
+    # not callable from every web page its user opens. A JSON list as vLLM takes it, or comma-separated.
+    allowed_origins: Annotated[list[str], NoDecode] = []
+    allowed_methods: Annotated[list[str], NoDecode] = ["*"]
+    allowed_headers: Annotated[list[str], NoDecode] = ["*"]
+    allow_credentials: bool = False
 
     @field_validator("chat_template")
     @classmethod
@@ -54,6 +63,20 @@ class GatewaySettings(BaseSettings):
         from services.gateway.tokenizer import read_chat_template
 
         return None if value is None else read_chat_template(value)
+
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")
+    @classmethod
+    def _cors_list(cls, value: object) -> object:
+        """vLLM's JSON list (`'["https://ui.example"]'`), or comma-separated names."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"not a JSON list: {error}") from error
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -66,3 +89,14 @@ class GatewaySettings(BaseSettings):
             if not value or "" in value:
                 raise ValueError("served_model_name: every name must be non-empty")
         return value
+
+
+def add_cors_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's CORS flags, declared once for `specserve gateway` and `specserve serve` (which passes them on)."""
+    parser.add_argument("--allowed-origins", help="browser origins whose pages may call the API (CORS), as a JSON "
+                        "list ('[\"https://ui.example\"]', '[\"*\"]': any) or comma-separated (vLLM's flag; default "
+                        "none, where vLLM allows any)")
+    parser.add_argument("--allowed-methods", help="with --allowed-origins: the methods allowed (default any)")
+    parser.add_argument("--allowed-headers", help="with --allowed-origins: the request headers allowed (default any)")
+    parser.add_argument("--allow-credentials", action="store_true", default=None,
+                        help="with --allowed-origins: pages may send credentials (cookies, HTTP auth)")

@@ -373,3 +373,10 @@ def test_every_engine_flag_declared_reaches_the_engine_it_is_for():
 
     assert declared() == set(launcher.ENGINE_FLAGS)
     assert declared(compute_thread=False, serving=False) == set(cli.LOCAL_ENGINE_FLAGS)
+
+
+def test_cors_flags_reach_the_gateway_only():
+    _, verifier, gateway = launcher.plan(parse("--allowed-origins", '["*"]', "--allow-credentials"))
+    assert flag(gateway.argv, "--allowed-origins") == '["*"]' and "--allow-credentials" in gateway.argv
+    assert not any("allow" in arg for arg in verifier.argv)
+    assert not any("allow" in arg for arg in launcher.plan(parse())[2].argv)
