@@ -32,7 +32,7 @@ from services.supervision import (
     stop_processes,
     wait_for_port,
 )
-from services.gateway.settings import add_cors_flags
+from services.gateway.settings import add_cors_flags, add_logging_flags
 from services.verifier.settings import add_engine_flags
 
 
@@ -140,6 +140,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
     verifier = [
         *python, "verifier", *_given_engine_flags(args), "--host", args.host, "--port", str(args.verifier_port),
         "--metrics-port", str(args.verifier_metrics_port), *tls.server_flags,
+        *(["--disable-log-stats"] if args.disable_log_stats else []),
     ]
     if spec.extract_dir is not None:  # no drafter: the verifier serves and writes hidden states
         verifier += ["--speculative-config", json.dumps({"method": spec.method, "output_dir": spec.output_dir})]
@@ -172,6 +173,10 @@ def plan(args: argparse.Namespace) -> list[Child]:
             gateway += [f"--{name.replace('_', '-')}", getattr(args, name)]
     if args.allow_credentials is not None:
         gateway += ["--allow-credentials"]
+    if args.uvicorn_log_level:
+        gateway += ["--uvicorn-log-level", args.uvicorn_log_level]
+    if args.disable_uvicorn_access_log is not None:
+        gateway += ["--disable-uvicorn-access-log"]
     if args.api_key:
         gateway += ["--api-key", args.api_key]
     children.append(Child("gateway", gateway, args.host, args.port))
@@ -301,6 +306,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template, or the path of a file holding one, for every chat request in "
                         "place of the model's own (the gateway's)")
     add_cors_flags(parser)
+    add_logging_flags(parser)
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="vLLM's flag: no periodic stats log line from the verifier")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command lines: tool calls (tool_choice auto, none, required or a "
                         "named function) are always on")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.gateway.settings import GatewaySettings, add_cors_flags
+from services.gateway.settings import GatewaySettings, add_cors_flags, add_logging_flags
 
 
 def parse_args(argv: list[str] | None) -> GatewaySettings:
@@ -23,6 +23,7 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
                         "chat request in place of the model's own (vLLM's flag)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 (or SPECSERVE_API_KEY)")
     add_cors_flags(parser)
+    add_logging_flags(parser)
     parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
     parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "
                                                    "Hermes)")
@@ -36,6 +37,7 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
                         help="with --verifier-shared-stream: a call takes new requests for S seconds, then a new "
                              "one replaces it, so calls follow verifiers that join or restart (default 60)")
     args = parser.parse_args(argv)
+    args.disable_log_requests = None  # nothing to turn off (add_logging_flags)
     given = {k: v for k, v in vars(args).items() if v is not None}
     return GatewaySettings(**given)  # flags override SPECSERVE_GATEWAY_* environment values
 
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
                  "/detokenize"):
         print(f"  {base}{path}", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
+                access_log=not settings.disable_uvicorn_access_log)
     return 0
 
 

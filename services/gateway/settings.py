@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -56,6 +56,9 @@ class GatewaySettings(BaseSettings):
     allowed_methods: Annotated[list[str], NoDecode] = ["*"]
     allowed_headers: Annotated[list[str], NoDecode] = ["*"]
     allow_credentials: bool = False
+    # uvicorn's logging, as vLLM's --uvicorn-log-level and --disable-uvicorn-access-log (a line per HTTP request)
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    disable_uvicorn_access_log: bool = False
 
     @field_validator("chat_template")
     @classmethod
@@ -100,3 +103,14 @@ def add_cors_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-headers", help="with --allowed-origins: the request headers allowed (default any)")
     parser.add_argument("--allow-credentials", action="store_true", default=None,
                         help="with --allowed-origins: pages may send credentials (cookies, HTTP auth)")
+
+
+def add_logging_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's logging flags, declared once for `specserve gateway` and `specserve serve` (which passes them on)."""
+    parser.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="the HTTP server's log level (default info)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true", default=None,
+                        help="no log line per HTTP request")
+    parser.add_argument("--disable-log-requests", action="store_true", default=None,
+                        help="accepted for vLLM's command lines: requests' contents are never logged (the access "
+                        "log's line per request is --disable-uvicorn-access-log's)")

@@ -30,6 +30,8 @@ def add_verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", dest="metrics_port", type=int, default=s, help="0 turns metrics off")
     parser.add_argument("--log-stats-interval-s", dest="log_stats_interval_s", type=float, default=s,
                         help="seconds between 'spec decode:' log lines (acceptance, tokens/s, fallbacks); 0: none")
+    parser.add_argument("--disable-log-stats", dest="log_stats_interval_s", action="store_const", const=0.0, default=s,
+                        help="vLLM's flag: no periodic stats log line (as --log-stats-interval-s 0)")
     parser.add_argument("--drain-seconds", dest="drain_s", type=float, default=s)
     parser.add_argument("--grace-seconds", dest="grace_s", type=float, default=s)
     parser.add_argument("--tls-cert-file", dest="tls_cert_file", default=s)

@@ -380,3 +380,24 @@ def test_cors_flags_reach_the_gateway_only():
     assert flag(gateway.argv, "--allowed-origins") == '["*"]' and "--allow-credentials" in gateway.argv
     assert not any("allow" in arg for arg in verifier.argv)
     assert not any("allow" in arg for arg in launcher.plan(parse())[2].argv)
+
+
+def test_vllms_logging_flags_reach_the_service_that_logs():
+    from services.gateway.main import parse_args
+    from services.verifier.main import add_verifier_flags
+    from services.verifier.settings import VerifierSettings
+
+    _, verifier, gateway = launcher.plan(parse("--disable-log-stats", "--disable-log-requests",
+                                               "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"))
+    assert "--disable-log-stats" in verifier.argv and "--disable-log-stats" not in gateway.argv
+    assert flag(gateway.argv, "--uvicorn-log-level") == "warning" and "--disable-uvicorn-access-log" in gateway.argv
+    assert "--disable-log-requests" not in verifier.argv + gateway.argv  # nothing to turn off
+    verifier_parser = argparse.ArgumentParser()
+    add_verifier_flags(verifier_parser)
+    assert VerifierSettings(**vars(verifier_parser.parse_args(["--disable-log-stats"]))).log_stats_interval_s == 0
+    assert VerifierSettings(**vars(verifier_parser.parse_args([]))).log_stats_interval_s > 0
+    settings = parse_args(["--uvicorn-log-level", "warning", "--disable-uvicorn-access-log", "--disable-log-requests"])
+    assert settings.uvicorn_log_level == "warning" and settings.disable_uvicorn_access_log
+    assert parse_args([]).uvicorn_log_level == "info" and not parse_args([]).disable_uvicorn_access_log
+    _, verifier, gateway = launcher.plan(parse())
+    assert not any("log" in arg for arg in verifier.argv + gateway.argv)
