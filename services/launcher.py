@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
 from services.common.speculative_config import SpeculativeConfig
+from services.gateway.settings import add_cors_flags, add_logging_flags
 from services.supervision import (
     Child,
     RestartPolicy,
@@ -32,7 +33,6 @@ from services.supervision import (
     stop_processes,
     wait_for_port,
 )
-from services.gateway.settings import add_cors_flags, add_logging_flags
 from services.verifier.settings import add_engine_flags
 
 
@@ -80,13 +80,19 @@ ENGINE_FLAGS = (
     "adaptive_speculation", "kv_cache_memory_bytes", "gpu_memory_utilization", "block_size", "enable_prefix_caching",
     "max_logprobs", "enforce_eager", "cuda_graph_sizes", "batch_invariant", "seed",
 )
+# the gateway's flags that serve takes (add_arguments) and passes on as given
+GATEWAY_FLAGS = (
+    "served_model_name", "chat_template", "tool_call_parser", "api_key", "allowed_origins", "allowed_methods",
+    "allowed_headers", "allow_credentials", "uvicorn_log_level", "disable_uvicorn_access_log",
+)
 
 
-def _given_engine_flags(args: argparse.Namespace) -> list[str]:
-    """Only the verifier flags given on this command line: the others are left to the verifier's settings, so
-    its defaults and SPECSERVE_VERIFIER_* environment variables hold under `specserve serve` too."""
+def _given_flags(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """Only the flags of `names` given on this command line: the others are left to the service's settings, so
+    its defaults and SPECSERVE_VERIFIER_* (SPECSERVE_GATEWAY_*) environment variables hold under `specserve serve`
+    too."""
     flags = []
-    for name in ENGINE_FLAGS:
+    for name in names:
         value = getattr(args, name, None)
         flag = name.replace("_", "-")
         if isinstance(value, bool):  # an on/off flag: --name or --no-name
@@ -138,7 +144,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
     tls = TlsFlags.from_args(args)
     children = []
     verifier = [
-        *python, "verifier", *_given_engine_flags(args), "--host", args.host, "--port", str(args.verifier_port),
+        *python, "verifier", *_given_flags(args, ENGINE_FLAGS), "--host", args.host, "--port", str(args.verifier_port),
         "--metrics-port", str(args.verifier_metrics_port), *tls.server_flags,
         *(["--disable-log-stats"] if args.disable_log_stats else []),
     ]
@@ -162,23 +168,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
     ]
     if args.model is not None:
         gateway += ["--model", args.model]
-    if args.served_model_name:
-        gateway += ["--served-model-name", *args.served_model_name]
-    if args.tool_call_parser:
-        gateway += ["--tool-call-parser", args.tool_call_parser]
-    if args.chat_template:
-        gateway += ["--chat-template", args.chat_template]
-    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-        if getattr(args, name):
-            gateway += [f"--{name.replace('_', '-')}", getattr(args, name)]
-    if args.allow_credentials is not None:
-        gateway += ["--allow-credentials"]
-    if args.uvicorn_log_level:
-        gateway += ["--uvicorn-log-level", args.uvicorn_log_level]
-    if args.disable_uvicorn_access_log is not None:
-        gateway += ["--disable-uvicorn-access-log"]
-    if args.api_key:
-        gateway += ["--api-key", args.api_key]
+    gateway += _given_flags(args, GATEWAY_FLAGS)
     children.append(Child("gateway", gateway, args.host, args.port))
     return children
 

@@ -360,10 +360,12 @@ def test_gpu_memory_utilization_reaches_the_verifiers_kv_cache():
         VerifierSettings(gpu_memory_utilization=1.2)
 
 
-def test_every_engine_flag_declared_reaches_the_engine_it_is_for():
-    """serve passes on ENGINE_FLAGS and generate reads LOCAL_ENGINE_FLAGS: a flag declared by add_engine_flags and
-    missing from either list would be accepted and silently ignored."""
+def test_every_engine_and_gateway_flag_declared_reaches_the_service_it_is_for():
+    """serve passes on ENGINE_FLAGS and GATEWAY_FLAGS and generate reads LOCAL_ENGINE_FLAGS: a flag declared by
+    add_engine_flags (add_cors_flags, add_logging_flags) and missing from its list would be accepted and silently
+    ignored."""
     from services import cli
+    from services.gateway.settings import add_cors_flags, add_logging_flags
     from services.verifier.settings import add_engine_flags
 
     def declared(**options) -> set[str]:
@@ -373,6 +375,16 @@ def test_every_engine_flag_declared_reaches_the_engine_it_is_for():
 
     assert declared() == set(launcher.ENGINE_FLAGS)
     assert declared(compute_thread=False, serving=False) == set(cli.LOCAL_ENGINE_FLAGS)
+    gateway = argparse.ArgumentParser()
+    add_cors_flags(gateway)
+    add_logging_flags(gateway)
+    names = {action.dest for action in gateway._actions} - {"help", "disable_log_requests"}  # nothing to turn off
+    assert names <= set(launcher.GATEWAY_FLAGS)
+    switches, argv = {"allow_credentials", "disable_uvicorn_access_log"}, []
+    for name in launcher.GATEWAY_FLAGS:
+        argv += [f"--{name.replace('_', '-')}", *([] if name in switches else ["info"])]
+    planned = launcher.plan(parse(*argv))[2]
+    assert all(f"--{name.replace('_', '-')}" in planned.argv for name in launcher.GATEWAY_FLAGS)
 
 
 def test_cors_flags_reach_the_gateway_only():
