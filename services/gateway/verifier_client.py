@@ -77,6 +77,7 @@ class VerifierClient:
         self._stub: Any = None
         self._retiring: dict[grpc.aio.Channel, asyncio.Task] = {}  # old channels, closing once their calls end
         self._shares_stream = shared_stream
+        self._generate_many: bool | None = None  # InfoResponse.generate_many, once asked (_serves_generate_many)
         self._pool = SharedStreamPool(shared_stream_calls or self._target.num_addresses, shared_stream_max_age_s)
 
     def _ensure(self) -> Any:
@@ -100,9 +101,24 @@ class VerifierClient:
     async def info(self, timeout_s: float | None = None) -> Any:
         return await self._ensure().Info(pb.InfoRequest(), timeout=timeout_s or self._info_timeout_s)
 
+    async def _serves_generate_many(self) -> bool:
+        """Whether the verifier says it serves GenerateMany (InfoResponse.generate_many), asked once. Trying the call
+        and falling back on UNIMPLEMENTED was not enough: under load the refusal reached the client as an INTERNAL
+        error now and then (the server reset the stream while the request was being written), a 500 for that
+        request. Where Info itself fails, the call is tried, as before."""
+        if self._generate_many is None:
+            try:
+                self._generate_many = (await self.info()).generate_many
+            except grpc.RpcError:
+                return True
+        return self._generate_many
+
     async def generate(self, request: Any) -> AsyncIterator[Any]:
         """GenerateResponse messages of one request; closing the iterator early cancels the call. Retried once,
         on a fresh channel, when the connection failed before the first message (see the module docstring)."""
+        if self._shares_stream and not await self._serves_generate_many():
+            logger.warning("the verifier at %s has no GenerateMany; a Generate call per request instead", self.address)
+            self._shares_stream = False
         if self._shares_stream:
             try:
                 async for response in self._generate_shared(request):

@@ -217,4 +217,5 @@ def info_to_proto(
         default_num_speculative_tokens=default.num_tokens if default.method else 0,
         tokenizer_fingerprint=facts.tokenizer_fingerprint,
         max_logprobs=facts.max_logprobs,
+        generate_many=True,  # servicer.GenerateMany
     )
