@@ -160,7 +160,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
     parser.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float, default=default,
                         help="the share of the device's memory (on CPU: of RAM) the instance may hold, weights and KV "
                         "cache, as vLLM's flag: the KV cache takes what is free beyond the rest, all of it "
-                        "(default: unset, the KV cache as --kv-cache-memory-bytes says; that wins where both are given)")
+                        "(default: unset, the KV cache as --kv-cache-memory-bytes says; that wins where both are "
+                        "given)")
     parser.add_argument("--block-size", dest="block_size", type=int, default=default,
                         help=f"tokens per KV cache block (default {shown('block_size')})")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
