@@ -190,9 +190,11 @@ class TreeProposer:
     capabilities = ProposerCapabilities(sends_trees=True)
 
     def __init__(self, vocab_size: int, seed: int = 0,
-                 references: Mapping[Hashable, Sequence[int]] | None = None, ranked: bool = False) -> None:
+                 references: Mapping[Hashable, Sequence[int]] | None = None, ranked: bool = False,
+                 duplicate_share: float = 0.3) -> None:
         self.vocab_size = vocab_size
         self.ranked = ranked
+        self.duplicate_share = duplicate_share  # of the nodes that have siblings, those repeating a sibling's token
         self.rng = random.Random(seed)
         self.references = references
         self.calls = 0
@@ -212,14 +214,22 @@ class TreeProposer:
         while len(tokens) < k - len(true_path):
             parent = self.rng.randint(-1, len(tokens) - 1)
             siblings = [tokens[j] for j in range(len(tokens)) if parents[j] == parent]
-            duplicate = siblings and self.rng.random() < 0.3
-            tokens.append(self.rng.choice(siblings) if duplicate else self.rng.randrange(self.vocab_size))
+            duplicate = siblings and self.rng.random() < self.duplicate_share
+            if duplicate:
+                tokens.append(self.rng.choice(siblings))
+            elif self.duplicate_share:  # a random token, which may repeat a sibling's by chance
+                tokens.append(self.rng.randrange(self.vocab_size))
+            else:
+                tokens.append(self.rng.choice([t for t in range(self.vocab_size) if t not in siblings]))
             parents.append(parent)
         random_nodes = len(tokens)
         for depth, token in enumerate(true_path):
-            parents.append(-1 if depth == 0 else len(tokens) - 1)
+            parent = -1 if depth == 0 else len(tokens) - 1
+            if not self.duplicate_share and token in [t for t, p in zip(tokens, parents, strict=True) if p == parent]:
+                break  # a random sibling has the reference's token already
+            parents.append(parent)
             tokens.append(token)
-        path_probs = [0.05] * random_nodes + [0.9] * len(true_path) if self.ranked else None
+        path_probs = [0.05] * random_nodes + [0.9] * (len(tokens) - random_nodes) if self.ranked else None
         return Draft(tokens, parents=parents, path_probs=path_probs)
 
     def release(self, seq_id: Hashable) -> None:

@@ -356,14 +356,17 @@ class LlamaFamilyRunner:
     @torch.inference_mode()
     def forward_with_tail(self, rows: Sequence[RowInput], tail: GraphTail, launched: Callable[[], None] = lambda: None
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The forward of chain rows (every fed position's logits) with `tail` run on its logits [B, L, V] inside
+        """The forward of the rows (every fed position's logits; trees where the tail `feeds_trees`, which a graph's
+        ancestor table carries: forward_batch.py) with `tail` run on its logits [B, L, V] inside
         the step's captured graph, where no logits leave the device and nothing is launched but the replay. Returns
         (the tail's output, its rows padded to the graph's; the served states [B, L, layers * H]), both the graph's
         own, which the next forward overwrites; None, with nothing done, where no captured graph takes this forward
         (CPU, --enforce-eager, the batch-invariant mode, a shape beyond the graphs, a capture that failed): the
         caller then runs forward(). Calls `launched` once the replay is queued (the engine's loop waits for it:
         Engine.step says why)."""
-        if self.graphs is None or self.invariant is not None or any(r.parents is not None for r in rows):
+        if self.graphs is None or self.invariant is not None:
+            return None
+        if not getattr(tail, "feeds_trees", False) and any(r.parents is not None for r in rows):
             return None
         starts, lengths = self._checked(rows)
         shape = self.graphs.shape_for(len(rows), max(lengths), max(s + n for s, n in zip(starts, lengths, strict=True)))
@@ -378,7 +381,7 @@ class LlamaFamilyRunner:
         launched()
         _, _, served, out = replayed
         for row in rows:
-            self.cache.append_tokens(row.seq_id, row.token_ids)
+            self.cache.append_tokens(row.seq_id, row.token_ids, publish=row.parents is None)
         served = served[: len(rows)]
         if served.device.type == "cpu":  # graphs on CPU are tests' rerun backends; a host copy would be served itself
             served = served.clone()

@@ -9,8 +9,10 @@ its inputs ride in the forward's static buffer and its output is the step's acce
 copy in, one replay and one copy out.
 
 It takes the common case only, where verify needs nothing but the logits, the drafts and each row's temperature
-and seed: chains (no token trees), no grammar or token rules, no penalties, top-k, top-p or min-p, no logprobs,
-and no sampled row with a drafter's q. Any other step takes the eager tail in step_execution.py, as before.
+and seed: no grammar or token rules, no penalties, top-k, top-p or min-p, no logprobs, and no sampled row with a
+drafter's q. A step with a token tree takes captured_tree_verify.TreeVerifyTail, the same rule on the tree
+(`tail_for`), where no tree repeats a token among siblings. Any other step takes the eager tail in
+step_execution.py, as before.
 Greedy and sampled steps are two graphs (`sampled` is the key), so that a greedy step does not draw noise over
 its whole vocabulary for nothing.
 """
@@ -24,6 +26,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from services.verifier.captured_tree_verify import TreeVerifyTail, distinct_siblings
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.rejection import verify
 from services.verifier.request_state import RequestState
@@ -36,9 +39,18 @@ def takes(states: Sequence[RequestState], drafts: Sequence[ProposedDraft], vocab
         fits = state.fits_verify_tail
         if fits is None:  # asked once a request: its settings are fixed, and this is read every step
             fits = state.fits_verify_tail = settings_fit(state, vocab_size)
-        if not fits or draft.parents is not None or (draft.probs is not None and not state.request.sampling.greedy):
+        if not fits or (draft.probs is not None and not state.request.sampling.greedy):
+            return False
+        if draft.parents is not None and not distinct_siblings(draft):
             return False
     return True
+
+
+def tail_for(states: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> VerifyTail | TreeVerifyTail:
+    """The step's tail: VerifyTail for chains, TreeVerifyTail where a row has a tree."""
+    if any(draft.parents is not None for draft in drafts):
+        return TreeVerifyTail.of(states, drafts)
+    return VerifyTail.of(states, drafts)
 
 
 def settings_fit(state: RequestState, vocab_size: int) -> bool:
@@ -100,6 +112,16 @@ class VerifyTail:
         result = verify(logits, ints[:, :k], ints[:, k], ints[:, k + 1], batch)
         return torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)
 
+    @staticmethod
+    def read(result: Sequence[int]) -> tuple[list[int], int, None]:
+        """A row of run()'s output on the host: (the emitted tokens, num_accepted, None: a chain keeps its first
+        num_accepted + 1 fed positions)."""
+        num_accepted = result[-1]
+        return list(result[: num_accepted + 1]), num_accepted, None
 
-# What the engine captures ahead for verify widths, beside the plain graphs: a greedy and a sampled step
-PROTOTYPES = (VerifyTail(sampled=False), VerifyTail(sampled=True))
+
+def prototypes(trees: bool) -> tuple[VerifyTail | TreeVerifyTail, ...]:
+    """What the engine captures ahead for verify widths, beside the plain graphs: a greedy and a sampled step, and
+    the same for trees where a drafter sends them."""
+    chains = (VerifyTail(sampled=False), VerifyTail(sampled=True))
+    return chains + (TreeVerifyTail(sampled=False), TreeVerifyTail(sampled=True)) if trees else chains

@@ -75,3 +75,10 @@ def line_through(lines: Sequence[VerifyLine], state: int, path: Sequence[int]) -
     """The first of a request's lines that begins with the path of nodes `path` (root side first)."""
     fed = [0] + [node + 1 for node in path]
     return next(i for i, line in enumerate(lines) if line.state == state and line.fed[: len(fed)] == fed)
+
+
+def line_length_through(parents: Sequence[int], path: Sequence[int]) -> int:
+    """The drafts of the first of a tree's lines (verify_lines' order) that begins with the nodes `path`: what the
+    eager verification reports as verified for a row whose accepted nodes are `path` (best_lines keeps the first
+    line that accepts the most, and the lines that accept all of `path` are those through it)."""
+    return next(len(line) for line in leaf_paths(parents) if line[: len(path)] == list(path))

@@ -144,7 +144,8 @@ class Engine:
             self._graphs_captured = True
             started = time.perf_counter()
             captured = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.runner.capture_graphs, self._widest_captured(), captured_verify.PROTOTYPES)
+                self._executor, self.runner.capture_graphs, self._widest_captured(),
+                captured_verify.prototypes(trees=any(capabilities_of(p).sends_trees for p in self.proposers.values())))
             if captured:
                 logger.info("captured %d step graphs in %.1f s", captured, time.perf_counter() - started)
         await self._profile_step_cost()

@@ -61,13 +61,7 @@ def verify(
 
     offsets = torch.arange(num_positions, device=device)
     token_positions = positions[:, None] + offsets[None, :]  # [B, K+1]
-    scores = log_p
-    if batch.any_sampled:
-        noise = random_streams.gumbel(
-            random_streams.position_keys(batch.seeds, token_positions, random_streams.STREAM_SAMPLE), vocab
-        )
-        scores = torch.where(batch.greedy[:, None, None], log_p, log_p + noise)
-    sampled = scores.argmax(dim=-1)  # [B, K+1]: y_j, the token speculation-off would pick here
+    sampled = coupled_samples(log_p, token_positions, batch)  # [B, K+1]: y_j, the token speculation-off picks here
 
     drafted = offsets[None, :k] < num_draft[:, None]  # [B, K]
     accept = sampled[:, :k] == draft_tokens  # coupled rule for deterministic drafts and greedy rows
@@ -105,3 +99,14 @@ def verify(
         top_logprobs, top_ids = log_p.topk(batch.num_logprobs, dim=-1)
         top_logprobs = top_logprobs.clamp_min(LOGPROB_FLOOR)
     return VerifyOutput(tokens, num_accepted, logprobs, top_logprobs, top_ids, log_p)
+
+
+def coupled_samples(log_p: torch.Tensor, token_positions: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, P] int64: at each verified position the token speculation-off samples at `token_positions` [B, P], the
+    argmax of log p [B, P, V] plus Gumbel noise keyed by (seed, position); greedy rows' argmax of log p."""
+    if not batch.any_sampled:
+        return log_p.argmax(dim=-1)
+    noise = random_streams.gumbel(
+        random_streams.position_keys(batch.seeds, token_positions, random_streams.STREAM_SAMPLE), log_p.shape[-1]
+    )
+    return torch.where(batch.greedy[:, None, None], log_p, log_p + noise).argmax(dim=-1)

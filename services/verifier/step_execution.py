@@ -16,7 +16,14 @@ from services.modeling.host_copies import DeviceToHost, to_device
 from services.modeling.runner import ModelRunner, RowInput
 from services.verifier import captured_verify
 from services.verifier.draft_collection import NO_DRAFT, ProposedDraft
-from services.verifier.draft_trees import best_lines, fed_parents, fed_rows, line_through, verify_lines
+from services.verifier.draft_trees import (
+    best_lines,
+    fed_parents,
+    fed_rows,
+    line_length_through,
+    line_through,
+    verify_lines,
+)
 from services.verifier.kept_states import RowStates, StepStates
 from services.verifier.outputs import TokenLogprob
 from services.verifier.prompt_scoring import score_positions
@@ -297,9 +304,11 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     if forward_with_tail is None or not captured_verify.takes(decode, drafts, runner.vocab_size):
         return None
     started = time.perf_counter()
-    rows = [RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens))
+    rows = [RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens),
+                     parents=None if d.parents is None else fed_parents(d.parents))
             for s, d in zip(decode, drafts, strict=True)]
-    replayed = forward_with_tail(rows, captured_verify.VerifyTail.of(decode, drafts), launched)
+    tail = captured_verify.tail_for(decode, drafts)
+    replayed = forward_with_tail(rows, tail, launched)
     if replayed is None:
         return None
     results, served = replayed
@@ -314,11 +323,16 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     step_states = StepStates(states_on_host) if rows_with_states else None
     out = []
     for b, (state, draft, result) in enumerate(zip(decode, drafts, results, strict=True)):
-        n_acc = result[-1]
-        if n_acc < len(draft.tokens):
+        emitted, n_acc, kept_fed = tail.read(result)
+        num_draft = len(draft.tokens)
+        if draft.parents is not None:
+            runner.keep_path(state.request_id, len(state.token_ids) - 1, kept_fed)  # the accepted path's K/V in place
+            num_draft = line_length_through(draft.parents, [fed - 1 for fed in kept_fed[1:]])  # as the eager path
+        elif n_acc < len(draft.tokens):
             runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
-        hidden = None if state.hidden is None else step_states.row(host_row[b], slice(n_acc + 1))
-        out.append(SampledRow(state, result[: n_acc + 1], len(draft.tokens), n_acc, None, hidden))
+        kept = slice(n_acc + 1) if draft.parents is None else kept_fed
+        hidden = None if state.hidden is None else step_states.row(host_row[b], kept)
+        out.append(SampledRow(state, emitted, num_draft, n_acc, None, hidden))
     return out
 
 

@@ -99,7 +99,8 @@ def test_which_steps_the_tail_takes():
     for refused in (dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(logprobs=0), dict(presence_penalty=0.5),
                     dict(repetition_penalty=1.1)):
         assert not takes([state(temperature=0.0), state(**refused)], [chain, chain], VOCAB), refused
-    assert not takes([state()], [with_q], VOCAB) and not takes([state()], [tree], VOCAB)
+    assert not takes([state()], [with_q], VOCAB)
+    assert takes([state()], [tree], VOCAB)  # a tree: captured_tree_verify's tail (test_captured_tree_verify.py)
 
 
 def test_the_runner_runs_a_tail_only_where_a_graph_takes_it():
@@ -127,8 +128,8 @@ def test_the_runner_runs_a_tail_only_where_a_graph_takes_it():
 def test_graphs_with_tails_are_captured_ahead():
     runner, backend = graphed_runner(tiny_llama())
     shapes = 3 * 4  # sizes 1, 2, 4 by widths 1, 2, 3, 5
-    assert runner.capture_graphs(5, captured_verify.PROTOTYPES) == 3 * shapes
-    assert runner.capture_graphs(5, captured_verify.PROTOTYPES) == 0
+    assert runner.capture_graphs(5, captured_verify.prototypes(trees=False)) == 3 * shapes
+    assert runner.capture_graphs(5, captured_verify.prototypes(trees=False)) == 0
     assert {key[3] for key in runner.graphs._graphs} == {None, ("verify", False), ("verify", True)}
     assert not runner.cache.keys[:, :, : runner.cache.block_size].any()  # the padding went to the sink
 
@@ -213,7 +214,7 @@ def test_cuda_graph_tails_emit_what_the_eager_tail_emits(sampled):
     model = tiny_llama(seed=3).to("cuda")
     eager = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160, graphs=GraphSettings(enforce_eager=True))
     graphed = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160)
-    assert graphed.capture_graphs(5, captured_verify.PROTOTYPES) > 0
+    assert graphed.capture_graphs(5, captured_verify.prototypes(trees=False)) > 0
     rng = random.Random(5)
     prompt = [rng.randrange(VOCAB) for _ in range(30)]
     for runner in (eager, graphed):
