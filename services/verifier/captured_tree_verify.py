@@ -30,9 +30,7 @@ from services.verifier.draft_collection import ProposedDraft
 from services.verifier.logits_processing import processed_log_probs
 from services.verifier.rejection import coupled_samples
 from services.verifier.request_state import RequestState
-from services.verifier.sampling_batch import SamplingBatch
-
-INTS = 4  # per row after its nodes and depths: number of nodes, position, seed, greedy
+from services.verifier.tail_rows import COLUMNS, pack, sampling_fields, unpack
 
 
 def distinct_siblings(draft: ProposedDraft) -> bool:
@@ -57,14 +55,9 @@ class TreeVerifyTail:
 
     @classmethod
     def of(cls, states: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> TreeVerifyTail:
-        sampling = [state.request.sampling for state in states]
-        greedy = tuple(s.greedy for s in sampling)
         parents = tuple(tuple(range(-1, len(d.tokens) - 1)) if d.parents is None else tuple(d.parents)
                         for d in drafts)
-        return cls(sampled=not all(greedy), tokens=tuple(tuple(d.tokens) for d in drafts), parents=parents,
-                   positions=tuple(len(state.token_ids) for state in states), seeds=tuple(s.seed for s in states),
-                   greedy=greedy,
-                   temperatures=tuple(1.0 if g else s.temperature for s, g in zip(sampling, greedy, strict=True)))
+        return cls(tokens=tuple(tuple(d.tokens) for d in drafts), parents=parents, **sampling_fields(states))
 
     feeds_trees = True  # the runner feeds its rows' trees (llama_runner.forward_with_tail)
 
@@ -74,34 +67,25 @@ class TreeVerifyTail:
 
     def inputs(self, rows: int, width: int) -> torch.Tensor:
         """[rows, 3 * width + 2] int64 (nodes' tokens and parents padded to width - 1, each fed position's depth
-        below the root, INTS per row), then the rows' temperatures as float64 bits; padding rows have no nodes and
-        are greedy, and a padded node has parent -1 and is never counted."""
-        k, real = width - 1, len(self.tokens)
-        ints = np.zeros((rows, 3 * k + 1 + INTS), dtype=np.int64)
+        below the root, tail_rows.COLUMNS), then the rows' temperatures as float64 bits (tail_rows.pack); padding
+        rows have no nodes, and a padded node has parent -1 and is never counted."""
+        k = width - 1
+        ints = np.zeros((rows, 3 * k + 1 + COLUMNS), dtype=np.int64)
         ints[:, k : 2 * k] = -1
         for b, (tokens, parents) in enumerate(zip(self.tokens, self.parents, strict=True)):
             n = len(tokens)
             ints[b, :n], ints[b, k : k + n] = tokens, parents
             ints[b, 2 * k + 1 : 2 * k + 1 + n] = np.asarray(tree_depths(parents), dtype=np.int64) + 1
-        tail = 3 * k + 1
-        ints[:real, tail] = [len(tokens) for tokens in self.tokens]
-        ints[:real, tail + 1], ints[:real, tail + 2], ints[:real, tail + 3] = self.positions, self.seeds, self.greedy
-        ints[real:, tail + 3] = 1
-        temperatures = np.ones(rows, dtype=np.float64)
-        temperatures[:real] = self.temperatures
-        return torch.from_numpy(np.concatenate([ints.reshape(-1), temperatures.view(np.int64)]))
+        return pack(ints, [len(tokens) for tokens in self.tokens], self.positions, self.seeds, self.greedy,
+                    self.temperatures)
 
     def run(self, logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * width] int64: each row's emitted tokens (the first num_accepted + 1 count), num_accepted, then
         the fed positions of the kept path after the root (the first num_accepted count)."""
         rows, width, vocab = logits.shape
         k = width - 1
-        per_row = 3 * k + 1 + INTS
-        ints = inputs[: rows * per_row].view(rows, per_row)
-        temperature = inputs[rows * per_row :].view(torch.float64).float()
+        ints, count, position, batch = unpack(inputs, rows, 3 * k + 1 + COLUMNS, vocab, self.sampled)
         tokens, parents, fed_depth = ints[:, :k], ints[:, k : 2 * k], ints[:, 2 * k : 3 * k + 1]
-        count, position, seeds, greedy = (ints[:, 3 * k + 1 + i] for i in range(INTS))
-        batch = SamplingBatch.temperature_only(temperature, greedy.bool(), seeds, vocab, self.sampled)
         no_drafts = torch.zeros_like(count)
         log_p = processed_log_probs(logits, batch, tokens, no_drafts)  # [rows, width, V]
         samples = coupled_samples(log_p, position[:, None] + fed_depth, batch)  # [rows, width]: y per fed position

@@ -30,7 +30,7 @@ from services.verifier.captured_tree_verify import TreeVerifyTail, distinct_sibl
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.rejection import verify
 from services.verifier.request_state import RequestState
-from services.verifier.sampling_batch import SamplingBatch
+from services.verifier.tail_rows import COLUMNS, pack, sampling_fields, unpack
 
 
 def takes(states: Sequence[RequestState], drafts: Sequence[ProposedDraft], vocab_size: int) -> bool:
@@ -74,12 +74,7 @@ class VerifyTail:
 
     @classmethod
     def of(cls, states: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> VerifyTail:
-        sampling = [state.request.sampling for state in states]
-        greedy = tuple(s.greedy for s in sampling)
-        return cls(sampled=not all(greedy), drafts=tuple(tuple(d.tokens) for d in drafts),
-                   positions=tuple(len(state.token_ids) for state in states), seeds=tuple(s.seed for s in states),
-                   greedy=greedy,
-                   temperatures=tuple(1.0 if g else s.temperature for s, g in zip(sampling, greedy, strict=True)))
+        return cls(drafts=tuple(tuple(d.tokens) for d in drafts), **sampling_fields(states))
 
     @property
     def key(self) -> tuple[str, bool]:
@@ -89,27 +84,19 @@ class VerifyTail:
         """[rows, width + 3] int64 (drafts padded with 0, their number, position, seed, greedy) then the rows'
         temperatures as float64 bits; padding rows draft nothing, greedily."""
         k, real = width - 1, len(self.drafts)
-        ints = np.zeros((rows, k + 4), dtype=np.int64)  # numpy: torch.tensor on nested lists cost about twice
+        ints = np.zeros((rows, k + COLUMNS), dtype=np.int64)  # numpy: torch.tensor on nested lists cost about twice
         counts = np.fromiter(map(len, self.drafts), dtype=np.int64, count=real)
         if k:  # the drafts row after row through one mask (a numpy slice per row cost about 1 us each)
             ints[:real, :k][np.arange(k) < counts[:, None]] = np.fromiter(
                 chain.from_iterable(self.drafts), dtype=np.int64, count=int(counts.sum()))
-        ints[:real, k] = counts
-        ints[:real, k + 1], ints[:real, k + 2], ints[:real, k + 3] = self.positions, self.seeds, self.greedy
-        ints[real:, k + 3] = 1
-        temperatures = np.ones(rows, dtype=np.float64)
-        temperatures[:real] = self.temperatures
-        return torch.from_numpy(np.concatenate([ints.reshape(-1), temperatures.view(np.int64)]))
+        return pack(ints, counts, self.positions, self.seeds, self.greedy, self.temperatures)
 
     def run(self, logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """[rows, width + 1] int64: each row's tokens (it emits the first num_accepted + 1) then num_accepted."""
         rows, width, vocab = logits.shape
         k = width - 1
-        ints = inputs[: rows * (k + 4)].view(rows, k + 4)
-        temperature = inputs[rows * (k + 4) :].view(torch.float64).float()
-        batch = SamplingBatch.temperature_only(temperature, ints[:, k + 3].bool(), ints[:, k + 2], vocab,
-                                               self.sampled)
-        result = verify(logits, ints[:, :k], ints[:, k], ints[:, k + 1], batch)
+        ints, counts, positions, batch = unpack(inputs, rows, k + COLUMNS, vocab, self.sampled)
+        result = verify(logits, ints[:, :k], counts, positions, batch)
         return torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)
 
     @staticmethod
