@@ -35,8 +35,8 @@ from services.gateway.verifier_client import VerifierClient, pb
 _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONNECTED: "disconnected",
                    pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_DEGRADED: "degraded",
                    pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
-_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
-           "/version"}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ping", "/metrics", "/tokenize",
+           "/detokenize", "/version"}
 MODEL_ROUTE = "/v1/models/{model}"  # one metrics label for every model id asked for
 
 
@@ -94,6 +94,10 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         report = await _health(client, state)
         body = s.Health(status=report.status) if settings.api_key is not None else report
         return JSONResponse(body.public(), status_code=200 if report.status in ("ok", "degraded") else 503)
+
+    # vLLM's /ping (GET or POST, the health check SageMaker endpoints send): the same answer as /health
+    app.add_api_route("/ping", health, methods=["GET", "POST"], responses={200: {"model": s.Health},
+                                                                          503: {"model": s.Health}})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -124,6 +124,9 @@ async def test_models_health_metrics(client, verifier):
     r = await client.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "degraded"
     assert r.json()["drafters"][0]["state"] == "disconnected"
+    for ping in (client.get("/ping"), client.post("/ping")):  # vLLM's (SageMaker's) health check
+        r = await ping
+        assert r.status_code == 200 and r.json()["status"] == "degraded"
     await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
     text = (await client.get("/metrics")).text
     assert 'specserve_gateway_spec_decode_num_drafts_total{method="ngram",model_name="tiny-test"}' in text
@@ -141,6 +144,7 @@ async def test_health_when_verifier_is_down(make_app):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         r = await c.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        assert (await c.post("/ping")).status_code == 503
         r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
         assert r.status_code == 503 and r.json()["error"]["message"]
     await app.state.gateway.client.close()
