@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
 from services.common.speculative_config import SpeculativeConfig
 from services.gateway.settings import add_cors_flags, add_logging_flags
+from services.single_value_flags import add_single_value_flags
 from services.supervision import (
     Child,
     RestartPolicy,
@@ -297,6 +298,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "place of the model's own (the gateway's)")
     add_cors_flags(parser)
     add_logging_flags(parser)
+    add_single_value_flags(parser)
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="vLLM's flag: no periodic stats log line from the verifier")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -345,6 +345,24 @@ def test_a_vllm_serve_command_line_runs_as_it_is():
     assert not {"--model", "--seed", "--served-model-name", "--tool-call-parser"} & set(verifier.argv + gateway.argv)
 
 
+@pytest.mark.parametrize("argv", [["-tp", "1"], ["--tensor-parallel-size", "01"], ["-pp", "1"],
+                                  ["--kv-cache-dtype", "auto"], ["--enable-chunked-prefill"]])
+def test_vllm_flags_at_the_one_value_that_runs_here_are_taken(argv):
+    """`-tp 1`, `--kv-cache-dtype auto`, `--enable-chunked-prefill`: what serve does anyway, so a vLLM command line
+    keeps them; the services' command lines do not change."""
+    assert [child.argv for child in launcher.plan(parse(*argv))] == [child.argv for child in launcher.plan(parse())]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["-tp", "2"], "one device"), (["--pipeline-parallel-size", "4"], "one device"),
+    (["--kv-cache-dtype", "fp8"], "dtype"), (["--no-enable-chunked-prefill"], "max-num-batched-tokens"),
+])
+def test_vllm_flags_at_a_value_that_would_be_ignored_are_refused(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(*argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_a_chat_template_reaches_the_gateway_only():
     _, verifier, gateway = launcher.plan(parse("--chat-template", "./template.jinja"))
     assert flag(gateway.argv, "--chat-template") == "./template.jinja" and "--chat-template" not in verifier.argv
