@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
 from services.common.speculative_config import SpeculativeConfig
-from services.gateway.settings import add_cors_flags, add_logging_flags
+from services.gateway.settings import add_cors_flags, add_https_flags, add_logging_flags
 from services.single_value_flags import add_single_value_flags
 from services.supervision import (
     Child,
@@ -84,7 +84,8 @@ ENGINE_FLAGS = (
 # the gateway's flags that serve takes (add_arguments) and passes on as given
 GATEWAY_FLAGS = (
     "served_model_name", "chat_template", "tool_call_parser", "api_key", "allowed_origins", "allowed_methods",
-    "allowed_headers", "allow_credentials", "uvicorn_log_level", "disable_uvicorn_access_log",
+    "allowed_headers", "allow_credentials", "uvicorn_log_level", "disable_uvicorn_access_log", "ssl_keyfile",
+    "ssl_certfile",
 )
 
 
@@ -143,6 +144,8 @@ def plan(args: argparse.Namespace) -> list[Child]:
                              args.model)
     spec = beside_the_verifier(spec, args)
     tls = TlsFlags.from_args(args)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):  # refused before the verifier loads, not by the gateway
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs the key and its certificate")
     children = []
     verifier = [
         *python, "verifier", *_given_flags(args, ENGINE_FLAGS), "--host", args.host, "--port", str(args.verifier_port),
@@ -175,7 +178,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
 
 
 def _banner(args: argparse.Namespace, children: Sequence[Child]) -> str:
-    base = f"http://{args.host}:{args.port}"
+    base = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
     drafter = (
         f"  drafter gRPC {args.host}:{args.drafter_port}, {_metrics(args.host, args.drafter_metrics_port)}\n"
         if any(child.name == "drafter" for child in children)
@@ -298,6 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "place of the model's own (the gateway's)")
     add_cors_flags(parser)
     add_logging_flags(parser)
+    add_https_flags(parser)
     add_single_value_flags(parser)
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="vLLM's flag: no periodic stats log line from the verifier")

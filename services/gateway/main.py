@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.gateway.settings import GatewaySettings, add_cors_flags, add_logging_flags
+from services.gateway.settings import GatewaySettings, add_cors_flags, add_https_flags, add_logging_flags
 
 
 def parse_args(argv: list[str] | None) -> GatewaySettings:
@@ -24,6 +24,7 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 (or SPECSERVE_API_KEY)")
     add_cors_flags(parser)
     add_logging_flags(parser)
+    add_https_flags(parser)
     parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
     parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "
                                                    "Hermes)")
@@ -54,13 +55,14 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = load_tokenizer(settings.model)
     app = create_app(settings, tokenizer=tokenizer)
-    base = f"http://{settings.host}:{settings.port}"
+    base = f"{settings.scheme}://{settings.host}:{settings.port}"
     print(f"specserve gateway -> verifier {settings.verifier}", file=sys.stderr)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
                  "/detokenize"):
         print(f"  {base}{path}", file=sys.stderr)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                access_log=not settings.disable_uvicorn_access_log)
+                access_log=not settings.disable_uvicorn_access_log,
+                ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile)
     return 0
 
 

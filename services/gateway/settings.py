@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -59,6 +60,27 @@ class GatewaySettings(BaseSettings):
     # uvicorn's logging, as vLLM's --uvicorn-log-level and --disable-uvicorn-access-log (a line per HTTP request)
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     disable_uvicorn_access_log: bool = False
+    # vLLM's --ssl-keyfile and --ssl-certfile: the API served over HTTPS (uvicorn's TLS), both or neither; checked
+    # readable at start-up, so a wrong path fails the start naming it rather than the first client's handshake
+    ssl_keyfile: Path | None = None
+    ssl_certfile: Path | None = None
+
+    @field_validator("ssl_keyfile", "ssl_certfile")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None and not os.access(value, os.R_OK):
+            raise ValueError(f"{value} is not a readable file")
+        return value
+
+    @model_validator(mode="after")
+    def _ssl_pair(self) -> GatewaySettings:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs the key and its certificate")
+        return self
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile is not None else "http"
 
     @field_validator("chat_template")
     @classmethod
@@ -103,6 +125,12 @@ def add_cors_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-headers", help="with --allowed-origins: the request headers allowed (default any)")
     parser.add_argument("--allow-credentials", action="store_true", default=None,
                         help="with --allowed-origins: pages may send credentials (cookies, HTTP auth)")
+
+
+def add_https_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's HTTPS flags, declared once for `specserve gateway` and `specserve serve` (which passes them on)."""
+    parser.add_argument("--ssl-keyfile", help="PEM private key: serve the API over HTTPS (with --ssl-certfile)")
+    parser.add_argument("--ssl-certfile", help="PEM certificate (chain) of --ssl-keyfile")
 
 
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:

@@ -383,7 +383,7 @@ def test_every_engine_and_gateway_flag_declared_reaches_the_service_it_is_for():
     add_engine_flags (add_cors_flags, add_logging_flags) and missing from its list would be accepted and silently
     ignored."""
     from services import cli
-    from services.gateway.settings import add_cors_flags, add_logging_flags
+    from services.gateway.settings import add_cors_flags, add_https_flags, add_logging_flags
     from services.verifier.settings import add_engine_flags
 
     def declared(**options) -> set[str]:
@@ -396,6 +396,7 @@ def test_every_engine_and_gateway_flag_declared_reaches_the_service_it_is_for():
     gateway = argparse.ArgumentParser()
     add_cors_flags(gateway)
     add_logging_flags(gateway)
+    add_https_flags(gateway)
     names = {action.dest for action in gateway._actions} - {"help", "disable_log_requests"}  # nothing to turn off
     assert names <= set(launcher.GATEWAY_FLAGS)
     switches, argv = {"allow_credentials", "disable_uvicorn_access_log"}, []
@@ -403,6 +404,19 @@ def test_every_engine_and_gateway_flag_declared_reaches_the_service_it_is_for():
         argv += [f"--{name.replace('_', '-')}", *([] if name in switches else ["info"])]
     planned = launcher.plan(parse(*argv))[2]
     assert all(f"--{name.replace('_', '-')}" in planned.argv for name in launcher.GATEWAY_FLAGS)
+
+
+def test_https_flags_reach_the_gateway_only_and_the_banner_says_https():
+    argv = ["--ssl-keyfile", "/certs/api.key", "--ssl-certfile", "/certs/api.pem"]
+    children = launcher.plan(parse(*argv))
+    _, verifier, gateway = children
+    assert flag(gateway.argv, "--ssl-keyfile") == "/certs/api.key"
+    assert flag(gateway.argv, "--ssl-certfile") == "/certs/api.pem"
+    assert not any("ssl" in arg for arg in verifier.argv + children[0].argv)
+    assert "POST https://127.0.0.1:8000/v1/completions" in launcher._banner(parse(*argv), children)
+    assert "POST http://127.0.0.1:8000/v1/completions" in launcher._banner(parse(), launcher.plan(parse()))
+    with pytest.raises(ValueError, match="go together"):  # before the verifier loads its model
+        launcher.plan(parse("--ssl-certfile", "/certs/api.pem"))
 
 
 def test_cors_flags_reach_the_gateway_only():
