@@ -34,6 +34,7 @@ class LocalEngineOptions:
     model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False  # vLLM's: run the Python code a model's folder ships
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's whole context (modeling/context_length.py)
     max_num_batched_tokens: int = 512
@@ -80,7 +81,8 @@ def default_speculation(config: SpeculativeConfig) -> SpeculationParams:
 
 
 def build_local_engine(options: LocalEngineOptions, loaded: LoadedModel | None = None) -> tuple[Engine, LoadedModel]:
-    loaded = loaded or load_model(options.model, device=options.device, dtype=options.dtype)
+    loaded = loaded or load_model(options.model, device=options.device, dtype=options.dtype,
+                                  trust_remote_code=options.trust_remote_code)
     max_model_len = resolve_max_model_len(loaded.model, options.max_model_len)
     memory = parse_bytes(options.kv_cache_memory_bytes) if options.kv_cache_memory_bytes is not None else None
     kv_cache = KVCacheConfig(memory, options.block_size, options.enable_prefix_caching,

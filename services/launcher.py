@@ -77,7 +77,7 @@ class TlsFlags:
 
 
 ENGINE_FLAGS = (
-    "model", "device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "compute_thread",
+    "model", "device", "dtype", "trust_remote_code", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "compute_thread",
     "adaptive_speculation", "kv_cache_memory_bytes", "gpu_memory_utilization", "block_size", "enable_prefix_caching",
     "max_logprobs", "enforce_eager", "cuda_graph_sizes", "batch_invariant", "seed",
 )
@@ -85,7 +85,7 @@ ENGINE_FLAGS = (
 GATEWAY_FLAGS = (
     "served_model_name", "chat_template", "tool_call_parser", "api_key", "allowed_origins", "allowed_methods",
     "allowed_headers", "allow_credentials", "uvicorn_log_level", "disable_uvicorn_access_log", "ssl_keyfile",
-    "ssl_certfile",
+    "ssl_certfile", "trust_remote_code",
 )
 
 

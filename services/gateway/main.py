@@ -16,6 +16,8 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
                         "host:port,host:port or dns:///name:port (every address of a name, e.g. a headless "
                         "Service), balanced round robin over the healthy ones")
     parser.add_argument("--model", help="model spec for the tokenizer (default: the verifier's model id)")
+    parser.add_argument("--trust-remote-code", action="store_true", default=None,
+                        help="vLLM's flag: load a tokenizer that ships Python code, running it (default off)")
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the names clients send as 'model'; responses give the first (vLLM's flag; default: the "
                         "verifier's model id)")
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.model:  # known now: a model that cannot be found or fetched fails the start (cli.py: exit 1)
         from services.gateway.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(settings.model)
+        tokenizer = load_tokenizer(settings.model, trust_remote_code=settings.trust_remote_code)
     app = create_app(settings, tokenizer=tokenizer)
     base = f"{settings.scheme}://{settings.host}:{settings.port}"
     print(f"specserve gateway -> verifier {settings.verifier}", file=sys.stderr)

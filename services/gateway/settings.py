@@ -25,6 +25,8 @@ class GatewaySettings(BaseSettings):
     verifier: str = "127.0.0.1:50051"
     # The --model spec the verifier was started with; loads the tokenizer. None: use the verifier's model_id.
     model: str | None = None
+    # vLLM's --trust-remote-code: a tokenizer whose folder (or hub repo) ships Python code loads, running it
+    trust_remote_code: bool = False
     # Names clients put in "model", as vLLM's --served-model-name: any is accepted, the first is the one responses
     # and metrics give; None: the verifier's Info.model_id. In the environment: comma-separated.
     served_model_name: Annotated[list[str] | None, NoDecode] = None

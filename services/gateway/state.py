@@ -73,7 +73,7 @@ class GatewayState:
                 await asyncio.sleep(retry_s)
                 continue
             try:
-                tokenizer = await run_in_threadpool(load_tokenizer, spec)
+                tokenizer = await run_in_threadpool(load_tokenizer, spec, self.settings.trust_remote_code)
                 if self.info is not None:
                     await self._check_tokenizer(self.info, tokenizer)
             except ModelUnavailableError as error:

@@ -13,12 +13,13 @@ from typing import Any
 
 from services.modeling.converted_cache import complete_folder
 from services.modeling.gguf_tokenizer import load_gguf_tokenizer
-from services.modeling.model_source import ModelUnavailableError, resolve_model_source
+from services.modeling.model_source import ModelUnavailableError, remote_code_named, resolve_model_source
 
 
-def load_tokenizer(spec: str) -> Any:
+def load_tokenizer(spec: str, trust_remote_code: bool = False) -> Any:
     """The tokenizer `spec` names (fetching a registered model that is not in the cache yet); a model that
-    cannot be had raises ModelUnavailableError saying why and what to do."""
+    cannot be had raises ModelUnavailableError saying why and what to do. trust_remote_code: vLLM's flag, run the
+    Python code a tokenizer's folder ships (without it, such a tokenizer raises what transformers says)."""
     from transformers import AutoTokenizer
 
     source = resolve_model_source(spec)
@@ -28,7 +29,9 @@ def load_tokenizer(spec: str) -> Any:
             return AutoTokenizer.from_pretrained(converted)
         if source.gguf_file is not None:  # transformers' own GGUF path imports torch
             return load_gguf_tokenizer(Path(source.path) / source.gguf_file)
-        return AutoTokenizer.from_pretrained(source.path, **source.pretrained_kwargs())
+        with remote_code_named(source.path):
+            return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code,
+                                                 **source.pretrained_kwargs())
     except OSError as error:  # a hub id without a reachable hub, a folder without tokenizer files
         raise ModelUnavailableError(f"the tokenizer of model {spec!r} could not be loaded: {error}") from error
 

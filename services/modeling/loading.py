@@ -22,7 +22,12 @@ import torch
 
 from services.common.device import resolve_device, resolve_dtype
 from services.modeling.converted_cache import ensure_converted
-from services.modeling.model_source import ModelSource, ModelUnavailableError, resolve_model_source
+from services.modeling.model_source import (
+    ModelSource,
+    ModelUnavailableError,
+    remote_code_named,
+    resolve_model_source,
+)
 from services.modeling.registry import registered_model_names
 
 logger = logging.getLogger(__name__)
@@ -120,9 +125,11 @@ def _from_pretrained(source: ModelSource, dtype: torch.dtype, trust_remote_code:
         # transformers keeps GGUF weights packed when the `kernels` package is installed; the model runner
         # reads plain dense weights, so ask for them whatever happens to be installed
         model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **common, **model_kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(source.path, **tokenizer_kwargs)
+    with remote_code_named(source.path):
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **common, **model_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **tokenizer_kwargs)
     return model, tokenizer
+
 
 
 def _load_from_hub(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool):

@@ -7,6 +7,8 @@ torch; this resolver imports nothing heavier than the standard library and the m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +23,21 @@ class ModelUnavailableError(RuntimeError):
     """The model `--model` names is neither on disk nor fetchable here: a start-up failure whose message says
     what to do (the CLI prints it and exits 1; a gateway still learning its model reports it on /health and as
     503s). Never a traceback, never a 500."""
+
+
+@contextmanager
+def remote_code_named(path: str) -> Iterator[None]:
+    """transformers refuses a model whose folder ships Python code unless `trust_remote_code=True` (a ValueError
+    naming that argument): say it as this command line does, and as a model that cannot be had here."""
+    try:
+        yield
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise ModelUnavailableError(f"{path} ships Python code for its model or tokenizer, which runs only with "
+                                    "--trust-remote-code (vLLM's flag; `specserve serve`, `verifier`, `gateway` and "
+                                    "`generate` take it, a draft model does not): pass it if you trust that code"
+                                    ) from error
 
 
 def registered_model_unavailable(name: str, folder: Path, error: BaseException) -> ModelUnavailableError:

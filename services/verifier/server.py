@@ -273,7 +273,8 @@ def run(settings: VerifierSettings) -> int:
     forwards go to a worker, and moves to a thread of its own when they run on the main thread."""
     from services.modeling.loading import load_model
 
-    loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype)
+    loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype,
+                        trust_remote_code=settings.trust_remote_code)
     max_model_len = resolve_max_model_len(loaded.model, settings.max_model_len)
     runner = create_runner(loaded.model, settings.max_num_seqs, max_model_len, settings.kv_cache, owns_model=True,
                            graphs=settings.graphs, batch_invariant=settings.batch_invariant)

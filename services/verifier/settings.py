@@ -42,6 +42,7 @@ class VerifierSettings(TlsServerSettings):
     model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False  # vLLM's: run the Python a model's folder (or hub repo) ships with its config
     max_num_seqs: int = Field(64, ge=1)  # a scheduling limit; KV memory is the pool's (kv_cache_memory_bytes)
     max_model_len: int | None = Field(None, ge=2)  # None: the model's whole context
     # the paged KV pool's size, as vLLM's --kv-cache-memory-bytes ("4GiB", "512M" or bytes); None: a share of
@@ -150,6 +151,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
     parser.add_argument("--device", default=default,
                         help=f"auto | cpu | cuda | cuda:N | npu | npu:N (default {shown('device')})")
     parser.add_argument("--dtype", default=default, help=f"auto | float32 | bfloat16 | float16 (default {shown('dtype')})")
+    parser.add_argument("--trust-remote-code", dest="trust_remote_code", action="store_true", default=default,
+                        help="vLLM's flag: load a model whose folder (or hub repo) ships Python code for its "
+                        "architecture or tokenizer, and run that code (default off: such a model fails to load)")
     parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=default,
                         help=f"requests running at once; more wait (default {shown('max_num_seqs')})")
     parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=default,

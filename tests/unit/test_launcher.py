@@ -399,7 +399,7 @@ def test_every_engine_and_gateway_flag_declared_reaches_the_service_it_is_for():
     add_https_flags(gateway)
     names = {action.dest for action in gateway._actions} - {"help", "disable_log_requests"}  # nothing to turn off
     assert names <= set(launcher.GATEWAY_FLAGS)
-    switches, argv = {"allow_credentials", "disable_uvicorn_access_log"}, []
+    switches, argv = {"allow_credentials", "disable_uvicorn_access_log", "trust_remote_code"}, []
     for name in launcher.GATEWAY_FLAGS:
         argv += [f"--{name.replace('_', '-')}", *([] if name in switches else ["info"])]
     planned = launcher.plan(parse(*argv))[2]
@@ -417,6 +417,13 @@ def test_https_flags_reach_the_gateway_only_and_the_banner_says_https():
     assert "POST http://127.0.0.1:8000/v1/completions" in launcher._banner(parse(), launcher.plan(parse()))
     with pytest.raises(ValueError, match="go together"):  # before the verifier loads its model
         launcher.plan(parse("--ssl-certfile", "/certs/api.pem"))
+
+
+def test_trust_remote_code_reaches_the_verifier_and_the_gateway_which_load_the_model_and_its_tokenizer():
+    drafter, verifier, gateway = launcher.plan(parse("--trust-remote-code"))
+    assert "--trust-remote-code" in verifier.argv and "--trust-remote-code" in gateway.argv
+    assert "--trust-remote-code" not in drafter.argv
+    assert not any("trust" in arg for child in launcher.plan(parse()) for arg in child.argv)
 
 
 def test_cors_flags_reach_the_gateway_only():
