@@ -268,6 +268,14 @@ def test_the_api_key_comes_from_a_secret():
     assert "WARNING: no API key" in open_chart.notes
 
 
+@pytest.mark.parametrize(("served", "curled"), [("", "smollm2-135m-instruct"), ("coder", "coder"),
+                                               ("coder, org/coder", "coder")])
+def test_the_notes_curl_the_name_responses_give(served, curled):
+    """With several served names (comma-separated, as the gateway reads them) the notes' curl sends the first."""
+    notes = render({"servedModelName": served}).notes
+    assert f'"model": "{curled}"' in notes
+
+
 def test_the_dashboard_configmap_is_labelled_for_grafanas_sidecar():
     chart = rendered("monitoring-values.yaml")
     (dashboard,) = [c for c in chart.of_kind("ConfigMap") if c["metadata"]["name"].endswith("-dashboard")]
