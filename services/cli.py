@@ -17,8 +17,8 @@ from services.modeling.model_source import ModelUnavailableError, resolve_model_
 from services.verifier.settings import VerifierSettings, add_engine_flags
 
 LOCAL_ENGINE_FLAGS = (
-    "model", "device", "dtype", "trust_remote_code", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "adaptive_speculation",
-    "kv_cache_memory_bytes", "gpu_memory_utilization", "block_size", "enable_prefix_caching", "enforce_eager",
+    "model", "device", "dtype", "trust_remote_code", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+    "adaptive_speculation", "kv_cache_memory_bytes", "gpu_memory_utilization", "block_size", "enable_prefix_caching", "enforce_eager",
     "cuda_graph_sizes", "batch_invariant",
 )
 

@@ -77,8 +77,8 @@ class TlsFlags:
 
 
 ENGINE_FLAGS = (
-    "model", "device", "dtype", "trust_remote_code", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "compute_thread",
-    "adaptive_speculation", "kv_cache_memory_bytes", "gpu_memory_utilization", "block_size", "enable_prefix_caching",
+    "model", "device", "dtype", "trust_remote_code", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+    "compute_thread", "adaptive_speculation", "kv_cache_memory_bytes", "gpu_memory_utilization", "block_size", "enable_prefix_caching",
     "max_logprobs", "enforce_eager", "cuda_graph_sizes", "batch_invariant", "seed",
 )
 # the gateway's flags that serve takes (add_arguments) and passes on as given

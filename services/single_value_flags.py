@@ -21,16 +21,15 @@ def _only(value: str, why: str) -> Callable[[str], str]:
     return check
 
 
-def _refuse_no_chunked_prefill(parser: argparse.ArgumentParser) -> type[argparse.Action]:
-    class ChunkedPrefill(argparse.Action):
-        def __call__(self, _parser, namespace, values, option_string=None) -> None:
-            if option_string == "--no-enable-chunked-prefill":
-                parser.error("--no-enable-chunked-prefill is not available: prompts are always prefilled in chunks "
-                             "of --max-num-batched-tokens; set it to at least --max-model-len to prefill each prompt "
-                             "in one step")
-            setattr(namespace, self.dest, True)
+class _ChunkedPrefillOnly(argparse.Action):
+    """--enable-chunked-prefill is taken; --no-enable-chunked-prefill fails the command line."""
 
-    return ChunkedPrefill
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if option_string == "--no-enable-chunked-prefill":
+            parser.error("--no-enable-chunked-prefill is not available: prompts are always prefilled in chunks of "
+                         "--max-num-batched-tokens; set it to at least --max-model-len to prefill each prompt in one "
+                         "step")
+        setattr(namespace, self.dest, True)
 
 
 def add_single_value_flags(parser: argparse.ArgumentParser) -> None:
@@ -43,5 +42,5 @@ def add_single_value_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", type=_only("auto", "the KV cache holds the model's own dtype (--dtype)"),
                         default=None, metavar="auto", help="vLLM's flag, auto only: the KV cache in --dtype")
     parser.add_argument("--enable-chunked-prefill", "--no-enable-chunked-prefill", nargs=0, default=None,
-                        action=_refuse_no_chunked_prefill(parser),
+                        action=_ChunkedPrefillOnly,
                         help="vLLM's flag, on only: prompts are prefilled in chunks of --max-num-batched-tokens")

@@ -131,7 +131,6 @@ def _from_pretrained(source: ModelSource, dtype: torch.dtype, trust_remote_code:
     return model, tokenizer
 
 
-
 def _load_from_hub(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool, allow_pickle: bool):
     """The local HF cache first; the network only when the hub answers, so offline machines fail fast."""
     from huggingface_hub import constants as hf_constants
