@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -76,8 +77,16 @@ class GatewaySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _ssl_pair(self) -> GatewaySettings:
+        """Both or neither, and a pair TLS can load (what uvicorn does at start, where a bad file was a traceback)."""
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs the key and its certificate")
+        if self.ssl_certfile is not None:
+            try:  # a password callback, so an encrypted key fails here instead of prompting on a terminal
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    self.ssl_certfile, self.ssl_keyfile, password=lambda: b"")
+            except ssl.SSLError as error:
+                raise ValueError(f"--ssl-certfile {self.ssl_certfile} and --ssl-keyfile {self.ssl_keyfile} are not a "
+                                 f"PEM certificate and its unencrypted private key ({error})") from error
         return self
 
     @property

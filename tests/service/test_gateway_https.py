@@ -1,6 +1,6 @@
 """HTTPS on the gateway (vLLM's --ssl-keyfile and --ssl-certfile): `specserve gateway` as its own process serves the
 API over TLS to clients that trust its certificate; plaintext HTTP and clients trusting another certificate are
-turned away; a key that cannot be read fails the start naming it."""
+turned away; a key that cannot be read, or is not the certificate's, fails the start naming it."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def test_plain_http_and_a_client_trusting_another_certificate_are_turned_away(ce
     (["--ssl-keyfile", "/nonexistent/server.key", "--ssl-certfile", "CERT"],
      "/nonexistent/server.key is not a readable"),
     (["--ssl-certfile", "CERT"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", "CERT", "--ssl-certfile", "CERT"], "are not a PEM certificate and its unencrypted private key"),
 ])
 def test_a_missing_key_fails_the_start_saying_so(certs, flags, says):
     good, _ = certs
