@@ -105,6 +105,23 @@ def test_a_figure_not_measured_again_fades_and_a_stale_one_is_replaced():
     assert model.predict(2) == pytest.approx(0.0005 + 0.2 * 0.001, rel=0.02)
 
 
+def test_the_line_kept_between_steps_is_the_line_fitted_again():
+    """The line is fitted again only when a call was observed or some figure fades: at every step of a history
+    that goes stale, fades, is measured again and goes stale again, it is exactly what a fresh fit gives."""
+    import random
+
+    from services.verifier.draft_cost import STALE_STEPS
+
+    rng = random.Random(5)
+    model = DraftCostModel()
+    for step in range(4 * STALE_STEPS):
+        if step % 150 < 20 and rng.random() < 0.5:  # asked in bursts, then not for longer than a figure stays fresh
+            model.observe(rng.choice([1, 2, 4]), rng.uniform(0.001, 0.01), renews=rng.random() < 0.7)
+        refitted = DraftCostModel(dict(model.seconds_by_k), dict(model.measured_at), model.steps, model.observations)
+        assert [model.predict(k) for k in (1, 3, 5)] == [refitted.predict(k) for k in (1, 3, 5)]
+        model.age()
+
+
 def test_a_figure_measured_now_and_then_keeps_its_value_and_a_probe_resets_a_stale_one():
     """A batch that asks its drafter every few dozen steps (asking rarely pays) must not see its calls as cheaper
     than they are between asks: that made it ask at a loss. So a figure stands as measured for STALE_STEPS; after
