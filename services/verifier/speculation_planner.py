@@ -89,7 +89,7 @@ def best_width(
 
 def forward_seconds(cost: StepCostModel, rows: int, span: int, widest: int) -> list[float]:
     """The predicted verify forward of `rows` rows attending to `span` tokens, at each width 1..`widest`."""
-    return [cost.predict(StepShape(rows, width, span + width)) for width in range(1, widest + 1)]
+    return cost.predict_widths(rows, span, widest)
 
 
 def best_width_of_columns(

@@ -86,9 +86,14 @@ class StepShape(NamedTuple):
         return self.rows * self.width
 
     def features(self) -> list[float]:
-        row_context, verify = self.rows * self.span / 1024.0, float(self.width > 1)
-        return [1.0, float(self.rows), float(self.tokens), row_context, self.tokens * self.span / 1024.0,
-                verify, verify * row_context]
+        return shape_features(self.rows, self.width, self.span)
+
+
+def shape_features(rows: int, width: int, span: int) -> list[float]:
+    """The fit's terms of a forward of `rows` rows of `width` positions attending to `span` (StepShape.features)."""
+    tokens = rows * width
+    row_context, verify = rows * span / 1024.0, float(width > 1)
+    return [1.0, float(rows), float(tokens), row_context, tokens * span / 1024.0, verify, verify * row_context]
 
 
 def non_negative_least_squares(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
@@ -199,6 +204,20 @@ class StepCostModel:
         # plain floats, multiplied in C (map): the planner predicts a few shapes every step, and numpy's per-call cost
         # was most of it (then a generator's, 2.2 us of 4.3)
         return sum(map(mul, self._coefficients, self.padded(shape).features()))
+
+    def predict_widths(self, rows: int, span: int, widest: int) -> list[float]:
+        """predict(StepShape(rows, width, span + width)) for each width 1..`widest`, the same figures without the
+        two shapes a width that predict() builds: the first plan prices every width each step, and at 1 row those
+        shapes were a sixth of the plan."""
+        coefficients = self._coefficients
+        if coefficients is None:
+            return [0.0] * widest
+        seconds = []
+        for width in range(1, widest + 1):
+            span_then = span + width
+            padded = (rows, width) if self._padding is None else self._padding(rows, width, span_then)[:2]
+            seconds.append(sum(map(mul, coefficients, shape_features(*padded, span_then))))
+        return seconds
 
     def describe(self) -> str:
         if self._coefficients is None:

@@ -61,6 +61,15 @@ def test_widths_one_graph_pads_alike_cost_alike_and_the_planner_fills_them():
     assert chosen <= set(WIDTH_BUCKETS) and len(chosen) > 2, chosen
 
 
+def test_every_widths_prediction_at_once_is_each_width_predicted_alone():
+    for padding in (None, lambda rows, width, span: (rows, width_bucket(width), span)):
+        model = fitted(H100_MS, padding=padding)
+        for rows, span in ((1, 100), (7, 517), (64, 3000)):
+            alone = [model.predict(StepShape(rows, width, span + width)) for width in range(1, 10)]
+            assert model.predict_widths(rows, span, 9) == alone  # the same floats, not approximately
+    assert StepCostModel().predict_widths(4, 100, 3) == [0.0, 0.0, 0.0]  # not fitted yet
+
+
 def test_a_cost_linear_in_the_tokens_is_still_fitted_exactly():
     """The CPU's shape (SmolLM2 on 2 cores: weights read once per forward, then per row and per token)."""
     cpu_ms = {(rows, width): tuple(16 + rows + 0.9 * rows * width + 0.002 * rows * width * span for span in SPANS)
