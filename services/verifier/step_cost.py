@@ -206,9 +206,9 @@ class StepCostModel:
         return sum(map(mul, self._coefficients, self.padded(shape).features()))
 
     def predict_widths(self, rows: int, span: int, widest: int) -> list[float]:
-        """predict(StepShape(rows, width, span + width)) for each width 1..`widest`, the same figures without the
-        two shapes a width that predict() builds: the first plan prices every width each step, and at 1 row those
-        shapes were a sixth of the plan."""
+        """predict(StepShape(rows, width, span + width)) for each width 1..`widest`: the same figures, without the
+        two shapes and the calls a width that predict() makes. The first plan prices every width each step
+        (draft_cost.DraftCostModel._line says what the two together saved)."""
         coefficients = self._coefficients
         if coefficients is None:
             return [0.0] * widest
