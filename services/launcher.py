@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
 from services.common.speculative_config import SpeculativeConfig
-from services.gateway.settings import add_cors_flags, add_https_flags, add_logging_flags
+from services.gateway.settings import (
+    add_cors_flags,
+    add_generation_config_flag,
+    add_https_flags,
+    add_logging_flags,
+)
 from services.single_value_flags import add_single_value_flags
 from services.supervision import (
     Child,
@@ -85,7 +90,7 @@ ENGINE_FLAGS = (
 GATEWAY_FLAGS = (
     "served_model_name", "chat_template", "tool_call_parser", "api_key", "allowed_origins", "allowed_methods",
     "allowed_headers", "allow_credentials", "uvicorn_log_level", "disable_uvicorn_access_log", "ssl_keyfile",
-    "ssl_certfile", "trust_remote_code",
+    "ssl_certfile", "trust_remote_code", "generation_config",
 )
 
 
@@ -302,6 +307,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cors_flags(parser)
     add_logging_flags(parser)
     add_https_flags(parser)
+    add_generation_config_flag(parser)
     add_single_value_flags(parser)
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="vLLM's flag: no periodic stats log line from the verifier")

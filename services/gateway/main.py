@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.gateway.settings import GatewaySettings, add_cors_flags, add_https_flags, add_logging_flags
+from services.gateway.settings import (
+    GatewaySettings,
+    add_cors_flags,
+    add_generation_config_flag,
+    add_https_flags,
+    add_logging_flags,
+)
 
 
 def parse_args(argv: list[str] | None) -> GatewaySettings:
@@ -18,6 +24,7 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--model", help="model spec for the tokenizer (default: the verifier's model id)")
     parser.add_argument("--trust-remote-code", action="store_true", default=None,
                         help="vLLM's flag: load a tokenizer that ships Python code, running it (default off)")
+    add_generation_config_flag(parser)
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the names clients send as 'model'; responses give the first (vLLM's flag; default: the "
                         "verifier's model id)")

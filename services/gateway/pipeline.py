@@ -85,6 +85,7 @@ def check_logprobs(req: s.SamplingFields, plan: Choices, limit: int) -> None:
 
 async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str, plan: Choices) -> Response:
     """kind: "completion" or "chat"."""
+    req = state.generation_defaults.apply(req)  # vLLM's --generation-config: the model's defaults where req has none
     info = await state.model_info()
     check_logprobs(req, plan, info.max_logprobs if info.HasField("max_logprobs") else DEFAULT_MAX_LOGPROBS)
     tokenizer = state.tokenizer
@@ -99,6 +100,8 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
     streams, choice_echo, choice_prompt = [], {}, {}
     for p, ids in enumerate(plan.prompts):
         max_tokens = resolve_max_tokens(plan.requested_max, len(ids), info.max_model_len)
+        if plan.requested_max is None:  # the room left in the context, or less where the model's default says so
+            max_tokens = state.generation_defaults.default_max_tokens(max_tokens)
         for i in range(req.n):
             index = p * req.n + i
             choice_echo[index], choice_prompt[index] = plan.echo[p], ids

@@ -1,7 +1,8 @@
 """OpenAI request fields -> the verifier's GenerateRequest (SamplingParams + SpeculationParams).
 
 OpenAI defaults are filled in here (temperature 1, top_p 1, penalties off) so the verifier receives explicit
-values; `max_tokens` is checked against the context window so the client gets vLLM's clear message instead of a
+values, for the fields that neither the request nor the model's generation_config.json sets (generation_defaults.py,
+applied before); `max_tokens` is checked against the context window so the client gets vLLM's clear message instead of a
 generation silently cut short. Values the schema accepts but the proto cannot carry as meant (a top_k beyond
 uint32, a 64-bit signed seed, a temperature or top_p that float32 rounds to 0) are mapped here to what they mean.
 """

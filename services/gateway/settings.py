@@ -28,6 +28,9 @@ class GatewaySettings(BaseSettings):
     model: str | None = None
     # vLLM's --trust-remote-code: a tokenizer whose folder (or hub repo) ships Python code loads, running it
     trust_remote_code: bool = False
+    # vLLM's --generation-config: "auto" (the model's generation_config.json sampling defaults apply to requests
+    # that leave them out), "vllm" (OpenAI's defaults), or a folder holding a generation_config.json
+    generation_config: str = "auto"
     # Names clients put in "model", as vLLM's --served-model-name: any is accepted, the first is the one responses
     # and metrics give; None: the verifier's Info.model_id. In the environment: comma-separated.
     served_model_name: Annotated[list[str] | None, NoDecode] = None
@@ -136,6 +139,14 @@ def add_cors_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-headers", help="with --allowed-origins: the request headers allowed (default any)")
     parser.add_argument("--allow-credentials", action="store_true", default=None,
                         help="with --allowed-origins: pages may send credentials (cookies, HTTP auth)")
+
+
+def add_generation_config_flag(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --generation-config, declared once for `specserve gateway` and `specserve serve` (which passes it on)."""
+    parser.add_argument("--generation-config", metavar="auto|vllm|FOLDER",
+                        help="the sampling defaults of requests that leave them out: auto (default, as vLLM) the "
+                        "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens), vllm OpenAI's, or a folder's generation_config.json")
 
 
 def add_https_flags(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import grpc
 from starlette.concurrency import run_in_threadpool
 
 from services.gateway.errors import ApiError, from_grpc
+from services.gateway.generation_defaults import GenerationDefaults, read_generation_defaults
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import load_tokenizer, with_chat_template
@@ -33,10 +34,14 @@ class GatewayState:
     tokenizer: Any = None
     tokenizer_problem: str | None = None  # why the tokenizer cannot be had (then the gateway is not ready)
     info: Any = None
+    # vLLM's --generation-config: read with the tokenizer, from the same model (generation_defaults.py)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.tokenizer = with_chat_template(self.tokenizer, self.settings.chat_template)
+        if self.tokenizer is not None:  # loaded at start for --model (main.py): a bad file fails the start
+            self.generation_defaults = read_generation_defaults(self.settings.generation_config, self.settings.model)
 
     async def model_info(self) -> Any:
         if self.info is None:
@@ -76,6 +81,7 @@ class GatewayState:
                 tokenizer = await run_in_threadpool(load_tokenizer, spec, self.settings.trust_remote_code)
                 if self.info is not None:
                     await self._check_tokenizer(self.info, tokenizer)
+                self.generation_defaults = read_generation_defaults(self.settings.generation_config, spec)
             except ModelUnavailableError as error:
                 self.tokenizer_problem = str(error)
                 logger.error("gateway not ready: %s", error)
