@@ -30,7 +30,7 @@ from services.verifier.draft_collection import ProposedDraft
 from services.verifier.logits_processing import processed_log_probs
 from services.verifier.rejection import coupled_samples
 from services.verifier.request_state import RequestState
-from services.verifier.tail_rows import COLUMNS, pack, sampling_fields, unpack
+from services.verifier.tail_rows import COLUMNS, TailRows, sampling_fields, unpack
 
 
 def distinct_siblings(draft: ProposedDraft) -> bool:
@@ -40,18 +40,12 @@ def distinct_siblings(draft: ProposedDraft) -> bool:
 
 
 @dataclass(frozen=True)
-class TreeVerifyTail:
+class TreeVerifyTail(TailRows):
     """One step's verification of chain and tree rows as a GraphTail: per row its draft tokens and their parents
-    (a chain's: each the one before), the position its first emitted token takes, its seed, whether it is greedy
-    and its temperature."""
+    (a chain's: each the one before), and what TailRows carries."""
 
-    sampled: bool
     tokens: tuple[tuple[int, ...], ...] = ()
     parents: tuple[tuple[int, ...], ...] = ()
-    positions: tuple[int, ...] = ()
-    seeds: tuple[int, ...] = ()
-    greedy: tuple[bool, ...] = ()
-    temperatures: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, states: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> TreeVerifyTail:
@@ -76,8 +70,7 @@ class TreeVerifyTail:
             n = len(tokens)
             ints[b, :n], ints[b, k : k + n] = tokens, parents
             ints[b, 2 * k + 1 : 2 * k + 1 + n] = np.asarray(tree_depths(parents), dtype=np.int64) + 1
-        return pack(ints, [len(tokens) for tokens in self.tokens], self.positions, self.seeds, self.greedy,
-                    self.temperatures)
+        return self.pack_rows(ints, [len(tokens) for tokens in self.tokens])
 
     def run(self, logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * width] int64: each row's emitted tokens (the first num_accepted + 1 count), num_accepted, then

@@ -30,7 +30,7 @@ from services.verifier.captured_tree_verify import TreeVerifyTail, distinct_sibl
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.rejection import verify
 from services.verifier.request_state import RequestState
-from services.verifier.tail_rows import COLUMNS, pack, sampling_fields, unpack
+from services.verifier.tail_rows import COLUMNS, TailRows, sampling_fields, unpack
 
 
 def takes(states: Sequence[RequestState], drafts: Sequence[ProposedDraft], vocab_size: int) -> bool:
@@ -61,16 +61,11 @@ def settings_fit(state: RequestState, vocab_size: int) -> bool:
 
 
 @dataclass(frozen=True)
-class VerifyTail:
-    """One step's verification as a GraphTail: per row its drafts, the position its first emitted token takes,
-    its seed, whether it is greedy and its temperature (1 for greedy rows, as SamplingBatch holds them)."""
+class VerifyTail(TailRows):
+    """One step's verification as a GraphTail: per row its drafts, and what TailRows carries (its temperature 1
+    for greedy rows, as SamplingBatch holds them)."""
 
-    sampled: bool
     drafts: tuple[tuple[int, ...], ...] = ()
-    positions: tuple[int, ...] = ()
-    seeds: tuple[int, ...] = ()
-    greedy: tuple[bool, ...] = ()
-    temperatures: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, states: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> VerifyTail:
@@ -89,7 +84,7 @@ class VerifyTail:
         if k:  # the drafts row after row through one mask (a numpy slice per row cost about 1 us each)
             ints[:real, :k][np.arange(k) < counts[:, None]] = np.fromiter(
                 chain.from_iterable(self.drafts), dtype=np.int64, count=int(counts.sum()))
-        return pack(ints, counts, self.positions, self.seeds, self.greedy, self.temperatures)
+        return self.pack_rows(ints, counts)
 
     def run(self, logits: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """[rows, width + 1] int64: each row's tokens (it emits the first num_accepted + 1) then num_accepted."""

@@ -7,6 +7,7 @@ a tail's ints, the temperatures after all rows as float64 bits; padding rows dra
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,23 @@ from services.verifier.request_state import RequestState
 from services.verifier.sampling_batch import SamplingBatch
 
 COLUMNS = 4  # number of drafts, position, seed, greedy
+
+
+@dataclass(frozen=True)
+class TailRows:
+    """The fields both tails carry of each row besides its drafts (sampling_fields gives them): whether any row
+    samples (the graph's key), the position each row's first emitted token takes, its seed, whether it is greedy
+    and its temperature."""
+
+    sampled: bool
+    positions: tuple[int, ...] = ()
+    seeds: tuple[int, ...] = ()
+    greedy: tuple[bool, ...] = ()
+    temperatures: tuple[float, ...] = ()
+
+    def pack_rows(self, ints: np.ndarray, counts: Sequence[int]) -> torch.Tensor:
+        """The tail's inputs: `ints` with these rows' columns and `counts` (drafted tokens a row) written in."""
+        return pack(ints, counts, self.positions, self.seeds, self.greedy, self.temperatures)
 
 
 def sampling_fields(states: Sequence[RequestState]) -> dict[str, Any]:

@@ -16,8 +16,6 @@ from services.verifier import captured_verify
 from services.verifier.captured_tree_verify import TreeVerifyTail
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_trees import best_lines, line_length_through, verify_lines
-from services.verifier.engine import Engine
-from services.verifier.engine_config import EngineConfig
 from services.verifier.logits_processing import processed_log_probs
 from services.verifier.random_streams import seed_to_int64
 from services.verifier.rejection import coupled_samples, verify
@@ -28,7 +26,7 @@ from tests.engine_harness import run_schedule
 from tests.prompts import random_workload
 from tests.proposers import OracleProposer, TreeProposer
 from tests.tiny_models import VOCAB, tiny_llama
-from tests.unit.test_captured_verify import graphed_runner
+from tests.unit.test_captured_verify import eager_runner, full_k_engine, graphed_runner, in_pairs
 
 
 def random_tree(rng: random.Random, nodes: int) -> list[int]:
@@ -135,20 +133,8 @@ async def test_through_the_engine_tree_steps_verify_in_the_graph_and_output_is_u
         return SamplingParams(max_tokens=max_tokens[i], **(dict(temperature=0.0) if i % 2 == 0
                                                           else dict(temperature=0.9, seed=5 + i)))
 
-    def schedule(specs):
-        return {(i // 2) * 2: [GenerationRequest(f"r{j}", prompts[j], sampling(j), specs[j]) for j in (i, i + 1)]
-                for i in range(0, n, 2)}
-
-    def engine(runner, proposers):
-        config = EngineConfig(max_num_batched_tokens=24, log_stats_interval_s=0, adaptive_speculation=False)
-        return Engine(runner, config, proposers, eos_token_ids=())
-
-    def eager_runner():
-        from services.modeling.llama_runner import LlamaFamilyRunner
-
-        return LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160)
-
-    baseline = await run_schedule(engine(eager_runner(), {}), schedule([SpeculationParams()] * n))
+    baseline = await run_schedule(full_k_engine(eager_runner(model), {}),
+                                  in_pairs(prompts, sampling, [SpeculationParams()] * n))
     references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
 
     def proposers():
@@ -167,8 +153,8 @@ async def test_through_the_engine_tree_steps_verify_in_the_graph_and_output_is_u
         return out
 
     runner.forward_with_tail = counting
-    graphed = await run_schedule(engine(runner, proposers()), schedule(specs))
-    eager = await run_schedule(engine(eager_runner(), proposers()), schedule(specs))
+    graphed = await run_schedule(full_k_engine(runner, proposers()), in_pairs(prompts, sampling, specs))
+    eager = await run_schedule(full_k_engine(eager_runner(model), proposers()), in_pairs(prompts, sampling, specs))
     for i in range(n):
         assert graphed[f"r{i}"].tokens == eager[f"r{i}"].tokens == baseline[f"r{i}"].tokens, f"r{i} {methods[i]}"
         # and what each step verified and accepted, which the planner and the metrics read

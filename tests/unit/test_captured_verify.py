@@ -42,6 +42,23 @@ def graphed_runner(model, backend=None, sizes=(1, 2, 4)) -> tuple[LlamaFamilyRun
     return runner, backend
 
 
+def in_pairs(prompts, sampling, specs) -> dict[int, list[GenerationRequest]]:
+    """The engine tests' schedule: requests two at a time, a pair every other step (run_schedule's steps)."""
+    return {(i // 2) * 2: [GenerationRequest(f"r{j}", prompts[j], sampling(j), specs[j]) for j in (i, i + 1)]
+            for i in range(0, len(specs), 2)}
+
+
+def full_k_engine(runner, proposers) -> Engine:
+    """An engine that verifies every row's full K (no adaptive planning), so that graphed and eager runs verify
+    the same drafts."""
+    config = EngineConfig(max_num_batched_tokens=24, log_stats_interval_s=0, adaptive_speculation=False)
+    return Engine(runner, config, proposers, eos_token_ids=())
+
+
+def eager_runner(model) -> LlamaFamilyRunner:
+    return LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160)
+
+
 def count_tail_steps(runner: LlamaFamilyRunner) -> list[int]:
     """Counts the forwards that ran with their verification in the graph ([n], updated as the runner runs)."""
     counted, forward_with_tail = [0], runner.forward_with_tail
@@ -171,18 +188,8 @@ async def test_through_the_engine_greedy_and_sampled_output_is_unchanged():
                  dict(temperature=0.9, seed=3, top_p=0.8), dict(temperature=0.7, seed=i), dict(temperature=0.0)]
         return SamplingParams(max_tokens=max_tokens[i], **kinds[i])
 
-    def schedule(specs):
-        return {(i // 2) * 2: [GenerationRequest(f"r{j}", prompts[j], sampling(j), specs[j]) for j in (i, i + 1)]
-                for i in range(0, n, 2)}
-
-    def engine(runner, proposers):
-        config = EngineConfig(max_num_batched_tokens=24, log_stats_interval_s=0, adaptive_speculation=False)
-        return Engine(runner, config, proposers, eos_token_ids=())
-
-    def eager_runner():
-        return LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=160)
-
-    baseline = await run_schedule(engine(eager_runner(), {}), schedule([SpeculationParams()] * n))
+    baseline = await run_schedule(full_k_engine(eager_runner(model), {}),
+                                  in_pairs(prompts, sampling, [SpeculationParams()] * n))
     references = {f"r{i}": prompts[i] + tuple(baseline[f"r{i}"].tokens) for i in range(n)}
 
     def proposers():
@@ -193,8 +200,8 @@ async def test_through_the_engine_greedy_and_sampled_output_is_unchanged():
     specs = [SpeculationParams(m, 1 + i % 4) for i, m in enumerate(methods)]
     runner, backend = graphed_runner(model)
     tail_steps = count_tail_steps(runner)
-    graphed = await run_schedule(engine(runner, proposers()), schedule(specs))
-    eager = await run_schedule(engine(eager_runner(), proposers()), schedule(specs))
+    graphed = await run_schedule(full_k_engine(runner, proposers()), in_pairs(prompts, sampling, specs))
+    eager = await run_schedule(full_k_engine(eager_runner(model), proposers()), in_pairs(prompts, sampling, specs))
     for i in range(n):
         assert graphed[f"r{i}"].tokens == eager[f"r{i}"].tokens, f"r{i} ({sampling(i)}, {methods[i]})"
         if methods[i] != "q":  # a sampled row with q follows the target's distribution, not its very tokens
