@@ -107,7 +107,7 @@ class DraftCollector:
         deadline = self.deadline(method)
         breaker = self.breaker(method)
         longest = max(d.num_speculative_tokens for d in inputs)
-        timeout = deadline.for_call(longest)
+        timeout = deadline.for_call(longest, len(inputs))
         started = time.perf_counter()
         problem: BaseException | str | None = None
         late = False
@@ -130,7 +130,7 @@ class DraftCollector:
                 self._fall_back(method, problem, late)
                 breaker.missed(self._clock(), str(problem) or type(problem).__name__)
             return None
-        deadline.answered(longest, time.perf_counter() - started)
+        deadline.answered(longest, time.perf_counter() - started, len(inputs))
         breaker.answered(self._clock())
         self._outages.succeeded(method)
         return proposed

@@ -1,13 +1,22 @@
-"""What drafting adds to a step, as a function of the longest draft asked for.
+"""What drafting adds to a step, as a function of the longest draft asked for and of how many rows were asked.
 
 An n-gram or suffix lookup costs about nothing, but a draft model drafts K tokens with K sequential forwards of
 its own (batched over the rows), which on a shared CPU can cost more than the verify forward. The planner must
 weigh that before asking: a step that asks for no draft does not call the drafter at all, so it pays none of it.
 
-Measured, never configured: each step that asked for drafts reports how long collecting them took and the longest
-draft it asked for (k); the model keeps a moving average per k and predicts with a line through them (a fixed part
-for the round trip and the catch-up, a part per drafted token), or, while only one k has been seen, proportionally
-to k (the draft-model case: the per-token forwards dominate). k = 0 costs nothing.
+Measured, never configured: each step that asked for drafts reports how long collecting them took, the longest
+draft it asked for (k) and the rows it asked. Asks are kept apart by how many rows they asked (1, 2-3, 4-7, ...:
+powers of two, as cost_by_rows.py keeps a step's bookkeeping): within a class, a moving average per k, predicted
+with a line through them (a fixed part for the round trip and the catch-up, a part per drafted token), or, while
+only one k has been seen, proportionally to k (the draft-model case: the per-token forwards dominate). An ask of a
+class not measured yet is priced by a line through the measured classes' figures at that k by their rows (a part
+per call, a part per row asked), or the one class's figure while one is known. k = 0 costs nothing.
+
+Why by rows: a drafter service handles each row it is asked about (its new tokens on the link, its lookup or its
+draft model's rows), so an ask of every row of a batch costs several times an ask of the few rows a probe asks.
+Priced as one figure, the probes' cheap calls priced the batch's: at 64 chats over gRPC an ask of every row took
+8-24 ms against a 7-8 ms step and was predicted at 0.6-8.6 ms (engine_host_cost's chat text on a simulated H200
+step, ngram).
 
 Forgotten unless measured again: a figure is only ever refreshed by asking, and a high one stops the asking, so a
 call that was slow once (a pause, a drafter restarting) would stop speculation for good. So the planner ages the
@@ -17,73 +26,112 @@ measurement replaces it instead of being averaged with it (the probes, which ask
 says, reset a figure a pause left high). Not faded while current: a fade from the first step also lowered true
 figures, so a batch that asks its drafter once every few dozen steps because asking rarely pays (64 chats over
 gRPC) predicted its calls at 0.5-0.8 of what they cost, asked at that price, and lost on those steps
-(engine_host_cost's chat text on a simulated H200 step: planned asks took 1.3-4.5% of the step time).
+(engine_host_cost's chat text on a simulated H200 step: planned asks took 1.3-4.5% of the step time). The fade
+moves every FADE_REFRESH_STEPS steps rather than every step, so that what a plan prices is worked out once for
+those steps (a fading figure changes by 7% across them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SMOOTHING = 0.2  # weight of the newest observation in each k's moving average
+SMOOTHING = 0.2  # weight of the newest observation in each k's moving average, and in a class's mean rows
 STALE_STEPS = 100  # steps without a measurement after which a figure fades, and the next one replaces it
 HALF_LIFE_STEPS = 100  # steps, once stale, after which a figure not measured again counts half
+FADE_REFRESH_STEPS = 10  # a fading figure's age is counted in steps of this many
+
+
+@dataclass
+class RowClassAsks:
+    """The asks of one class of row counts (1, 2-3, 4-7, ...): the rows they asked (a moving average) and, per k,
+    the moving average of their collection seconds and the step it was last measured at."""
+
+    rows: float
+    seconds_by_k: dict[int, float] = field(default_factory=dict)
+    measured_at: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
 class DraftCostModel:
-    seconds_by_k: dict[int, float] = field(default_factory=dict)  # moving average of collection seconds per k
-    measured_at: dict[int, int] = field(default_factory=dict)  # the step each figure was last measured at
+    classes: dict[int, RowClassAsks] = field(default_factory=dict)  # rows.bit_length() -> its asks
     steps: int = 0  # steps aged so far
     observations: int = 0  # calls observed so far
-    # (steps, observations) when the line predict() uses was fitted -> that line: a plan prices several k a step
-    # (about 2 us each at 64 rows when it was fitted again for each), and the figures change at most once a step
-    _fitted: tuple[tuple[int, int], tuple[float, float]] | None = field(default=None, repr=False, compare=False)
+    oldest: int = 0  # the step the least recently measured figure was measured at
+    # (fade's step, observations) when the predictions below were worked out -> {(k, rows): seconds}: a plan prices
+    # several k a step (about 2 us each at 64 rows when the line was fitted again for each), and the figures change
+    # at most once a step
+    _predicted: tuple[tuple[int, int], dict[tuple[int, int], float]] | None = field(default=None, repr=False,
+                                                                                    compare=False)
 
-    def observe(self, k: int, seconds: float, renews: bool = True) -> None:
-        """Collecting drafts of at most `k` tokens took `seconds` (a missed deadline reports the deadline).
-        `renews` False (a probe's call): averaged in, but the figure keeps its age unless this replaced it, so a
-        figure that only probes measure still goes stale and is replaced (SpeculationPlanner.observe_drafting)."""
+    def observe(self, k: int, seconds: float, renews: bool = True, rows: int = 1) -> None:
+        """Collecting drafts of at most `k` tokens for `rows` rows took `seconds` (a missed deadline reports the
+        deadline). `renews` False (a probe's call): averaged in, but the figure keeps its age unless this replaced
+        it, so a figure that only probes measure still goes stale and is replaced (SpeculationPlanner.
+        observe_drafting)."""
         if k <= 0 or seconds < 0:
             return
-        previous = self.seconds_by_k.get(k)
-        fresh = previous is None or self._age(k) >= STALE_STEPS
-        self.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
+        rows = max(1, rows)
+        asks = self.classes.get(rows.bit_length())
+        if asks is None:
+            asks = self.classes[rows.bit_length()] = RowClassAsks(float(rows))
+        else:
+            asks.rows += SMOOTHING * (rows - asks.rows)
+        previous = asks.seconds_by_k.get(k)
+        fresh = previous is None or self.steps - asks.measured_at[k] >= STALE_STEPS
+        asks.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
         if fresh or renews:
-            self.measured_at[k] = self.steps
+            asks.measured_at[k] = self.steps
+        self.oldest = min(min(asks.measured_at.values()) for asks in self.classes.values())
         self.observations += 1
 
     def age(self) -> None:
         """One more step has passed (see the module docstring)."""
         self.steps += 1
 
-    def _age(self, k: int) -> int:
-        return self.steps - self.measured_at.get(k, self.steps)
-
-    def predict(self, k: int) -> float:
-        """Expected seconds to collect drafts of at most `k` tokens; 0 for k = 0 or before any observation."""
-        if k <= 0 or not self.seconds_by_k:
+    def predict(self, k: int, rows: int = 1) -> float:
+        """Expected seconds to collect drafts of at most `k` tokens for `rows` rows; 0 for k = 0 or before any
+        observation. Worked out again only when a call was observed or, while some figure fades, every
+        FADE_REFRESH_STEPS steps: the first plan of every step prices several k, and most steps ask nothing. Worked
+        out once a step instead of at each price, and with predict_widths (step_cost.py), the first plan at 1 row
+        went from 119 to 104 us (medians of 6 alternated runs of engine_host_cost's chat text on a simulated H200
+        step)."""
+        if k <= 0 or not self.classes:
             return 0.0
-        fixed, per_token = self._line()
-        return max(0.0, fixed + per_token * k)
+        now = self.steps - self.steps % FADE_REFRESH_STEPS
+        key = (now if now - self.oldest > STALE_STEPS else -1, self.observations)
+        if self._predicted is None or self._predicted[0] != key:
+            self._predicted = (key, {})
+        known = self._predicted[1]
+        found = known.get((k, rows))
+        if found is None:
+            found = known[(k, rows)] = self._worked_out(k, max(1, rows), now)
+        return found
 
-    def _line(self) -> tuple[float, float]:
-        """Fixed seconds and seconds a token through the aged figures, fitted again only when a call was observed
-        or, while some figure is stale (so fading), when a step has passed. Every step refitted it before, to the
-        same line while no figure was fading, in the first plan of every step, where most steps ask nothing. With
-        predict_widths (step_cost.py), the first plan at 1 row went from 119 to 104 us (medians of 6 alternated runs
-        of engine_host_cost's chat text on a simulated H200 step)."""
-        oldest = min(self.measured_at.values(), default=self.steps)
-        key = (self.steps if self.steps - oldest > STALE_STEPS else -1, self.observations)
-        if self._fitted is None or self._fitted[0] != key:
-            figures = {seen: seconds * 0.5 ** (max(0, self._age(seen) - STALE_STEPS) / HALF_LIFE_STEPS)
-                       for seen, seconds in self.seconds_by_k.items()}
-            if len(figures) == 1:
-                (seen, seconds), = figures.items()
-                line = (0.0, seconds / seen)
-            else:
-                line = nonnegative_line(figures)
-            self._fitted = (key, line)
-        return self._fitted[1]
+    def _worked_out(self, k: int, rows: int, now: int) -> float:
+        """Its own class's figure where that class was measured, else a line through the others' by their rows.
+        The own class first: asks of other sizes say little about it, and a class a pause left high pulled the line
+        up for every size until it faded."""
+        own = self.classes.get(rows.bit_length())
+        if own is not None:
+            return self._class_seconds(own, k, now)
+        by_rows = {asks.rows: self._class_seconds(asks, k, now) for asks in self.classes.values()}
+        if len(by_rows) == 1:
+            (seconds,) = by_rows.values()
+            return seconds
+        fixed, per_row = nonnegative_line(by_rows)
+        return fixed + per_row * rows
+
+    @staticmethod
+    def _class_seconds(asks: RowClassAsks, k: int, now: int) -> float:
+        """One class's figure at k: through its figures faded to `now`, proportional to k from one, a line from
+        more."""
+        figures = {seen: seconds * 0.5 ** (max(0, now - asks.measured_at[seen] - STALE_STEPS) / HALF_LIFE_STEPS)
+                   for seen, seconds in asks.seconds_by_k.items()}
+        if len(figures) == 1:
+            (seen, seconds), = figures.items()
+            return seconds * k / seen
+        fixed, per_token = nonnegative_line(figures)
+        return max(0.0, fixed + per_token * k)
 
 
 def nonnegative_line(points: dict[float, float]) -> tuple[float, float]:

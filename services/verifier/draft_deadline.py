@@ -8,9 +8,10 @@ other down, so the next call is late too (measured with Qwen2.5-Coder-0.5B draft
 missed deadlines in one benchmark round, and four concurrent requests at 0.4-0.9x no speculation).
 
 So the deadline follows the proposer, as a TCP retransmission timeout follows the round trip: DEADLINE_FACTOR times
-the predicted time of a call drafting k tokens (draft_cost.DraftCostModel over the calls that answered), never
-below the configured floor (`draft_timeout_s`) nor above the cap (`max_draft_timeout_s`). A drafter that has never
-answered within the floor keeps the floor: a hung or far too slow drafter costs each step what it cost before.
+the predicted time of a call drafting k tokens for its rows (draft_cost.DraftCostModel over the calls that
+answered), never below the configured floor (`draft_timeout_s`) nor above the cap (`max_draft_timeout_s`). A
+drafter that has never answered within the floor keeps the floor: a hung or far too slow drafter costs each step
+what it cost before.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ class DraftDeadline:
     cap_s: float
     cost: DraftCostModel = field(default_factory=DraftCostModel)  # seconds of the calls that answered
 
-    def for_call(self, k: int) -> float:
-        """Seconds to wait for a call drafting at most `k` tokens."""
-        return min(self.cap_s, max(self.floor_s, DEADLINE_FACTOR * self.cost.predict(k)))
+    def for_call(self, k: int, rows: int = 1) -> float:
+        """Seconds to wait for a call drafting at most `k` tokens for `rows` rows."""
+        return min(self.cap_s, max(self.floor_s, DEADLINE_FACTOR * self.cost.predict(k, rows)))
 
-    def answered(self, k: int, seconds: float) -> None:
-        self.cost.observe(k, seconds)
+    def answered(self, k: int, seconds: float, rows: int = 1) -> None:
+        self.cost.observe(k, seconds, rows=rows)

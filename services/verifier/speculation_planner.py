@@ -167,21 +167,25 @@ class SpeculationPlanner:
         # at least to width 2, where a probe's column is priced
         forward_s = forward_seconds(self.cost, rows, span, max(2, 1 + len(figures.columns)))
         narrow = forward_s[0]
-        width = best_width_of_columns(rows, figures.columns, forward_s, overhead_s, self.draft_cost.predict,
-                                      self.speculative_overhead_s(rows),
+        askable = rows - caps.count(0)  # a step that asks asks every row that may draft
+        draft_cost = self.draft_cost
+        width = best_width_of_columns(rows, figures.columns, forward_s, overhead_s,
+                                      lambda k: draft_cost.predict(k, askable), self.speculative_overhead_s(rows),
                                       self._displacement(caps, narrow + overhead_s, backlog))
         plain_s = narrow + overhead_s  # what a plain step is expected to take
         self._probe_column_s = max(0.0, forward_s[1] - narrow)
-        # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it.
-        # Granted at no more than a plain step's time: a figure a pause left high would otherwise keep away the very
-        # probes that measure it again (draft_cost.py); settle_probe charges the probe what it really cost.
-        probe_call_s = min(self.draft_cost.predict(1), plain_s) if width == 1 else 0.0
         token_s = plain_s / rows  # a token's share of a plain step: what a probe's win saves
-        probe_s = self._probe_column_s + probe_call_s
         due: list[int] = []  # the rows a probe would ask
-        if width == 1:  # granted at its cost less what its due rows are expected to win (settle_probe)
+        if width == 1:
             due = [i for i, (state, cap) in enumerate(zip(decode, caps, strict=True))
                    if cap > 0 and state.speculation is not None and state.speculation.probe.due]
+        # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
+        # (priced for the rows it asks, one while none is due). Granted at no more than a plain step's time: a figure a
+        # pause left high would otherwise keep away the very probes that measure it again (draft_cost.py);
+        # settle_probe charges the probe what it really cost.
+        probe_call_s = min(draft_cost.predict(1, max(1, len(due))), plain_s) if width == 1 else 0.0
+        probe_s = self._probe_column_s + probe_call_s
+        if due:  # granted at its cost less what its due rows are expected to win (settle_probe)
             probe_s -= token_s * sum(figures.first_wins[i] for i in due)
         can_probe = self.probes.earn(plain_s, max(0.0, probe_s))
         if width > 1:
@@ -303,7 +307,7 @@ class SpeculationPlanner:
         noise of one batch, but low in each of three against the code before)."""
         if k > 0 and not self._opening:  # set by draft_requests, which asked
             # _probe_step: set by draft_requests on a probing step, cleared by settle_probe
-            self.draft_cost.observe(k, seconds, renews=self._probe_step is None)
+            self.draft_cost.observe(k, seconds, renews=self._probe_step is None, rows=len(self._asked))
         self.draft_cost.age()
 
     def observe_overhead(self, seconds: float, speculative: bool = False, rows: int = 1) -> None:

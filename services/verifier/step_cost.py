@@ -208,7 +208,7 @@ class StepCostModel:
     def predict_widths(self, rows: int, span: int, widest: int) -> list[float]:
         """predict(StepShape(rows, width, span + width)) for each width 1..`widest`: the same figures, without the
         two shapes and the calls a width that predict() makes. The first plan prices every width each step
-        (draft_cost.DraftCostModel._line says what the two together saved)."""
+        (draft_cost.DraftCostModel.predict says what the two together saved)."""
         coefficients = self._coefficients
         if coefficients is None:
             return [0.0] * widest

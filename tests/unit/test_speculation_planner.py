@@ -290,6 +290,29 @@ def test_a_probe_is_charged_what_its_step_really_cost():
     assert probe_share(measured=False) > 2 * PROBE_TIME_SHARE
 
 
+def test_an_ask_of_every_row_is_priced_at_what_such_asks_cost_not_at_what_probes_cost():
+    """64 rows on an accelerator whose drafts are worth asking for at the price of a probe of two rows (0.5 ms), and
+    not at what an ask of all 64 was measured to take (24 ms, three steps' time; 8-24 ms at 64 chats over gRPC): the
+    planner stops asking once such an ask is measured, and it is measured at the rows it asked."""
+    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)  # an accelerator's flat step
+    planner = SpeculationPlanner(cost, adaptive=True)
+    for _ in range(200):
+        planner.observe_overhead(0.002)
+    decode = decoding_states(64, "ngram", 4)
+    for state in decode:
+        state.speculation = planner.start("ngram")
+        state.speculation.asked_before = True
+        for _ in range(3):
+            state.speculation.acceptance.observe(4, 1)  # a token accepted a draft
+    planner.draft_cost.observe(1, 0.0005, rows=2)
+    asks = planner.draft_requests(decode, [4] * 64)
+    assert min(asks) > 0  # every row asked
+    planner.observe_drafting(max(asks), 0.024)  # which took 24 ms
+    assert planner.draft_cost.predict(max(asks), 64) == pytest.approx(0.024)
+    assert planner.draft_cost.predict(1, 2) == pytest.approx(0.0005)  # the probes' figure stands
+    assert not any(planner.draft_requests(decode, [4] * 64))
+
+
 def one_eagle_row_on_an_accelerator():
     """A planner that knows an accelerator's step at one row (2.4 ms), 0.2 ms of overhead and asks of 1 ms, and one
     EAGLE request already opened on its drafter: (planner, the request, a plain step's seconds)."""
@@ -366,7 +389,7 @@ def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
     planner = SpeculationPlanner(cost, adaptive=True)
     for _ in range(200):
         planner.observe_overhead(0.001)
-    planner.draft_cost.observe(1, 0.200)
+    planner.draft_cost.observe(1, 0.200, rows=4)  # a call asking the four rows the probes below ask
     decode = decoding_states(4, "ngram", 4)
     for state in decode:
         state.speculation = planner.start("ngram")
@@ -378,7 +401,7 @@ def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
         if any(asks):
             probes.append(step)
         planner.observe_drafting(max(asks), 0.0005 if any(asks) else 0.0)  # a probe's call: 0.5 ms
-        if planner.draft_cost.predict(1) == pytest.approx(0.0005, rel=0.01):
+        if planner.draft_cost.predict(1, 4) == pytest.approx(0.0005, rel=0.01):
             break
         planner.settle_probe(plain_s)
         for state in decode:
