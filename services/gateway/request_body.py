@@ -1,14 +1,21 @@
-"""Request bodies read by hand: a size limit, strict UTF-8, JSON as JSON defines it, then the pydantic model.
+"""Request bodies read by hand: a size limit, the body's Content-Encoding undone, strict UTF-8, JSON as JSON
+defines it, then the pydantic model.
 
 FastAPI's own body parsing would answer 422 in its own shape and let through what Python's json module accepts
 but JSON does not (NaN, lone surrogate escapes), or fail with a 500 on what it cannot take (an integer of over
 4300 digits, nesting deeper than the recursion limit). Here every such body is an OpenAI-shaped 400 or 413.
+
+A body a client compressed (`Content-Encoding: gzip` or `deflate`, as HTTP clients and proxies configured to save
+upload bytes send it) is inflated, under the same size limit, so a small compressed body cannot expand without
+bound; any other coding is a 415 that names the ones taken. Read as it came, a gzip body was refused as "not valid
+UTF-8", which sent its sender looking in the wrong place.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections import deque
 from typing import Any
 
@@ -17,11 +24,15 @@ from pydantic import BaseModel
 
 from services.gateway.errors import ApiError
 
+# A body's Content-Encoding -> zlib's window bits to inflate it with (gzip's header and trailer, zlib's)
+_INFLATE_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
 # A JSON escape of a UTF-16 surrogate; only bodies that contain one are searched for an unpaired one.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 async def read_json(request: Request, limit: int) -> Any:
+    codings = _content_codings(request.headers.get("content-encoding"))
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
@@ -32,6 +43,8 @@ async def read_json(request: Request, limit: int) -> Any:
             raise ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
         chunks.append(chunk)
     body = b"".join(chunks)
+    for coding in reversed(codings):  # listed in the order they were applied
+        body = _inflated(body, coding, limit)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -41,6 +54,34 @@ async def read_json(request: Request, limit: int) -> Any:
     if _SURROGATE_ESCAPE.search(text):
         _refuse_lone_surrogates(data)
     return data
+
+
+def _content_codings(header: str | None) -> list[str]:
+    """The codings a Content-Encoding header lists, identity left out; one this server cannot undo is a 415, before
+    the body is read."""
+    codings = [coding.strip().lower() for coding in (header or "").split(",")]
+    codings = [coding for coding in codings if coding and coding != "identity"]
+    for coding in codings:
+        if coding not in _INFLATE_WBITS:
+            raise ApiError(415, f"Content-Encoding {coding!r} is not supported: send the body uncompressed, gzip or "
+                                "deflate", code="unsupported_content_encoding")
+    return codings
+
+
+def _inflated(body: bytes, coding: str, limit: int) -> bytes:
+    """`body` inflated from `coding`, at most `limit` bytes of it (a 413 beyond); a body that is not whole data of
+    that coding is a 400."""
+    inflater = zlib.decompressobj(_INFLATE_WBITS[coding])
+    try:
+        inflated = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise ApiError(400, f"request body is not valid {coding} data ({exc})", code="invalid_encoding") from exc
+    if len(inflated) > limit:
+        raise ApiError(413, f"request body is larger than {limit} bytes once inflated", code="request_too_large")
+    if not inflater.eof or inflater.unused_data:
+        raise ApiError(400, f"request body is not whole {coding} data (truncated, or followed by other bytes)",
+                       code="invalid_encoding")
+    return inflated
 
 
 def _refuse_constant(name: str) -> Any:

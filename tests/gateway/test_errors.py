@@ -271,6 +271,39 @@ async def test_body_too_large(make_app):
     await app.state.gateway.client.close()
 
 
+async def test_a_compressed_body_is_inflated_under_the_size_limit(make_app, verifier):
+    """Content-Encoding gzip or deflate (as HTTP clients and proxies configured to save upload bytes send it) is
+    inflated; the size limit holds for what it inflates to, so a small body cannot expand without bound; another
+    coding, or a body that is not whole data of its coding, is an OpenAI-shaped 4xx, and the gateway serves on."""
+    import gzip
+    import json
+    import zlib
+
+    import httpx
+
+    app = make_app(max_request_body_bytes=2000)
+    body = json.dumps({"model": MODEL, "prompt": "squeezed", "max_tokens": 2}).encode()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+        async def post(content: bytes, encoding: str):
+            return await c.post(COMP, content=content, headers={"content-type": "application/json",
+                                                                "content-encoding": encoding})
+
+        for content, encoding in ((gzip.compress(body), "gzip"), (zlib.compress(body), "deflate"),
+                                  (gzip.compress(body), "identity, gzip"), (body, "identity")):
+            r = await post(content, encoding)
+            assert r.status_code == 200, (encoding, r.text)
+        assert [list(request.prompt_token_ids) for request in verifier.requests] == [list(b"squeezed")] * 4
+        bomb = gzip.compress(b'{"model": "tiny-test", "prompt": "' + b"a" * 1_000_000 + b'"}')
+        assert len(bomb) < 2000
+        assert_openai_error(await post(bomb, "gzip"), 413)
+        assert_openai_error(await post(gzip.compress(body), "br"), 415)
+        assert_openai_error(await post(body, "gzip"), 400)  # not gzip at all
+        assert_openai_error(await post(gzip.compress(body)[:-6], "gzip"), 400)  # cut short
+        assert_openai_error(await post(gzip.compress(body) + b"junk", "gzip"), 400)
+        assert (await c.post(COMP, json={"model": MODEL, "prompt": "x", "max_tokens": 1})).status_code == 200
+    await app.state.gateway.client.close()
+
+
 async def test_api_key(make_app):
     import httpx
 
