@@ -96,8 +96,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
         return JSONResponse(body.public(), status_code=200 if report.status in ("ok", "degraded") else 503)
 
     # vLLM's /ping (GET or POST, the health check SageMaker endpoints send): the same answer as /health
-    app.add_api_route("/ping", health, methods=["GET", "POST"], responses={200: {"model": s.Health},
-                                                                          503: {"model": s.Health}})
+    for method in ("GET", "POST"):  # a route a method: one route of both gave /openapi.json one operationId twice
+        app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}",
+                          responses={200: {"model": s.Health}, 503: {"model": s.Health}})
 
     @app.get("/metrics")
     async def metrics() -> Response:
