@@ -121,6 +121,13 @@ def from_validation(error: ValidationError | RequestValidationError) -> ApiError
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the response"
 
 
+def unknown_route_message(request: Request, app: FastAPI) -> str:
+    """What a client that called a route this server does not have (the Responses API, embeddings, a typo) reads:
+    the API routes it does have, so that an SDK's "404 Not Found" says where to go instead."""
+    routes = sorted(path for path in app.openapi()["paths"] if path.startswith("/v1/"))  # built once, then kept
+    return f"{request.method} {request.url.path} is not a route of this server; its API routes: {', '.join(routes)}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -135,9 +142,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return from_validation(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # exc.headers carry what the status needs: a 405's Allow, a 401's WWW-Authenticate
-        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+        message = str(exc.detail)
+        if exc.status_code == 404:  # the router's: no route at this path (a route's own 404 is an ApiError)
+            message = unknown_route_message(request, app)
+        return ApiError(exc.status_code, message, headers=exc.headers).response()
 
     @app.exception_handler(grpc.RpcError)
     async def _grpc(_: Request, exc: grpc.RpcError) -> JSONResponse:

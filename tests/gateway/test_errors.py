@@ -203,6 +203,16 @@ async def test_unavailable_has_retry_after():
     assert r.json()["error"]["code"] == grpc.StatusCode.UNAVAILABLE.name.lower()
 
 
+async def test_a_route_this_server_does_not_have_is_a_404_naming_the_ones_it_has(client):
+    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("GET", "/v1/chat/completion")):
+        r = await client.request(method, path, json={"model": MODEL, "input": "hi"})
+        assert_openai_error(r, 404)
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"{method} {path} is not a route") and "/v1/chat/completions" in message, message
+    r = await client.get("/v1/models/gpt-4")  # a route's own 404 keeps its message
+    assert_openai_error(r, 404) and "gpt-4" in r.json()["error"]["message"]
+
+
 async def test_405_keeps_its_allow_header(client):
     r = await client.get(COMP)
     assert_openai_error(r, 405)
