@@ -25,6 +25,7 @@ REQUEST_DECAY = 0.8  # a request's counts halve in about three verified drafts
 METHOD_DECAY = 0.98  # a method's counts halve in about 35 verified drafts (over all its requests: a few steps of a batch)
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the method's figure in each request's estimate
 DRAFT_RATE_SMOOTHING = 0.2  # weight of the newest ask in a request's rate of asks answered with a draft
+PRIOR_TOLERANCE = 0.02  # a method's position-1 rate may move this much before its rows are worked out again
 
 
 def shrunk(accepted: float, observed: float, prior: float, prior_weight: float) -> float:
@@ -73,9 +74,19 @@ class PositionCounts:
 
 @dataclass
 class MethodAcceptance:
-    """One drafter method's acceptance over all its requests: the prior of each new request's estimate."""
+    """One drafter method's acceptance over all its requests: the prior of each new request's estimate.
+
+    Every verified draft of any of its requests moves it, and every request's estimate leans on it, so each of those
+    drafts had every request's estimate worked out again: about 0.6 ms at 64 rows, after about one plan in five
+    (engine_host_cost's chat text on a simulated H200 step, 2-core EPYC). So the estimates follow its `epoch`
+    instead, which moves once its position-1 rate has moved by more than PRIOR_TOLERANCE since the epoch began: at
+    most that much on a request's first position, where a plan's choice turns on far larger differences (a column
+    costs what a fifth of the rows' tokens are worth at 64 rows on an accelerator). A request's own verified drafts
+    still have its estimate worked out again at once, with the prior as it is then."""
 
     counts: PositionCounts = field(default_factory=lambda: PositionCounts(METHOD_DECAY))
+    epoch: int = 0
+    _epoch_rate: float = INITIAL_ACCEPTANCE  # the position-1 rate when the epoch began
 
     def first_position_rate(self, own: OwnShare | None = None) -> float:
         """Acceptance of position 1 over the method's requests, from INITIAL_ACCEPTANCE before any draft (the
@@ -89,6 +100,10 @@ class MethodAcceptance:
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.counts.observe(num_draft, num_accepted)
+        rate = self.first_position_rate()
+        if abs(rate - self._epoch_rate) > PRIOR_TOLERANCE:
+            self.epoch += 1
+            self._epoch_rate = rate
 
 
 @dataclass
@@ -131,7 +146,7 @@ class AcceptanceEstimate:
     method: MethodAcceptance
     counts: PositionCounts = field(default_factory=lambda: PositionCounts(REQUEST_DECAY))
     own: OwnShare = field(default_factory=OwnShare)  # this request's part of the method's counts
-    # (versions of this request's and the method's counts, positions) -> survival, as computed last
+    # (version of this request's counts, the method's epoch, positions) -> survival, as computed last
     _cached: tuple[tuple[int, int, int], tuple[float, ...]] | None = field(default=None, repr=False, compare=False)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
@@ -154,10 +169,11 @@ class AcceptanceEstimate:
         figure for a deep position would hold the first back until it had been verified that deep, which a narrow
         schedule never does.
 
-        Computed again only when either's counts changed: the planner reads every row's survival twice a step,
-        about 2.5 us a row on a 2-core EPYC, and in steps that verify nothing (most, on new text under load)
-        nothing changes. A tuple, so the cached figures are handed out without a copy and no caller can alter them."""
-        key = (self.counts.version, self.method.counts.version, num_positions)
+        Computed again only when this request's counts changed or its method's epoch moved (MethodAcceptance): the
+        planner reads every row's survival twice a step, about 2.5 us a row on a 2-core EPYC, and in steps that
+        verify nothing (most, on new text under load) nothing changes. A tuple, so the cached figures are handed
+        out without a copy and no caller can alter them."""
+        key = (self.counts.version, self.method.epoch, num_positions)
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
         out, running = [], 1.0
