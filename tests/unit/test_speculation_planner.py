@@ -40,6 +40,31 @@ def test_survival_is_the_product_of_conditionals_and_learns_per_request():
     assert low[0] < fresh.survival(1)[0] < high[0]
 
 
+def test_a_requests_estimate_follows_its_methods_prior_by_epochs():
+    """Every verified draft moves the method's prior; a request's estimate is worked out again once the prior has
+    moved by more than PRIOR_TOLERANCE (an epoch), or at once when the request's own draft is verified."""
+    from services.verifier.acceptance import PRIOR_TOLERANCE
+
+    method = MethodAcceptance()
+    for i in range(100):  # a method with a record: one draft moves it by about a 50th
+        method.observe(4, 2 * (i % 2))
+    row = AcceptanceEstimate(method)
+    epochs = {method.epoch}
+    for _ in range(30):
+        kept, epoch = row.survival(4), method.epoch
+        method.observe(4, 4)  # another request's draft, all accepted
+        fresh = AcceptanceEstimate(method).survival(4)  # no history of its own: the prior as it is now
+        if method.epoch == epoch:
+            assert row.survival(4) is kept and abs(kept[0] - fresh[0]) <= 2 * PRIOR_TOLERANCE
+        else:
+            assert row.survival(4) == fresh
+        epochs.add(method.epoch)
+    assert 3 < len(epochs) < 25  # the prior moved it several times, not at every draft
+    kept = row.survival(4)
+    row.observe(4, 0)  # its own draft, rejected: worked out at once
+    assert row.survival(4)[0] < kept[0]
+
+
 def decoding_states(count: int, method: str, k: int, context: Sequence[int] = (1, 2, 3)) -> list:
     """`count` decoding requests (RequestState) of `method` asking for K = k, their prompt (1, 2, 3) and their
     tokens so far `context`; built inside an event loop, which a request's output queue needs."""
