@@ -14,9 +14,12 @@ from types import MappingProxyType, ModuleType
 
 import torch
 
+from services.common.device_errors import DeviceUnavailableError
+
 logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 _DTYPE_ALIASES = MappingProxyType(
@@ -38,7 +41,7 @@ def _import_torch_npu() -> ModuleType:
     try:
         return importlib.import_module("torch_npu")
     except ImportError as exc:
-        raise RuntimeError(
+        raise DeviceUnavailableError(
             "device 'npu' needs the Ascend torch plugin: `pip install torch_npu` (a version matching "
             f"torch {torch.__version__}) and the CANN toolkit; torch_npu could not be imported ({exc})"
         ) from exc
@@ -58,7 +61,7 @@ def _npu_available() -> bool:
 
 def _check_index(kind: str, index: int | None, count: int) -> None:
     if index is not None and not 0 <= index < count:
-        raise RuntimeError(f"device '{kind}:{index}' requested but only {count} {kind} device(s) are visible")
+        raise DeviceUnavailableError(f"device '{kind}:{index}' requested but only {count} {kind} device(s) are visible")
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -87,7 +90,7 @@ def resolve_device(name: str | torch.device) -> torch.device:
             reason = (
                 "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
             )
-            raise RuntimeError(
+            raise DeviceUnavailableError(
                 f"device {name!r} requested but torch.cuda.is_available() is False ({reason}); "
                 "use --device cpu or --device auto"
             )
@@ -96,7 +99,7 @@ def resolve_device(name: str | torch.device) -> torch.device:
     if kind == "npu":
         _import_torch_npu()
         if not torch.npu.is_available():  # type: ignore[attr-defined]
-            raise RuntimeError(f"device {name!r} requested: torch_npu is installed but no NPU is available")
+            raise DeviceUnavailableError(f"device {name!r} requested: torch_npu is installed but no NPU is available")
         _check_index("npu", index, torch.npu.device_count())  # type: ignore[attr-defined]
         return torch.device(spec)
     raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)} (or e.g. 'cuda:1')")
@@ -139,5 +142,5 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
             f"dtype {dtype} is not supported for model weights; use float32, bfloat16 or float16"
         )
     if dtype == torch.bfloat16 and not _bf16_supported(device):
-        raise RuntimeError(f"bfloat16 is not supported on {device}; use --dtype float16 or --dtype auto")
+        raise DeviceUnavailableError(f"bfloat16 is not supported on {device}; use --dtype float16 or --dtype auto")
     return dtype

@@ -106,3 +106,15 @@ def test_dtype_objects_pass_through() -> None:
 def test_unknown_dtype_names(bad: str) -> None:
     with pytest.raises(ValueError, match=r"unknown dtype.*float32, bfloat16, float16"):
         resolve_dtype(bad, CPU)
+
+
+@pytest.mark.parametrize("command", [["verifier"], ["generate", "--max-tokens", "1"]])
+def test_a_device_that_cannot_run_here_is_the_commands_error_not_a_traceback(command, monkeypatch, capsys) -> None:
+    """`specserve verifier --device cuda` on a machine without a GPU: one line saying what to change, exit 1."""
+    from services import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main([*command, "--device", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert f"specserve {command[0]}: error: device 'cuda' requested" in err and "--device cpu" in err
+    assert "Traceback" not in err
