@@ -12,7 +12,7 @@ import time
 import uuid
 
 from services import launcher
-from services.common.device_errors import DeviceUnavailableError
+from services.common.startup_errors import DeviceUnavailableError, PortUnavailableError
 from services.common.speculative_config import SpeculativeConfig
 from services.modeling.model_source import ModelUnavailableError, resolve_model_source
 from services.verifier.settings import VerifierSettings, add_engine_flags
@@ -127,7 +127,7 @@ def _delegate(command: str, argv: list[str]) -> int:
     except ValueError as error:  # settings validation (pydantic's errors are ValueErrors) and bad files
         print(f"specserve {command}: error: {error}", file=sys.stderr)
         return 2
-    except (ModelUnavailableError, DeviceUnavailableError) as error:  # what to do, not a traceback
+    except (ModelUnavailableError, DeviceUnavailableError, PortUnavailableError) as error:  # not a traceback
         print(f"specserve {command}: error: {error}", file=sys.stderr)
         return 1
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"specserve: error: {error}", file=sys.stderr)
         return 2
-    except (ModelUnavailableError, DeviceUnavailableError) as error:
+    except (ModelUnavailableError, DeviceUnavailableError, PortUnavailableError) as error:
         print(f"specserve {args.command}: error: {error}", file=sys.stderr)
         return 1
     return 1

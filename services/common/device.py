@@ -14,7 +14,7 @@ from types import MappingProxyType, ModuleType
 
 import torch
 
-from services.common.device_errors import DeviceUnavailableError
+from services.common.startup_errors import DeviceUnavailableError
 
 logger = logging.getLogger(__name__)
 

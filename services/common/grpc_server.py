@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.grpc_errors import ErrorMappingInterceptor, StatusFor, default_status
 from services.common.grpc_link_policy import DEFAULT_LINK_POLICY, LinkPolicy, with_options
 from services.common.run_once import RunOnce
+from services.common.startup_errors import PortUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,11 @@ async def start_grpc_server(
     and reflection). Port 0 binds a free port; the bound one is returned. With `credentials` the port speaks
     TLS only (services.common.tls.server_credentials). Exceptions escaping a servicer become the status
     `status_for` names (grpc_errors). The server accepts the keepalive pings of `link_policy`'s clients
-    (grpc_link_policy); `options` add to or override it. Raises OSError if binding fails."""
-    options = with_options(link_policy.server_options(), list(options))
+    (grpc_link_policy); `options` add to or override it. Raises PortUnavailableError if binding fails, also where
+    another server already listens on the port: gRPC binds with SO_REUSEPORT by default, and a second verifier
+    started on a stale one's port bound it too, the kernel then sharing the connections between the two (a
+    gateway's link could land on a verifier serving another model)."""
+    options = with_options([*link_policy.server_options(), ("grpc.so_reuseport", 0)], list(options))
     server = grpc.aio.server(options=options, interceptors=[ErrorMappingInterceptor(status_for)])
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -106,9 +110,13 @@ async def start_grpc_server(
         server,
     )
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # gRPC's "Failed to bind", its reason only in its own log
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind a gRPC server to {host}:{port}")
+        raise PortUnavailableError(f"could not bind a gRPC server to {host}:{port}: the port is in use or the "
+                                   "address is not this machine's")
     await server.start()
     running = GrpcServer(server, bound, health_servicer, tuple(service_names))
     await running.set_serving(True)

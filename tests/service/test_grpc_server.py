@@ -67,6 +67,21 @@ def test_a_stopped_server_leaves_no_call_task_for_the_loop_to_cancel(caplog):
     assert not [record for record in caplog.records if "not handled" in record.getMessage()]
 
 
+async def test_a_port_another_server_listens_on_is_refused_not_shared():
+    """gRPC binds with SO_REUSEPORT by default: a second server on a stale one's port bound it too, and the kernel
+    shared the connections between them. Now the second start fails, saying why."""
+    import pytest
+
+    from services.common.startup_errors import PortUnavailableError
+
+    first = await start_grpc_server(lambda _: None, [], port=0)
+    try:
+        with pytest.raises(PortUnavailableError, match=f"127.0.0.1:{first.port}: the port is in use"):
+            await start_grpc_server(lambda _: None, [], port=first.port)
+    finally:
+        await first.graceful_stop(grace_s=0)
+
+
 async def test_reflection_lists_the_services(ngram_drafter):
     _, port = ngram_drafter
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
