@@ -35,6 +35,7 @@ from services.supervision import (
     Supervisor,
     free_ports,
     parse_cpu_list,
+    port_is_free,
     spawn_child,
     stop_processes,
     wait_for_port,
@@ -285,9 +286,34 @@ def with_model_tag(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "model": tag})
 
 
+def taken_ports(args: argparse.Namespace, children: Sequence[Child]) -> list[str]:
+    """What keeps the stack from starting as planned: each port it would bind that something else listens on, or
+    that two of its flags name, said with its flag. Checked before any child starts: a child that cannot bind its
+    port exits and is restarted forever, and the launcher, which waits for each port to open, took the other
+    process listening there for the child started."""
+    flags = {
+        "gateway": [("--port", args.port)],
+        "verifier": [("--verifier-port", args.verifier_port), ("--verifier-metrics-port", args.verifier_metrics_port)],
+        "drafter": [("--drafter-port", args.drafter_port), ("--drafter-metrics-port", args.drafter_metrics_port)],
+    }
+    problems, named = [], {}
+    for flag, port in (pair for child in children for pair in flags[child.name] if pair[1]):  # metrics 0: off
+        if port in named:
+            problems.append(f"{flag} and {named[port]} both name port {port}")
+        elif not port_is_free(args.host, port):
+            problems.append(f"port {port} on {args.host} ({flag}) is in use: stop what listens there (another "
+                            "specserve serve?) or choose another port (0: any free one)")
+        named.setdefault(port, flag)
+    return problems
+
+
 def run(args: argparse.Namespace) -> int:
     args = with_free_ports(with_model_tag(args))
     children = plan(args)
+    problems = taken_ports(args, children)
+    if problems:
+        print("\n".join(f"specserve serve: {problem}" for problem in problems), file=sys.stderr)
+        return 1
     policy = RestartPolicy(initial_backoff_s=args.restart_backoff_initial_s,
                            max_backoff_s=args.restart_backoff_max_s, reset_after_s=args.restart_backoff_reset_s)
     return serve(children, policy, start_timeout_s=args.start_timeout_s, banner=_banner(args, children))

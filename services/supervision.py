@@ -77,6 +77,19 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.bind((host, 0))
         return [sock.getsockname()[1] for sock in sockets]
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could bind `port` on `host` now. Bound as the servers bind (SO_REUSEADDR), so a port a
+    stopped server left in TIME_WAIT counts as free; an address that is not this machine's counts as taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def cpu_seconds(pid: int) -> float | None:
     """CPU time the process has used so far (Linux /proc), None where it cannot be read."""
     try:

@@ -194,6 +194,30 @@ def test_a_child_that_dies_during_start_up_fails_fast(capsys):
     assert "verifier did not start: process exited with code 3 before listening on 127.0.0.1:9" in error
 
 
+def test_a_port_something_else_listens_on_fails_the_start_before_any_child_starts(monkeypatch, capsys):
+    """A gateway that cannot bind its port exits and was restarted forever, and the launcher, waiting for the port
+    to open, took the other process listening there for the child started."""
+    import socket
+
+    started = []
+    monkeypatch.setattr(launcher, "serve", lambda children, *a, **k: started.append(children) or 0)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        busy = other.getsockname()[1]
+        assert launcher.run(parse("--port", str(busy), "--verifier-port", "0", "--drafter-port", "0",
+                                  "--verifier-metrics-port", "0", "--drafter-metrics-port", "0")) == 1
+        assert f"port {busy} on 127.0.0.1 (--port) is in use" in capsys.readouterr().err
+        assert launcher.run(parse("--port", "0", "--verifier-port", "0", "--drafter-port", str(busy),
+                                  "--verifier-metrics-port", "0", "--drafter-metrics-port", "0",
+                                  "--speculative-config", '{"method": "none"}')) == 0  # no drafter: not its port
+    (free,) = supervision.free_ports(1)
+    assert launcher.run(parse("--port", str(free), "--verifier-metrics-port", str(free), "--verifier-port", "0",
+                              "--drafter-port", "0", "--drafter-metrics-port", "0")) == 1
+    assert "--port and --verifier-metrics-port both name port" in capsys.readouterr().err
+    assert len(started) == 1
+
+
 def test_the_engine_flags_are_declared_once_for_verifier_serve_and_generate():
     from services.cli import build_parser
     from services.verifier.main import add_verifier_flags
