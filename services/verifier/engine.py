@@ -492,9 +492,8 @@ class Engine:
             state.spec.num_accepted_tokens += row.num_accepted
             self.drafts.method_stats(state.request.speculation.method).record(row.num_draft, row.num_accepted)
             self.planner.observe_row(state, row.num_draft, row.num_accepted)
-        elif not state.prefilling:
+        elif not state.prefilling:  # the planner need not hear of a row that verified no draft (observe_row)
             state.num_computed = len(state.token_ids)
-            self.planner.observe_row(state, 0, 0)
         if state.finished:  # aborted while the step ran
             return
         sampling = state.request.sampling

@@ -54,7 +54,13 @@ from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
 from services.verifier.plan_rows import PlanRows, column_gains
 from services.verifier.request_state import RequestState
-from services.verifier.row_speculation import PROBE_CHARGE_STEPS, ProbeBudget, ProbeStep, RowSpeculation
+from services.verifier.row_speculation import (
+    PROBE_CHARGE_STEPS,
+    ProbeBudget,
+    ProbeSchedule,
+    ProbeStep,
+    RowSpeculation,
+)
 from services.verifier.step_cost import StepCostModel, StepShape
 from services.verifier.step_planning import PrefillBacklog, prefill_room
 from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains
@@ -142,20 +148,22 @@ class SpeculationPlanner:
         self._opening = False  # this step asks a row for the first time (its drafting is not measured)
         self._asked: list[int] = []  # the rows (indices) this step asked for drafts, until choose_drafts
         self._probing: list[RowSpeculation] = []  # ... of them the probes
+        self.steps = 0  # steps planned so far: the clock of the rows' re-probes (row_speculation.ProbeSchedule)
 
     def start(self, method: str) -> RowSpeculation:
         """The speculation state of a newly admitted request using `method`."""
         prior = self.methods.get(method)
         if prior is None:
             prior = self.methods[method] = MethodAcceptance()
-        return RowSpeculation(AcceptanceEstimate(prior))
+        return RowSpeculation(AcceptanceEstimate(prior), ProbeSchedule(since=self.steps))
 
     def draft_requests(self, decode: Sequence[RequestState], caps: Sequence[int],
                        backlog: PrefillBacklog | None = None) -> list[int]:
         """How many tokens to ask each row's proposer for: `caps[i]` is row i's bound (its K, the room left);
         `backlog`: the prompt tokens waiting to be prefilled (None: none)."""
+        self.steps += 1
         self._probe_step = None
-        for row in self._probing:  # a step that failed before observe_row leaves its probes' flags set
+        for row in self._probing:  # a step that failed before settle_probe leaves its probes' flags set
             row.probing = False
         self._asked, self._probing = [], []
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
@@ -178,7 +186,7 @@ class SpeculationPlanner:
         due: list[int] = []  # the rows a probe would ask
         if width == 1:
             due = [i for i, (state, cap) in enumerate(zip(decode, caps, strict=True))
-                   if cap > 0 and state.speculation is not None and state.speculation.probe.due]
+                   if cap > 0 and state.speculation is not None and state.speculation.probe.due(self.steps)]
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
         # (priced for the rows it asks, one while none is due). Granted at no more than a plain step's time: a figure a
         # pause left high would otherwise keep away the very probes that measure it again (draft_cost.py);
@@ -264,6 +272,11 @@ class SpeculationPlanner:
         longer met something the probe did not cause and will not meet again (a graph captured inside the call, a
         pause). Charged in full, one such step silenced probing for good: on an H200 the EAGLE-3 trees were asked for
         nothing in 1,200 steps after a warm-up whose asks had graphs captured inside them (stop 65)."""
+        for row in self._probing:  # probes that came back without a draft (the others were observed)
+            if row.probing:
+                row.probe.unanswered(self.steps)
+                row.probing = False
+        self._probing = []
         if self._probe_step is None:
             return
         probe, self._probe_step = self._probe_step, None
@@ -273,20 +286,20 @@ class SpeculationPlanner:
         self.probes.spend(-probe.won_tokens * probe.token_s)
 
     def observe_row(self, state: RequestState, num_draft: int, num_accepted: int) -> None:
-        """A row's step outcome: a verified draft updates its estimates; none counts toward a re-probe."""
+        """A row's verified draft updates its estimates and its re-probe schedule. A row that verified none need not
+        be reported: its re-probe counts the planner's steps (row_speculation.ProbeSchedule), and a probe that came
+        back without a draft is settled by settle_probe (reported here, it is settled here)."""
         row = state.speculation
         if row is None:
             return
         if num_draft:
             row.acceptance.observe(num_draft, num_accepted)
             self.row_figures.changed()
-            row.probe.verified(row.probing, num_accepted)
+            row.probe.verified(row.probing, num_accepted, self.steps)
             if row.probing and self._probe_step is not None:
                 self._probe_step.won_tokens += num_accepted
         elif row.probing:
-            row.probe.unanswered()
-        else:
-            row.probe.idle()
+            row.probe.unanswered(self.steps)
         row.probing = False
 
     def observe_forward(self, shape: StepShape, seconds: float) -> None:

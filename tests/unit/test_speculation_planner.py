@@ -241,18 +241,45 @@ def test_drafts_that_push_waiting_prompts_to_a_later_step_pay_for_it():
 
 
 def test_a_rejected_probe_backs_off_and_an_accepted_one_resets():
-    probe = ProbeSchedule()
-    for _ in range(PROBE_INTERVAL):
-        assert not probe.due
-        probe.idle()
-    assert probe.due
-    probe.verified(probed=True, num_accepted=0)
-    assert probe.interval == 2 * PROBE_INTERVAL and not probe.due
+    probe = ProbeSchedule(since=3)  # started at step 3: due once more than PROBE_INTERVAL steps have passed
+    assert not any(probe.due(now) for now in range(3, 4 + PROBE_INTERVAL))
+    assert probe.due(4 + PROBE_INTERVAL)
+    probe.verified(probed=True, num_accepted=0, now=20)
+    assert probe.interval == 2 * PROBE_INTERVAL and not probe.due(20 + 2 * PROBE_INTERVAL)
+    assert probe.due(21 + 2 * PROBE_INTERVAL)
     for _ in range(20):
-        probe.verified(probed=True, num_accepted=0)
+        probe.verified(probed=True, num_accepted=0, now=30)
     assert probe.interval == PROBE_INTERVAL_MAX
-    probe.verified(probed=True, num_accepted=1)
-    assert probe.interval == PROBE_INTERVAL
+    probe.verified(probed=True, num_accepted=1, now=40)
+    assert probe.interval == PROBE_INTERVAL and probe.since == 40
+    probe.unanswered(now=50)  # a probe without a draft backs off as a rejected one
+    assert probe.interval == 2 * PROBE_INTERVAL and probe.since == 50
+
+
+def test_a_probe_that_came_back_without_a_draft_backs_off_when_its_step_is_settled():
+    """The engine reports only the rows that verified a draft: a probe that came back empty is settled with its step
+    (settle_probe), and backs off as a rejected one does, instead of staying due and asking at every step."""
+    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)
+    planner = SpeculationPlanner(cost, adaptive=True)
+    for _ in range(200):
+        planner.observe_overhead(0.002)
+    planner.draft_cost.observe(1, 0.003)  # a call costs half a step: only probes ask
+    (row,) = decoding_states(1, "ngram", 4)
+    row.speculation = planner.start("ngram")
+    row.speculation.asked_before = True
+    for _ in range(20):
+        row.speculation.acceptance.observe(4, 0)
+    for _ in range(500):  # due from the first step; asked once the ration affords it
+        asks = planner.draft_requests([row], [4])
+        if any(asks):
+            break
+        planner.settle_probe(0.006)
+    assert asks == [1] and row.speculation.probing
+    planner.choose_drafts([row], [ProposedDraft([], None)])  # nothing came back
+    planner.settle_probe(0.006)
+    probe = row.speculation.probe
+    assert not row.speculation.probing and probe.interval == 2 * PROBE_INTERVAL and probe.since == planner.steps
+    assert not any(planner.draft_requests([row], [4]))
 
 
 def test_cut_drafts_keep_their_q_rows_and_trees_their_first_nodes(monkeypatch):
