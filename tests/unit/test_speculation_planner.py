@@ -100,6 +100,16 @@ def cpu_like_cost(base=0.016, per_row=0.001, per_token=0.0009) -> StepCostModel:
     return model
 
 
+def accelerator_planner(overhead_s: float = 0.002) -> tuple[SpeculationPlanner, StepCostModel]:
+    """An adaptive planner that knows an accelerator's flat step (4 ms + 0.03 ms a row + 0.002 ms a token) and a
+    step's overhead outside its forward: (the planner, its step costs)."""
+    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)
+    planner = SpeculationPlanner(cost, adaptive=True)
+    for _ in range(200):
+        planner.observe_overhead(overhead_s)
+    return planner, cost
+
+
 def test_the_fit_predicts_unseen_shapes_and_ignores_an_outlier():
     model = cpu_like_cost()
     assert model.predict(StepShape(12, 3, 256)) == pytest.approx(0.016 + 0.012 + 0.0009 * 36, rel=1e-6)
@@ -219,10 +229,7 @@ def test_drafts_that_push_waiting_prompts_to_a_later_step_pay_for_it():
     when the backlog fits beside the drafts."""
     from services.verifier.step_planning import PrefillBacklog
 
-    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)  # an accelerator's flat step
-    planner = SpeculationPlanner(cost, adaptive=True)
-    for _ in range(200):
-        planner.observe_overhead(0.002)
+    planner, cost = accelerator_planner()
     decode = decoding_states(64, "ngram", 4)
     for state in decode:
         state.speculation = planner.start("ngram")
@@ -259,10 +266,7 @@ def test_a_rejected_probe_backs_off_and_an_accepted_one_resets():
 def test_a_probe_that_came_back_without_a_draft_backs_off_when_its_step_is_settled():
     """The engine reports only the rows that verified a draft: a probe that came back empty is settled with its step
     (settle_probe), and backs off as a rejected one does, instead of staying due and asking at every step."""
-    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)
-    planner = SpeculationPlanner(cost, adaptive=True)
-    for _ in range(200):
-        planner.observe_overhead(0.002)
+    planner, cost = accelerator_planner()
     planner.draft_cost.observe(1, 0.003)  # a call costs half a step: only probes ask
     (row,) = decoding_states(1, "ngram", 4)
     row.speculation = planner.start("ngram")
@@ -314,10 +318,7 @@ def test_a_probe_is_charged_what_its_step_really_cost():
     from services.verifier.row_speculation import PROBE_TIME_SHARE
 
     def probe_share(measured: bool) -> float:
-        cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)  # an accelerator's flat step
-        planner = SpeculationPlanner(cost, adaptive=True)
-        for _ in range(200):
-            planner.observe_overhead(0.002)
+        planner, cost = accelerator_planner()
         planner.draft_cost.observe(1, 0.001)  # a call predicted at 1 ms
         decode = decoding_states(64, "ngram", 4)
         for state in decode:
@@ -346,10 +347,7 @@ def test_an_ask_of_every_row_is_priced_at_what_such_asks_cost_not_at_what_probes
     """64 rows on an accelerator whose drafts are worth asking for at the price of a probe of two rows (0.5 ms), and
     not at what an ask of all 64 was measured to take (24 ms, three steps' time; 8-24 ms at 64 chats over gRPC): the
     planner stops asking once such an ask is measured, and it is measured at the rows it asked."""
-    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)  # an accelerator's flat step
-    planner = SpeculationPlanner(cost, adaptive=True)
-    for _ in range(200):
-        planner.observe_overhead(0.002)
+    planner, cost = accelerator_planner()
     decode = decoding_states(64, "ngram", 4)
     for state in decode:
         state.speculation = planner.start("ngram")
@@ -437,10 +435,7 @@ def test_a_drafting_figure_left_high_by_a_pause_is_probed_again_soon():
     fifth at a time."""
     from services.verifier.draft_cost import STALE_STEPS
 
-    cost = cpu_like_cost(base=0.004, per_row=0.00003, per_token=0.000002)
-    planner = SpeculationPlanner(cost, adaptive=True)
-    for _ in range(200):
-        planner.observe_overhead(0.001)
+    planner, cost = accelerator_planner(overhead_s=0.001)
     planner.draft_cost.observe(1, 0.200, rows=4)  # a call asking the four rows the probes below ask
     decode = decoding_states(4, "ngram", 4)
     for state in decode:
