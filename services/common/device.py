@@ -19,7 +19,6 @@ from services.common.startup_errors import DeviceUnavailableError
 logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
-
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 _DTYPE_ALIASES = MappingProxyType(
