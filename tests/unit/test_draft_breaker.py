@@ -105,6 +105,10 @@ async def test_a_hung_proposer_stops_costing_deadlines_and_is_readmitted_when_it
 
     drafter.resumed.set()
     breaker.next_probe_at = 0.0  # the backoff has passed
+    # the drafter answers at once now; a loaded machine must not make its probe miss the short deadline the hung
+    # phase above needs (2 test workers on 2 cores: it missed 50 ms once, and the breaker stayed open)
+    deadline = hung_engine.drafts.deadline("pausable")
+    deadline.floor_s = deadline.cap_s = 1.0
     back = await run_schedule(hung_engine, {0: [greedy("back", prompt, 60, spec)]})
     assert back["back"].tokens == baseline["r"].tokens
     assert not hung_engine.is_degraded("pausable")
