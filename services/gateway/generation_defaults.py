@@ -14,21 +14,22 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from services.gateway.schemas import SamplingFields
 from services.modeling.converted_cache import complete_folder
 from services.modeling.model_source import resolve_model_source
 
 logger = logging.getLogger("specserve.gateway")
 
-# field -> (lowest, highest, lowest excluded): a request's bounds for it (schemas.SamplingFields)
-SAMPLING_BOUNDS = {
-    "temperature": (0.0, 2.0, False),
-    "top_p": (0.0, 1.0, True),
-    "top_k": (-1, None, False),
-    "min_p": (0.0, 1.0, False),
-    "repetition_penalty": (0.0, 10.0, True),
-}
+# The fields a generation_config.json may default, each checked as a request's own value is (schemas.SamplingFields:
+# its type, strictly, and its bounds), so that a default is never what no request could send
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_REQUEST_FIELD = {name: TypeAdapter(Annotated[SamplingFields.model_fields[name].annotation,
+                                              SamplingFields.model_fields[name]], config=ConfigDict(strict=True))
+                  for name in SAMPLING_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def read_generation_defaults(setting: str, model_spec: str | None) -> Generation
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{path} could not be read as JSON: {error}") from error
-    sampling = {name: _checked(path, name, config[name]) for name in SAMPLING_BOUNDS if config.get(name) is not None}
+    sampling = {name: _checked(path, name, config[name]) for name in SAMPLING_FIELDS if config.get(name) is not None}
     max_new = config.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
         raise ValueError(f"{path}: max_new_tokens must be a positive integer, got {max_new!r}")
@@ -83,10 +84,12 @@ def read_generation_defaults(setting: str, model_spec: str | None) -> Generation
 
 
 def _checked(path: Path, name: str, value: Any) -> float | int:
-    lowest, highest, lowest_excluded = SAMPLING_BOUNDS[name]
-    kind = int if name == "top_k" else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
+    if isinstance(value, bool):
         raise ValueError(f"{path}: {name} must be a number, got {value!r}")
-    if value < lowest or (lowest_excluded and value == lowest) or (highest is not None and value > highest):
-        raise ValueError(f"{path}: {name} {value} is outside what a request may send")
-    return value
+    try:
+        return _REQUEST_FIELD[name].validate_python(value)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        if problem["type"].endswith(("_type", "_parsing")):
+            raise ValueError(f"{path}: {name} must be a number, got {value!r}") from None
+        raise ValueError(f"{path}: {name} {value} is outside what a request may send ({problem['msg']})") from None
