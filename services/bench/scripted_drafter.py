@@ -46,20 +46,27 @@ class EagleLike:
     ask: SimulatedAsk = SimulatedAsk()
     accept: float = 0.55
     state_width: int = 1728
+    repeating_accept: float | None = None  # the chance on a request that repeats (mixed text); None: `accept`
 
     def drafter(self, script: Script) -> ScriptedDrafter:
-        return ScriptedDrafter(script, self.ask, self.accept, self.state_width)
+        return ScriptedDrafter(script, self.ask, self.accept, self.state_width, self.repeating_accept)
 
 
 class ScriptedDrafter:
     """The proposer the module docstring describes (in process; `close` stops its sleeper thread)."""
 
-    def __init__(self, script: Script, ask: SimulatedAsk, accept: float = 0.55, state_width: int = 1728) -> None:
-        if not 0.0 <= accept <= 1.0:
-            raise ValueError(f"accept must be in [0, 1], got {accept}")
+    def __init__(self, script: Script, ask: SimulatedAsk, accept: float = 0.55, state_width: int = 1728,
+                 repeating_accept: float | None = None) -> None:
+        """repeating_accept: the chance a position is right on a request that repeats (a code edit among the chats
+        of mixed text, as a drafter guesses an edit's copied text better than new chat); None: `accept`."""
+        repeating_accept = accept if repeating_accept is None else repeating_accept
+        for name, value in (("accept", accept), ("repeating_accept", repeating_accept)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
         self.script = script
         self.ask = ask
         self.accept = accept
+        self.repeating_accept = repeating_accept
         self.capabilities = ProposerCapabilities(needs_hidden_states=True, hidden_size=state_width)
         self._sleeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scripted-drafter")
 
@@ -71,10 +78,11 @@ class ScriptedDrafter:
         """k tokens after `committed`: the script's while each position's draw says right, then wrong ones (the
         script's shifted by one; never accepted, the verifier stops at the first)."""
         salt, start = self.script.salt_of(committed), len(committed)
+        accept = self.repeating_accept if self.script.repeats(salt) else self.accept
         tokens, right = [], True
         for position in range(start, start + k):
             token = self.script.token(position, salt)
-            right = right and mix(position * 7 + salt * 1_000_033 + 3) % 10_000 < self.accept * 10_000
+            right = right and mix(position * 7 + salt * 1_000_033 + 3) % 10_000 < accept * 10_000
             tokens.append(token if right else (token + 1) % self.script.vocab)
         return tokens
 

@@ -2,13 +2,15 @@
 engine with, so that the time measured is the engine's own (or, with a simulated device, the engine's own plus a
 step time of the shape an accelerator's captured step has).
 
-Three scripts: `repeating` (a period of 40 tokens: n-gram drafts from the context are right), `novel` (no token
+Four scripts: `repeating` (a period of 40 tokens: n-gram drafts from the context are right), `novel` (no token
 repeats within the vocabulary: n-gram drafting never has a draft) and `chat`, the case between them that serving
 new chat text is: phrases that recur with words changed, so that an n-gram drafter mostly has a draft from some
 earlier occurrence and a token or two of it is accepted (about half the rows drafting, 0.6 tokens accepted a
 draft of 4 on the H200's chats, stop 53). Each chat request has text of its own (its prompt's first token, its
 salt, chooses where which phrase goes and which words change), as different chats do: a suffix drafter, which
-drafts from every request it has seen, would otherwise find each request's whole answer in the ones before."""
+drafts from every request it has seen, would otherwise find each request's whole answer in the ones before.
+`mixed` is a server's mixed traffic: one request in MIXED_REPEATING_EVERY (by salt) repeats, as a code edit does,
+the others chat, so that a batch holds rows whose drafts are worth asking for beside rows whose drafts are not."""
 
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ from services.modeling.runner import ForwardOutput, KVUsage, RowInput
 
 SCRIPT_PERIOD = 40
 CONFIDENT = 30.0  # the scripted token's logit; every other token's is 0
-SCRIPTS = ("repeating", "novel", "chat")
+SCRIPTS = ("repeating", "novel", "chat", "mixed")
 CHAT_PHRASE = 6  # tokens a phrase
 CHAT_PHRASES = 12  # distinct phrases the chat script draws from
 CHAT_CHANGED_PERCENT = 30  # of a chat phrase's tokens, the share replaced by a token of nowhere in particular
+MIXED_REPEATING_EVERY = 8  # in mixed traffic, the requests whose salt is a multiple of this repeat; the others chat
 
 
 def mix(value: int) -> int:
@@ -46,14 +49,16 @@ class Script:
             raise ValueError(f"script must be one of {SCRIPTS}, got {self.kind!r}")
 
     def token(self, position: int, salt: int = 0) -> int:
-        """The token the scripted model puts at `position` of a request with this salt (chat text only; the
-        salt is the chat request's first token)."""
+        """The token the scripted model puts at `position` of a request with this salt (chat and mixed text only;
+        the salt is the request's first token)."""
         if self.kind == "repeating":
             return script_token(position, self.vocab)
         if self.kind == "novel":
             return script_token(position, self.vocab, period=self.vocab)
         if position == 0:
             return salt % self.vocab
+        if self.kind == "mixed" and salt % MIXED_REPEATING_EVERY == 0:
+            return script_token(position, self.vocab)
         mixed = position + salt * 1_000_003
         if mix(mixed * 3 + 1) % 100 < CHAT_CHANGED_PERCENT:
             return mix(mixed * 5 + 2) % self.vocab
@@ -62,13 +67,17 @@ class Script:
 
     def salt_of(self, prompt: Sequence[int]) -> int:
         """The salt of a request whose prompt (or its first prefill chunk) is `prompt`."""
-        return prompt[0] if self.kind == "chat" and prompt else 0
+        return prompt[0] if self.kind in ("chat", "mixed") and prompt else 0
 
     def prompt(self, offset: int) -> tuple[int, ...]:
         """The benches' request number `offset`: the script's first 2 periods and `offset` tokens more (requests
         of different lengths, so their steps are not all alike); chat text salted by `offset`."""
         salt = offset % self.vocab
         return tuple(self.token(p, salt) for p in range(2 * SCRIPT_PERIOD + offset))
+
+    def repeats(self, offset: int) -> bool:
+        """Whether the benches' request number `offset` repeats (mixed text's code-edit-like requests)."""
+        return self.kind == "repeating" or (self.kind == "mixed" and offset % self.vocab % MIXED_REPEATING_EVERY == 0)
 
     def continues(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
         """Whether `output` is what the script says after `prompt` (a prompt of the script's own)."""

@@ -151,3 +151,34 @@ async def test_the_eagle_like_drafter_is_accepted_as_set_and_declares_the_states
     assert drafter.capabilities.needs_hidden_states and drafter.capabilities.state_width == 24
     assert not Script("chat", 512).continues(prompt, drafter.draft(prompt, 4)[:1])  # never right at accept 0
     drafter.close()
+
+
+async def test_mixed_text_has_requests_that_repeat_among_chats_each_read_as_one_generatemany_call_reads_them():
+    """--text mixed: one request in MIXED_REPEATING_EVERY repeats (drafts of it land), the others chat; a request's
+    latency is reported by kind. The requests' outputs come through one RequestMux (muxed_clients.py) by default,
+    the same tokens as a task a request reads (per_request_streams)."""
+    from services.bench.scripted_model import MIXED_REPEATING_EVERY, Script
+
+    script = Script("mixed", 512)
+    repeating, chat = script.prompt(0), script.prompt(1)
+    assert script.repeats(0) and not script.repeats(1) and script.repeats(MIXED_REPEATING_EVERY)
+    assert repeating[41:80] == repeating[1:40]  # a period of 40 after the salt
+    assert chat[41:80] != chat[1:40]  # chat text: phrases with words changed, no period
+    muxed = await run_case(rows=MIXED_REPEATING_EVERY, speculate=True, tokens=48, vocab=512, adaptive=False,
+                           text="mixed")
+    assert muxed["follows_script"] and muxed["tokens"] == MIXED_REPEATING_EVERY * 48
+    assert muxed["repeating_request_s"] > 0 and muxed["other_request_s"] > 0
+    streamed = await run_case(rows=2, speculate=False, tokens=16, vocab=512, text="mixed", per_request_streams=True)
+    assert streamed["follows_script"] and streamed["tokens"] == 32
+
+
+def test_the_eagle_like_drafter_guesses_requests_that_repeat_at_their_own_chance():
+    from services.bench.scripted_drafter import EagleLike, SimulatedAsk
+    from services.bench.scripted_model import Script
+
+    script = Script("mixed", 512)
+    drafter = EagleLike(SimulatedAsk(0.5, 0.0), accept=0.0, state_width=24, repeating_accept=1.0).drafter(script)
+    repeating, chat = script.prompt(0), script.prompt(1)
+    assert script.continues(repeating, drafter.draft(repeating, 4))  # always right on the repeating request
+    assert not script.continues(chat, drafter.draft(chat, 4)[:1])  # never on the chat
+    drafter.close()
