@@ -114,7 +114,7 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
     accounting = Accounting(prompt_tokens=sum(len(ids) for ids in plan.prompts), num_choices=len(streams))
     # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (for tokens that are not whole text)
     formatter = LogprobFormatter((lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids
-                                 else (lambda t: token_text(tokenizer, t)))
+                                 else (lambda t: token_text(tokenizer, t)), state.token_bytes())
     ctx = RequestContext(rid=rid, created=int(time.time()), served=served, req=req, formatter=formatter,
                          returned=plan.returned, logprobs=plan.logprobs, accounting=accounting,
                          choice_echo=choice_echo, choice_prompt=choice_prompt,

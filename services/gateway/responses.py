@@ -121,10 +121,13 @@ def joined(first: s.CompletionLogprobs, second: s.CompletionLogprobs) -> s.Compl
 
 class LogprobFormatter:
     """Token strings for logprobs come from decoding single tokens (partial characters show as U+FFFD, as in
-    OpenAI's API, with the raw bytes alongside for chat); every logprob is finite (LOGPROB_FLOOR for -inf)."""
+    OpenAI's API, with the token's own bytes alongside for chat: `token_bytes`, token_bytes.py; None: its text's
+    UTF-8); every logprob is finite (LOGPROB_FLOOR for -inf)."""
 
-    def __init__(self, token_text: Callable[[int], str]) -> None:
+    def __init__(self, token_text: Callable[[int], str],
+                 token_bytes: Callable[[int], list[int]] | None = None) -> None:
         self._text = token_text
+        self._bytes = token_bytes or (lambda token_id: list(token_text(token_id).encode("utf-8")))
 
     def completion(self, logprobs: list[Any], offset: int) -> s.CompletionLogprobs:
         out = s.CompletionLogprobs()
@@ -185,9 +188,8 @@ class LogprobFormatter:
         content = []
         for lp in logprobs:
             token = self._text(lp.token_id)
-            tops = [s.TopLogprob(token=(t_text := self._text(t.token_id)), logprob=finite_logprob(t.logprob),
-                                 bytes=list(t_text.encode())) for t in lp.top]
+            tops = [s.TopLogprob(token=self._text(t.token_id), logprob=finite_logprob(t.logprob),
+                                 bytes=self._bytes(t.token_id)) for t in lp.top]
             content.append(s.ChatTokenLogprob(token=token, logprob=finite_logprob(lp.logprob),
-                                              bytes=list(token.encode()),
-                                              top_logprobs=tops))
+                                              bytes=self._bytes(lp.token_id), top_logprobs=tops))
         return s.ChatLogprobs(content=content)

@@ -15,6 +15,7 @@ from services.gateway.errors import ApiError, from_grpc
 from services.gateway.generation_defaults import GenerationDefaults, read_generation_defaults
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
+from services.gateway.token_bytes import TokenBytes
 from services.gateway.tokenizer import load_tokenizer, with_chat_template
 from services.gateway.verifier_client import VerifierClient
 from services.modeling.model_source import ModelUnavailableError
@@ -37,6 +38,7 @@ class GatewayState:
     # vLLM's --generation-config: read with the tokenizer, from the same model (generation_defaults.py)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _token_bytes: TokenBytes | None = None  # token_bytes(), made once the tokenizer is there
 
     def __post_init__(self) -> None:
         self.tokenizer = with_chat_template(self.tokenizer, self.settings.chat_template)
@@ -66,6 +68,12 @@ class GatewayState:
         await self.model_info()  # the verifier's own 503 while it is unreachable
         raise ApiError(503, "the gateway is starting: its tokenizer is loading; retry in a few seconds",
                        code="not_ready")
+
+    def token_bytes(self) -> TokenBytes:
+        """The tokenizer's tokens as bytes (chat logprobs' `bytes`), each worked out once for the gateway's life."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes
 
     async def prepare(self, retry_s: float = 0.5) -> None:
         """Load the tokenizer once, at start-up: the --model one, else that of the model the verifier serves

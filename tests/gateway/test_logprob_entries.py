@@ -67,3 +67,42 @@ async def test_an_echoed_token_id_prompt_keeps_its_special_tokens(client):
     assert logprobs["tokens"] == ["<|endoftext|>", "H", "<|endoftext|>"]
     assert [text[o:o + len(t)] for o, t in zip(logprobs["text_offset"], logprobs["tokens"], strict=True)] == \
         logprobs["tokens"]
+
+
+async def test_chat_logprob_bytes_are_each_tokens_own_and_join_to_the_reply(client, verifier):
+    """A character split over tokens decodes to U+FFFD token by token: the entries' bytes are the tokens' own (one
+    byte each from this byte-level vocabulary), so a client that joins them gets the reply's text (OpenAI's reason for
+    the field), the top alternatives' likewise."""
+    verifier.reply = "wörld 你好 🌾"
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 40, "logprobs": True, "top_logprobs": 1})
+    choice = r.json()["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert entries[-1]["token"] == "<|endoftext|>"  # the end token is scored too (its text is not in the reply)
+    entries = entries[:-1]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8") == choice["message"]["content"] == "wörld 你好 🌾"
+    assert all(len(e["bytes"]) == 1 for e in entries) and "\ufffd" in {e["token"] for e in entries}
+    assert all(top["bytes"] == e["bytes"] for e in entries for top in e["top_logprobs"])
+
+
+def test_token_bytes_read_byte_level_and_byte_fallback_vocabularies():
+    from services.gateway.token_bytes import TokenBytes
+    from services.gateway.tokenizer import load_tokenizer
+
+    smol = load_tokenizer("smollm2-135m-instruct")  # GPT-2's byte-level BPE: the emoji is 3 tokens
+    ids = smol.encode("🌾 ok", add_special_tokens=False)
+    token_bytes = TokenBytes(smol)
+    assert b"".join(bytes(token_bytes(i)) for i in ids) == "🌾 ok".encode()
+    assert token_bytes(smol.convert_tokens_to_ids("<|im_end|>")) == list(b"<|im_end|>")  # a special token: its text
+
+    class SentencePieceLike:  # a byte-fallback piece names its byte; a word piece is its decoded text
+        all_special_ids: list[int] = []
+        pieces = {0: "<0xF0>", 1: "\u2581sea"}
+
+        def convert_ids_to_tokens(self, token_id):
+            return self.pieces[token_id]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return {0: "\ufffd", 1: " sea"}[ids[0]]
+
+    assert TokenBytes(SentencePieceLike())(0) == [0xF0] and TokenBytes(SentencePieceLike())(1) == list(b" sea")
