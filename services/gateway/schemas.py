@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -310,10 +310,16 @@ class SamplingFields(RefusesBooleansForNumbers, OutputConstraintFields):
             raise ValueError("truncate_prompt_tokens must be at least 1, or -1 for the model's max_model_len")
         return value
 
-    @field_validator("stream", mode="before")
+    # Fields OpenAI's API declares nullable whose default is not null here: null counts as absent (the default).
+    # Clients that write every parameter out (JS and Go SDKs' explicit nulls, proxies) send them so.
+    NULL_AS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"stream", "n"})
+
+    @model_validator(mode="before")
     @classmethod
-    def _null_stream_is_false(cls, value: Any) -> Any:
-        return False if value is None else value  # null counts as absent, as in OpenAI's API
+    def _null_as_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls.NULL_AS_DEFAULT):
+            return {key: value for key, value in data.items() if not (value is None and key in cls.NULL_AS_DEFAULT)}
+        return data
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:
@@ -338,6 +344,7 @@ class SamplingFields(RefusesBooleansForNumbers, OutputConstraintFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     suffix: str | None = None
+    NULL_AS_DEFAULT: ClassVar[frozenset[str]] = SamplingFields.NULL_AS_DEFAULT | {"echo"}
     echo: bool = False  # the prompt is prepended to each choice's text (and, with logprobs, to its logprobs)
     # 0 generates nothing (finish_reason "length"): with echo and logprobs it scores the prompt, as
     # lm-evaluation-harness does; allowed without echo too, as vLLM allows it.
@@ -450,6 +457,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    NULL_AS_DEFAULT: ClassVar[frozenset[str]] = SamplingFields.NULL_AS_DEFAULT | {"logprobs"}
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: render the conversation without the generation prompt, leaving the final assistant message open so

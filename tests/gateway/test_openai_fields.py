@@ -155,6 +155,26 @@ async def test_fields_that_cannot_change_the_output_and_nulls_are_accepted(clien
     assert r.json()["choices"][0]["message"]["content"] == REPLY
 
 
+async def test_every_parameter_openai_declares_nullable_takes_null_as_its_default(client, verifier):
+    """Clients that write every parameter out send null for those they leave unset: OpenAI's API declares n,
+    logprobs, echo, stream and the sampling fields nullable; each null is the default, never a 400."""
+    chat_nullable = ["n", "logprobs", "top_logprobs", "stream", "stream_options", "temperature", "top_p", "seed",
+                     "stop", "max_tokens", "max_completion_tokens", "presence_penalty", "frequency_penalty",
+                     "logit_bias", "user", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+                     "metadata", "store", "service_tier"]
+    r = await post_chat(client, **{name: None for name in chat_nullable})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == REPLY and r.json()["choices"][0]["logprobs"] is None
+    completion_nullable = ["n", "echo", "logprobs", "stream", "stream_options", "temperature", "top_p", "seed",
+                           "stop", "presence_penalty", "frequency_penalty", "logit_bias", "user", "suffix", "best_of"]
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4,
+                                                   **{name: None for name in completion_nullable}})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and not r.json()["choices"][0]["text"].startswith("hi")  # n 1, no echo
+    r = await post_chat(client, ignore_eos=None)  # vLLM's own extensions are not nullable there either
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"
+
+
 async def test_developer_role_text_parts_and_a_continued_assistant_prefill(client, verifier, tokenizer):
     r = await post_chat(client, messages=[{"role": "developer", "content": "be brief"},
                                           {"role": "user", "content": [{"type": "text", "text": "h"},
