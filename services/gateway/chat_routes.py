@@ -3,6 +3,8 @@ calls read out of the text when the request offers tools), through the one reque
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -16,6 +18,7 @@ from services.gateway.openapi import generation_docs
 from services.gateway.pipeline import Choices, admit, generate
 from services.gateway.responses import PromptReturn
 from services.gateway.sampling import truncate_prompt
+from services.gateway.tokenizer import added_token_id
 from services.gateway.tools.grammar import forced_call_grammar
 from services.gateway.tools.output import ToolOutput
 from services.gateway.tools.parsers import ToolCallFormat
@@ -36,14 +39,17 @@ def create_router(require_api_key: Any, call_format: ToolCallFormat) -> APIRoute
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, (await state.model_info()).max_model_len)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         plan = Choices([ids], [""], req.requested_max_tokens, logprobs,
-                       PromptReturn(prompt_logprobs=req.prompt_logprobs), tool_output(req, tools, call_format))
+                       PromptReturn(prompt_logprobs=req.prompt_logprobs),
+                       tool_output(req, tools, call_format, partial(added_token_id, admitted.tokenizer)))
         return await unless_disconnected(request, generate(state, "chat", req, admitted.served, plan))
 
     return router
 
 
-def tool_output(req: s.ChatCompletionRequest, tools: list, call_format: ToolCallFormat) -> ToolOutput | None:
-    """How this request's output is read for tool calls (None: it offers none); a forced call's grammar."""
+def tool_output(req: s.ChatCompletionRequest, tools: list, call_format: ToolCallFormat,
+                added_token_id: Callable[[str], int | None] = lambda text: None) -> ToolOutput | None:
+    """How this request's output is read for tool calls (None: it offers none); a forced call's grammar
+    (`added_token_id`: the model's added token spelled as a text, tools/grammar.py)."""
     if not tools:
         return None
     forced = None
@@ -53,5 +59,6 @@ def tool_output(req: s.ChatCompletionRequest, tools: list, call_format: ToolCall
                                 "structured_outputs or guided_* (the call's grammar is the output's)",
                            param="tool_choice")
         several = req.tool_choice == "required" and req.parallel_tool_calls is not False
-        forced = pb.StructuredOutput(grammar=forced_call_grammar(tools, call_format, several=several))
+        forced = pb.StructuredOutput(grammar=forced_call_grammar(tools, call_format, several=several,
+                                                                 added_token_id=added_token_id))
     return ToolOutput(call_format, forced)

@@ -140,3 +140,10 @@ def decode_prompt(tokenizer: Any, ids: list[int]) -> str:
 
 def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def added_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of the tokenizer's added token spelled exactly `text` (None: it has none, e.g. Qwen2.5's
+    `<tool_call>` is one, SmolLM2's is not)."""
+    added = getattr(tokenizer, "get_added_vocab", None)
+    return None if added is None else added().get(text)

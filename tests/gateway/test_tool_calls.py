@@ -6,6 +6,7 @@ llguidance itself: it accepts a valid call and refuses another name or bad argum
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import httpx
 import llguidance
@@ -75,6 +76,31 @@ def test_the_forced_call_grammar_accepts_only_valid_calls():
     assert not accepts(several, CALL.replace("get_weather", "get_wether"))
     assert not accepts(several, CALL.replace('{"city": "Paris"}', '{"town": 3}'))
     assert not accepts(several, "Sure! " + CALL)
+
+
+def test_a_forced_call_takes_tags_the_vocabulary_holds_as_added_tokens():
+    """Qwen2.5 adds `<tool_call>` and `</tool_call>` as tokens (not special) and writes them so: the grammar's mask
+    allowed the token but the matcher refused it when committed, so every forced call failed at its first token.
+    Each tag is now that token or its text, and both are followed to the end of the call."""
+    import numpy as np
+    import llguidance.numpy
+
+    from services.gateway.tokenizer import added_token_id
+
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])  # as Qwen2.5's vocabulary holds them
+    open_id, close_id = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<tool_call>", "</tool_call>"))
+    lltok = llguidance.hf.from_tokenizer(tokenizer)
+    grammar = forced_call_grammar([ToolDef.model_validate(WEATHER)], tool_call_format("hermes"), several=False,
+                                  added_token_id=partial(added_token_id, tokenizer))
+    body = tokenizer('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', add_special_tokens=False)
+    for ids in ([open_id, *body["input_ids"], close_id], tokenizer(CALL, add_special_tokens=False)["input_ids"]):
+        matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", grammar))
+        mask = np.zeros((1, (lltok.vocab_size + 31) // 32), dtype=np.int32)
+        llguidance.numpy.fill_next_token_bitmask_par(llguidance.LLExecutor(), [(matcher, 0)], mask)
+        assert (mask[0, open_id // 32] >> (open_id % 32)) & 1  # the mask allows the added token ...
+        # ... and so does the matcher when it is committed
+        assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting(), matcher.get_error()
 
 
 @pytest.fixture

@@ -16,10 +16,12 @@ class ToolCallFormat:
     stream: Any  # () -> an object with feed(text) and finish(), both returning StreamDeltas
     call_open: str  # what a call starts with and ends with, for the grammar that forces calls
     call_close: str
+    tags: tuple[str, ...] = ()  # the texts in those that a model's vocabulary may hold as tokens of their own
 
 
 FORMATS = {
-    "hermes": ToolCallFormat("hermes", hermes.parse, hermes.HermesStream, hermes.OPEN + "\n", "\n" + hermes.CLOSE),
+    "hermes": ToolCallFormat("hermes", hermes.parse, hermes.HermesStream, hermes.OPEN + "\n", "\n" + hermes.CLOSE,
+                             (hermes.OPEN, hermes.CLOSE)),
 }
 
 
