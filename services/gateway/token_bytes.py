@@ -6,8 +6,9 @@ two or three tokens, each decoding alone to U+FFFD, whose UTF-8 (239, 191, 189) 
 joining the bytes of a reply's entries gave replacement characters where the reply had the emoji. The bytes are
 read from the vocabulary instead: a byte-level BPE (GPT-2's scheme, as SmolLM2's, Qwen's and Llama 3's tokenizers)
 spells each byte as one character, transformers' `bytes_to_unicode` gives that spelling, and a byte-fallback token
-of a SentencePiece vocabulary (Llama 2, Mistral) is named `<0xAB>`. Any other token (a special or added token, a
-whole-word piece) is its decoded text, whose UTF-8 is then its bytes.
+of a SentencePiece vocabulary (Llama 2, Mistral) is named `<0xAB>`. Any other token (a special token, written as it
+reads; a whole-word piece) is its decoded text, whose UTF-8 is then its bytes. An added token that is not special
+goes through the byte-level decoder as the others do (tokenizers decodes it so), and so here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fall
 
 
 class TokenBytes:
-    """`token_bytes(token_id)`: the token's bytes, as a list of ints (each token's worked out once)."""
+    """`token_bytes(token_id)`: the token's bytes, as a list of ints (each token's worked out once: at most the
+    vocabulary's)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer

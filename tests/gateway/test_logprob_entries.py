@@ -80,7 +80,8 @@ async def test_chat_logprob_bytes_are_each_tokens_own_and_join_to_the_reply(clie
     entries = choice["logprobs"]["content"]
     assert entries[-1]["token"] == "<|endoftext|>"  # the end token is scored too (its text is not in the reply)
     entries = entries[:-1]
-    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8") == choice["message"]["content"] == "wörld 你好 🌾"
+    joined = b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8")
+    assert joined == choice["message"]["content"] == "wörld 你好 🌾"
     assert all(len(e["bytes"]) == 1 for e in entries) and "\ufffd" in {e["token"] for e in entries}
     assert all(top["bytes"] == e["bytes"] for e in entries for top in e["top_logprobs"])
 
@@ -94,6 +95,10 @@ def test_token_bytes_read_byte_level_and_byte_fallback_vocabularies():
     token_bytes = TokenBytes(smol)
     assert b"".join(bytes(token_bytes(i)) for i in ids) == "🌾 ok".encode()
     assert token_bytes(smol.convert_tokens_to_ids("<|im_end|>")) == list(b"<|im_end|>")  # a special token: its text
+    smol.add_tokens(["héllo"])  # not special: the byte-level decoder reads it too, as it reads the vocabulary
+    token_bytes = TokenBytes(smol)
+    for token_id in [*range(0, len(smol), 97), smol.convert_tokens_to_ids("héllo")]:  # what decoding it alone gives
+        assert bytes(token_bytes(token_id)).decode("utf-8", "replace") == smol.decode([token_id]), token_id
 
     class SentencePieceLike:  # a byte-fallback piece names its byte; a word piece is its decoded text
         all_special_ids: list[int] = []
