@@ -77,6 +77,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.bind((host, 0))
         return [sock.getsockname()[1] for sock in sockets]
 
+
 def port_is_free(host: str, port: int) -> bool:
     """Whether a server could bind `port` on `host` now. Bound as the servers bind (SO_REUSEADDR), so a port a
     stopped server left in TIME_WAIT counts as free; an address that is not this machine's counts as taken."""
