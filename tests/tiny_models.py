@@ -39,6 +39,28 @@ def tiny_qwen2(seed: int = 0, vocab_size: int = VOCAB) -> Qwen2ForCausalLM:
     return _sharpen(Qwen2ForCausalLM(config).eval())
 
 
+def smollm2_shaped(num_layers: int = 2, vocab_size: int = 2048, seed: int = 0) -> LlamaForCausalLM:
+    """Random weights in SmolLM2-135M's layer shapes (hidden 576, MLP 1536, 9 query and 3 KV heads of 64), with
+    `num_layers` of its 30 layers and a small vocabulary: every matmul of a layer has the real model's shape, so
+    the CPU's kernels add in the orders they add in for the real model, at a fraction of its cost (the real model
+    runs 30 such layers and a head of 49,152 rows)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=num_layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    return _sharpen(LlamaForCausalLM(config).eval())
+
+
 def _sharpen(model: torch.nn.Module) -> torch.nn.Module:
     """Random init gives near-uniform logits; scale the head so distributions have structure (some tokens
     likely, many not), which makes acceptance and sampling tests meaningful."""

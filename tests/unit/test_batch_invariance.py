@@ -16,8 +16,8 @@ from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
-from tests.proposers import RandomProposer
-from tests.unit.test_real_model import PROMPTS, chat_ids
+from tests.proposers import OracleProposer, RandomProposer
+from tests.tiny_models import smollm2_shaped
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +29,12 @@ def smollm2_bf16():
     return load_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16")
 
 
-def runner_for(loaded, batch_invariant: bool) -> LlamaFamilyRunner:
+def runner_for(model: torch.nn.Module, batch_invariant: bool) -> LlamaFamilyRunner:
     """Three sequences, the most any test here runs at once: the invariant shape is then 3 rows of 8 tokens, each
     wave a quarter cheaper than 4 rows (bf16 on a CPU without bf16 instructions is slow: an AVX2-only EPYC took
     0.9 s a wave of 4 rows). 192 positions hold the longest request here (133 prompt tokens, 16 generated, 9
     drafts); every wave reads them all, so a longer context costs every wave."""
-    return LlamaFamilyRunner(loaded.model, max_num_seqs=3, max_model_len=192, batch_invariant=batch_invariant,
+    return LlamaFamilyRunner(model, max_num_seqs=3, max_model_len=192, batch_invariant=batch_invariant,
                              kv_cache=KVCacheConfig(memory_bytes=64 << 20, block_size=16))
 
 
@@ -47,7 +47,7 @@ def test_waves_feed_each_row_in_order_within_the_fixed_shape():
 
 def first_logits(loaded, batch_invariant: bool, batched: bool) -> torch.Tensor:
     """The same token at the same position: decoded alone, or as the first of 5 fed tokens beside two other rows."""
-    runner = runner_for(loaded, batch_invariant)
+    runner = runner_for(loaded.model, batch_invariant)
     for seq, n in (("a", 62), ("b", 63), ("c", 64)):  # prompts that share their start: b and c hit a's blocks
         prompt = list(range(3, n))
         cached = runner.add_sequence(seq, prompt)
@@ -89,26 +89,48 @@ def test_the_mode_changes_rounding_alone(logits_of):
     assert plain_alone.abs().max() > 5.0  # logits of a real model, not zeros
 
 
-async def test_in_bf16_speculative_greedy_output_is_the_non_speculative_one_token_for_token(smollm2_bf16):
-    tokenizer = smollm2_bf16.tokenizer
-    prompts = [chat_ids(tokenizer, text) for text in PROMPTS[:3]]
-    runner = runner_for(smollm2_bf16, batch_invariant=True)
+def shaped_prompts(vocab_size: int) -> list[tuple[int, ...]]:
+    """Three prompts as long as the chat prompts the real model got here (133, 45 and 37 tokens), each a seeded
+    random span that then repeats in part, as a code edit repeats its source: n-gram drafts find matches in them."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = []
+    for length in (133, 45, 37):
+        span = torch.randint(3, vocab_size, (length // 2,), generator=generator).tolist()
+        prompts.append(tuple((span + span)[:length]))
+    return prompts
+
+
+async def test_in_bf16_speculative_greedy_output_is_the_non_speculative_one_token_for_token():
+    """On random weights in SmolLM2-135M's layer shapes (tests/tiny_models.py: smollm2_shaped): the same matmul
+    shapes as the real model, so the same kernels and orders of addition, at a twentieth of its cost (5 s against
+    106 s on this 2-core AVX2-only EPYC, where a decode wave of the real model costs about a second). The oracle's
+    drafts are the baseline's own tokens, so every one of them is accepted: rows of 10 positions whose every logit
+    must match the single-token decode's."""
+    model = smollm2_shaped().to(torch.bfloat16)
+    vocab_size = model.config.vocab_size
+    prompts = shaped_prompts(vocab_size)
+    runner = runner_for(model, batch_invariant=True)
     assert not runner.supports_trees  # the engine feeds trees' first paths to it
 
-    async def run(spec: SpeculationParams):
-        proposers = {"ngram": NgramProposer(NgramSettings(1, 3)),
-                     "random": RandomProposer(smollm2_bf16.model.config.vocab_size, seed=0)}
+    async def run(spec: SpeculationParams, references: dict[str, tuple[int, ...]]):
+        proposers = {"ngram": NgramProposer(NgramSettings(1, 3)), "random": RandomProposer(vocab_size, seed=0),
+                     "oracle": OracleProposer(references)}
         engine = Engine(runner, EngineConfig(max_num_batched_tokens=48, log_stats_interval_s=0,
-                                             adaptive_speculation=False), proposers, [tokenizer.eos_token_id])
-        # ignore_eos: every request runs its 16 tokens, whichever token the CPU's numerics make it reach first (a
-        # decode wave costs about a second on an AVX2-only CPU: 4 runs x 16 tokens are most of this module's time)
+                                             adaptive_speculation=False), proposers, [])
         requests = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                                       spec) for i, p in enumerate(prompts)]
         return await run_schedule(engine, {0: requests[:2], 2: requests[2:]})
 
-    baseline = await run(SpeculationParams())
-    for spec in (SpeculationParams("ngram", 4), SpeculationParams("random", 3), SpeculationParams("ngram", 9)):
-        result = await run(spec)
+    baseline = await run(SpeculationParams(), {})
+    assert sum(len(c.tokens) for c in baseline.values()) == 48
+    references = {request_id: prompts[int(request_id[1:])] + tuple(c.tokens) for request_id, c in baseline.items()}
+    accepted = {}
+    for spec in (SpeculationParams("ngram", 4), SpeculationParams("random", 3), SpeculationParams("ngram", 9),
+                 SpeculationParams("oracle", 9)):
+        result = await run(spec, references)
         for request_id, collected in baseline.items():
             assert result[request_id].tokens == collected.tokens, (spec, request_id)
-    assert sum(len(c.tokens) for c in baseline.values()) == 48
+        accepted[spec.method] = accepted.get(spec.method, 0) + sum(
+            c.outputs[-1].spec.num_accepted_tokens for c in result.values())  # counts since each request began
+    assert accepted["oracle"] >= 3 * 9  # each request verified at least one whole row of 9 drafts and kept it
+    assert accepted["ngram"] > 0  # the prompts' repeats gave n-gram drafts that were kept
