@@ -12,6 +12,7 @@ from services.gateway.settings import (
     add_https_flags,
     add_logging_flags,
 )
+from services.gateway.torch_free import hide_torch
 
 
 def parse_args(argv: list[str] | None) -> GatewaySettings:
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hide_torch()  # before transformers is imported: the gateway never needs torch (torch_free.py)
     import uvicorn
 
     from services.gateway.app import create_app

@@ -9,6 +9,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -104,6 +105,22 @@ def test_raw_http_like_curl(stack):
     bad = httpx.post(f"{stack.base_url}/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -1}, timeout=10)
     assert bad.status_code == 400 and set(bad.json()["error"]) >= {"message", "type", "param", "code"}
     assert httpx.post(f"{stack.base_url}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10).status_code == 404
+
+
+def mapped_libraries(pid: int) -> set[str]:
+    """The file names of the shared libraries a running process has mapped (Linux /proc)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {Path(line.split()[-1]).name for line in maps if ".so" in line}
+
+
+def test_the_gateway_process_runs_without_torch_beside_a_verifier_that_runs_it(stack, client):
+    """One virtualenv holds the whole stack here, as `make run` makes it; the gateway still runs as its image runs
+    it, without torch (services/gateway/torch_free.py), after serving a chat and a completion."""
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    is_torch = re.compile(r"^libtorch(_cpu|_python)?\.so")
+    assert not any(is_torch.match(name) for name in mapped_libraries(stack.processes["gateway"].pid))
+    assert any(is_torch.match(name) for name in mapped_libraries(stack.processes["verifier"].pid))
 
 
 def test_client_disconnect_frees_the_slot(stack):
