@@ -1,11 +1,11 @@
 """The gateway process runs without torch, as its image does, even where torch is installed beside it.
 
-Why: the gateway only tokenizes and renders chats, and its install set (`specserve[gateway]`, Dockerfile.gateway's
-image) has no torch. But `make run`, `specserve serve` and any one-virtualenv install put torch in the same
+Why: the gateway only tokenizes and renders chats, and its install set (`specserve[gateway]`, Dockerfile.target's
+gateway image) has no torch. But `make run`, `specserve serve` and any one-virtualenv install put torch in the same
 environment, and transformers imports torch whenever it finds it: loading SmolLM2's tokenizer then took 5.7 s
-instead of 2.2 s (2 CPU cores) and the process kept torch's memory for nothing. Marking torch absent in this
-process (None in sys.modules: Python's way to make an import fail with ImportError) makes transformers take the
-torch-free path the image takes, so every deployment runs the gateway the same way.
+instead of 2.2 s (2 CPU cores), and the gateway held 391 MB resident where it holds 153 without. Marking torch
+absent in this process (None in sys.modules: Python's way to make an import fail with ImportError) makes
+transformers take the torch-free path the image takes, so every deployment runs the gateway the same way.
 """
 
 from __future__ import annotations
