@@ -54,12 +54,13 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    hide_torch()  # before transformers is imported: the gateway never needs torch (torch_free.py)
+    settings = parse_args(argv)
+    if not settings.trust_remote_code:  # a tokenizer's own code may import torch: then torch stays
+        hide_torch()  # before transformers is imported: the gateway itself never needs torch (torch_free.py)
     import uvicorn
 
     from services.gateway.app import create_app
 
-    settings = parse_args(argv)
     tokenizer = None
     if settings.model:  # known now: a model that cannot be found or fetched fails the start (cli.py: exit 1)
         from services.gateway.tokenizer import load_tokenizer

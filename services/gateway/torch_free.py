@@ -6,6 +6,7 @@ environment, and transformers imports torch whenever it finds it: loading SmolLM
 instead of 2.2 s (2 CPU cores), and the gateway held 391 MB resident where it holds 153 without. Marking torch
 absent in this process (None in sys.modules: Python's way to make an import fail with ImportError) makes
 transformers take the torch-free path the image takes, so every deployment runs the gateway the same way.
+With --trust-remote-code torch stays importable: a tokenizer's own Python code may import it.
 """
 
 from __future__ import annotations
