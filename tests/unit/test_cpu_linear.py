@@ -355,6 +355,32 @@ def _packed_everywhere(name, kernel, x):
     return 1e-6 if name == "packed" else 2e-6
 
 
+def test_layer_weights_that_run_packed_give_their_pages_in_the_checkpoints_mapping_back(tmp_path):
+    """owns_model and every layer linear packed at every M: each layer's plain weights are dropped, and where they
+    lie in the safetensors file's mapping their resident pages go too (released together, a shape at a time)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)  # safetensors, mapped when loaded
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    layer_weights = [module.weight for layer in model.model.layers for module in
+                     (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                      *(getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")))]
+    address, layer_bytes = layer_weights[0].data_ptr(), sum(w.nbytes for w in layer_weights)
+    for weight in model.parameters():
+        float(weight.detach().sum())  # every page of the checkpoint resident
+    before = mapping_rss(address)
+
+    runner = LlamaFamilyRunner(model, max_num_seqs=1, max_model_len=64, owns_model=True,
+                               kernel_chooser=KernelChooser(_packed_everywhere, one_layout=True))
+    assert all(weight.numel() == 0 for layer in model.model.layers for weight in
+               (layer.self_attn.q_proj.weight, layer.mlp.down_proj.weight))
+    assert runner.freed_weight_bytes >= layer_bytes
+    assert before - mapping_rss(address) >= layer_bytes - 2 * 4096 * len(layer_weights)  # whole pages only
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_lm_head_that_runs_packed_keeps_one_copy(tmp_path, tied):
     """owns_model and a head packed at every M: an untied head's plain weight is freed; a tied one is the
