@@ -90,8 +90,9 @@ def test_the_mode_changes_rounding_alone(logits_of):
 
 
 def shaped_prompts(vocab_size: int) -> list[tuple[int, ...]]:
-    """Three prompts as long as the chat prompts the real model got here (133, 45 and 37 tokens), each a seeded
-    random span that then repeats in part, as a code edit repeats its source: n-gram drafts find matches in them."""
+    """Three prompts as long as test_real_model.py's first three chat prompts in SmolLM2's tokens (133, 45 and 37),
+    each a seeded random span that then repeats in part, as a code edit repeats its source: n-gram drafts find
+    matches in them."""
     generator = torch.Generator().manual_seed(0)
     prompts = []
     for length in (133, 45, 37):
