@@ -126,8 +126,9 @@ def test_core_install_has_no_model_stack_and_serves_an_ngram_drafter(core: Path)
     for service in ("drafter", "serve"):
         assert "--port" in specserve(core, service, "--help")
     assert "--model" in specserve(core, "verifier", "--help")  # its flags need no torch
+    assert "--verifier" in specserve(core, "gateway", "--help")  # nor the gateway's FastAPI
     # a command whose stack is not installed says in one line which extra brings it, not a traceback
-    for argv, extra in ((["gateway", "--help"], "gateway"), (["verifier", "--model", str(core)], "verifier")):
+    for argv, extra in ((["gateway", "--port", "1"], "gateway"), (["verifier", "--model", str(core)], "verifier")):
         result = subprocess.run([str(core / "bin" / "specserve"), *argv], capture_output=True, text=True,
                                 timeout=60, check=False, cwd="/")
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
