@@ -2,8 +2,8 @@
 
 Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel|chat|mixed]
 [--method suffix] [--link] [--simulated-step-ms BASE ROW TOKEN] [--rounds R] [--after-burst N]`. On an H100
-SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the host, committing,
-the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
+SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the
+host, committing, the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
 ScriptedRunner: a "model" that answers instantly with logits that continue a fixed token script, so that the time
 measured is the engine's own, and n-gram drafts from the context are accepted. Printed per row count, without
 speculation and with ngram (K = 4; `--method suffix`: the suffix drafter): tokens/s, forwards, and host ms per

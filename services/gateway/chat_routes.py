@@ -47,7 +47,7 @@ def create_router(require_api_key: Any, call_format: ToolCallFormat) -> APIRoute
 
 
 def tool_output(req: s.ChatCompletionRequest, tools: list, call_format: ToolCallFormat,
-                added_token_id: Callable[[str], int | None] = lambda text: None) -> ToolOutput | None:
+                added_token_id: Callable[[str], int | None]) -> ToolOutput | None:
     """How this request's output is read for tool calls (None: it offers none); a forced call's grammar
     (`added_token_id`: the model's added token spelled as a text, tools/grammar.py)."""
     if not tools:
