@@ -12,7 +12,7 @@ from services.gateway.settings import (
     add_https_flags,
     add_logging_flags,
 )
-from services.gateway.torch_free import hide_torch
+from services.gateway.torch_free import hide_torch, quiet_torch_absence
 
 
 def parse_args(argv: list[str] | None) -> GatewaySettings:
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_args(argv)
     if not settings.trust_remote_code:  # a tokenizer's own code may import torch: then torch stays
         hide_torch()  # before transformers is imported: the gateway itself never needs torch (torch_free.py)
+    quiet_torch_absence()  # in its image too, which has no torch at all
     import uvicorn
 
     from services.gateway.app import create_app
