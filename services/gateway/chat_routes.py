@@ -18,6 +18,7 @@ from services.gateway.openapi import generation_docs
 from services.gateway.pipeline import Choices, admit, generate
 from services.gateway.responses import PromptReturn
 from services.gateway.sampling import truncate_prompt
+from services.gateway.state import GatewayState
 from services.gateway.tokenizer import added_token_id
 from services.gateway.tools.grammar import forced_call_grammar
 from services.gateway.tools.output import ToolOutput
@@ -33,17 +34,23 @@ def create_router(require_api_key: Any, call_format: ToolCallFormat) -> APIRoute
                  **generation_docs(s.ChatCompletionRequest, s.ChatCompletionResponse, s.ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         admitted = await admit(request, s.ChatCompletionRequest)
-        state, req = admitted.state, admitted.req
-        tools = req.offered_tools()
-        ids = await chat_prompt_ids(admitted.tokenizer, req, tools)
-        ids = truncate_prompt(ids, req.truncate_prompt_tokens, (await state.model_info()).max_model_len)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        plan = Choices([ids], [""], req.requested_max_tokens, logprobs,
-                       PromptReturn(prompt_logprobs=req.prompt_logprobs),
-                       tool_output(req, tools, call_format, partial(added_token_id, admitted.tokenizer)))
-        return await unless_disconnected(request, generate(state, "chat", req, admitted.served, plan))
+        plan = await chat_choices(admitted.state, admitted.tokenizer, admitted.req, call_format)
+        return await unless_disconnected(request, generate(admitted.state, "chat", admitted.req, admitted.served,
+                                                           plan))
 
     return router
+
+
+async def chat_choices(state: GatewayState, tokenizer: Any, req: s.ChatCompletionRequest,
+                       call_format: ToolCallFormat) -> Choices:
+    """What the pipeline runs for a chat request (one prompt: the rendered conversation); the Responses API's
+    route runs the same for the chat request its body means."""
+    tools = req.offered_tools()
+    ids = await chat_prompt_ids(tokenizer, req, tools)
+    ids = truncate_prompt(ids, req.truncate_prompt_tokens, (await state.model_info()).max_model_len)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return Choices([ids], [""], req.requested_max_tokens, logprobs, PromptReturn(prompt_logprobs=req.prompt_logprobs),
+                   tool_output(req, tools, call_format, partial(added_token_id, tokenizer)))
 
 
 def tool_output(req: s.ChatCompletionRequest, tools: list, call_format: ToolCallFormat,

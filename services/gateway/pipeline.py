@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +35,9 @@ from services.gateway.tools.output import ToolOutput
 
 logger = logging.getLogger("specserve.gateway")
 
-Builder = CompletionResponses | ChatResponses
+Builder = Any  # CompletionResponses, ChatResponses, responses_api.builder.ResponsesApiResponses
+# Response ids by kind, as OpenAI's look (vLLM's too)
+ID_PREFIXES = {"completion": "cmpl-", "chat": "chatcmpl-", "response": "resp_"}
 
 
 @dataclass(frozen=True)
@@ -83,16 +85,18 @@ def check_logprobs(req: s.SamplingFields, plan: Choices, limit: int) -> None:
                            param=name)
 
 
-async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str, plan: Choices) -> Response:
-    """kind: "completion" or "chat"."""
+async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str, plan: Choices,
+                   respond: Callable[[RequestContext], Builder] | None = None) -> Response:
+    """kind: "completion", "chat" or "response" (a chat request answered in the Responses API's shapes);
+    respond: the builder of this kind's responses (default: the completion's or the chat's)."""
     req = state.generation_defaults.apply(req)  # vLLM's --generation-config: the model's defaults where req has none
     info = await state.model_info()
     check_logprobs(req, plan, info.max_logprobs if info.HasField("max_logprobs") else DEFAULT_MAX_LOGPROBS)
     tokenizer = state.tokenizer
     start = time.perf_counter()
-    prefix = ChatResponses.id_prefix if kind == "chat" else CompletionResponses.id_prefix
-    internal = f"{prefix}-{uuid.uuid4().hex}"  # the verifier's ids: unique whatever the client sends
-    rid = f"{prefix}-{req.request_id}" if req.request_id is not None else internal  # vLLM's request_id
+    prefix = ID_PREFIXES[kind]
+    internal = f"{prefix}{uuid.uuid4().hex}"  # the verifier's ids: unique whatever the client sends
+    rid = f"{prefix}{req.request_id}" if req.request_id is not None else internal  # vLLM's request_id
     decode = make_decode(tokenizer, req.skip_special_tokens, req.spaces_between_special_tokens)
     rules = TextRules(req.stop_strings, req.include_stop_str_in_output, req.min_tokens,
                       frozenset(req.stop_token_ids or ()))
@@ -119,7 +123,10 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
                          returned=plan.returned, logprobs=plan.logprobs, accounting=accounting,
                          choice_echo=choice_echo, choice_prompt=choice_prompt,
                          prompt_logprobs={i: [] for i in choice_echo})
-    builder: Builder = ChatResponses(ctx, plan.tools) if kind == "chat" else CompletionResponses(ctx)
+    if respond is not None:
+        builder = respond(ctx)
+    else:
+        builder = ChatResponses(ctx, plan.tools) if kind == "chat" else CompletionResponses(ctx)
     finish_metrics = _metrics_once(state, served, start, accounting)
     events = merge(streams)
     try:
@@ -218,18 +225,29 @@ async def _chunks(builder: Builder, events: Any, all_events: AsyncIterator[Choic
                 chunk = builder.chunk(event, ctx.accounting.speculation().model() if last else None)
                 if req.continuous_usage:
                     chunk.usage = ctx.accounting.usage_so_far()
-                yield sse(chunk)
+                for one in _each(chunk):
+                    yield sse(one)
         except (grpc.RpcError, ApiError) as exc:
             error = from_grpc(exc) if isinstance(exc, grpc.RpcError) else exc
             yield sse(error.body())
-            yield sse("[DONE]")
+            if builder.ends_with_done:
+                yield sse("[DONE]")
             return
         except Exception:  # the headers are sent: a bug ends the stream with an error event, not a reset
             logger.exception("unhandled error while streaming %s", ctx.rid)
             yield sse(internal_error().body())
-            yield sse("[DONE]")
+            if builder.ends_with_done:
+                yield sse("[DONE]")
             return
     finish_metrics()
+    for chunk in builder.closing_chunks():
+        yield sse(chunk)
     if req.include_usage:
         yield sse(builder.usage_chunk())
-    yield sse("[DONE]")
+    if builder.ends_with_done:
+        yield sse("[DONE]")
+
+
+def _each(chunk: Any) -> Iterable[Any]:
+    """A builder's chunk for one event: one message (completions, chat) or several (the Responses API's events)."""
+    return chunk if isinstance(chunk, list) else (chunk,)

@@ -61,7 +61,7 @@ class RequestContext:
 class CompletionResponses:
     """/v1/completions: text choices, with the echoed prompt (and its logprobs) in front when asked."""
 
-    id_prefix = "cmpl"
+    ends_with_done = True  # a stream's last line is `data: [DONE]`
 
     def __init__(self, ctx: RequestContext) -> None:
         self.ctx = ctx
@@ -117,6 +117,9 @@ class CompletionResponses:
         self._offsets[index] += len(event.text)
         return chunk
 
+    def closing_chunks(self) -> list[BaseModel]:
+        return []
+
     def usage_chunk(self) -> BaseModel:
         ctx = self.ctx
         return s.CompletionChunk(id=ctx.rid, created=ctx.created, model=ctx.served, choices=[],
@@ -128,7 +131,7 @@ class ChatResponses:
     """/v1/chat/completions: assistant messages, with tool calls read out of the text when the request offers
     tools (`tools`; None: not at all)."""
 
-    id_prefix = "chatcmpl"
+    ends_with_done = True
 
     def __init__(self, ctx: RequestContext, tools: ToolOutput | None = None) -> None:
         self.ctx = ctx
@@ -177,6 +180,9 @@ class ChatResponses:
                                   delta=s.ChatDelta(content=content, tool_calls=tool_calls),
                                   logprobs=self._logprobs(event.logprobs),
                                   token_ids=event.token_ids if ctx.ids_back else None)])
+
+    def closing_chunks(self) -> list[BaseModel]:
+        return []
 
     def usage_chunk(self) -> BaseModel:
         ctx = self.ctx

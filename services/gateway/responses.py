@@ -23,8 +23,12 @@ def finite_logprob(value: float) -> float:
 
 
 def sse(payload: BaseModel | dict | str) -> bytes:
+    """One server-sent event. The Responses API's events are also named on an `event:` line by their type, as
+    OpenAI's server sends them (the SDKs read the type from the data; EventSource clients listen by name)."""
     if isinstance(payload, BaseModel):
         text = payload.model_dump_json(exclude_none=False)
+        if getattr(payload, "NAMED_SSE_EVENT", False):
+            return f"event: {payload.type}\ndata: {text}\n\n".encode()
     elif isinstance(payload, dict):
         text = json.dumps(payload)
     else:
