@@ -192,7 +192,8 @@ def _banner(args: argparse.Namespace, children: Sequence[Child]) -> str:
     )
     return (
         "\nspecserve is serving:\n"
-        f"  POST {base}/v1/completions\n  POST {base}/v1/chat/completions\n  GET  {base}/v1/models\n"
+        f"  POST {base}/v1/completions\n  POST {base}/v1/chat/completions\n  POST {base}/v1/responses\n"
+        f"  GET  {base}/v1/models\n"
         f"  GET  {base}/health\n  GET  {base}/metrics\n  POST {base}/tokenize, {base}/detokenize\n"
         f"  verifier gRPC {args.host}:{args.verifier_port}, {_metrics(args.host, args.verifier_metrics_port)}\n"
         f"{drafter}"

@@ -27,6 +27,9 @@ from services.gateway.errors import ApiError, from_grpc, install_error_handlers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install_openapi
 from services.gateway.request_counter import RequestCounter
+from services.gateway.responses_api import routes as responses_api_routes
+from services.gateway.responses_api.request import ResponsesRequest
+from services.gateway.responses_api.shapes import RESPONSES_STREAM_EVENTS
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState
 from services.gateway.tools.parsers import tool_call_format
@@ -36,7 +39,7 @@ _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONN
                    pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_DEGRADED: "degraded",
                    pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ping", "/metrics", "/tokenize",
-           "/detokenize", "/version"}
+           "/detokenize", "/version", "/v1/responses"}
 MODEL_ROUTE = "/v1/models/{model}"  # one metrics label for every model id asked for
 
 
@@ -61,8 +64,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     app = FastAPI(title="specserve gateway", lifespan=lifespan)
     app.state.gateway = state
     install_error_handlers(app)
-    install_openapi(app, [s.CompletionRequest, s.ChatCompletionRequest, *tokenize_routes.REQUEST_MODELS],
-                    [s.CompletionChunk, s.ChatCompletionChunk])
+    install_openapi(app, [s.CompletionRequest, s.ChatCompletionRequest, ResponsesRequest,
+                          *tokenize_routes.REQUEST_MODELS],
+                    [s.CompletionChunk, s.ChatCompletionChunk, *RESPONSES_STREAM_EVENTS])
 
     def count(path: str, status: int) -> None:
         path = path if path in _ROUTES else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
@@ -107,6 +111,7 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     app.include_router(model_routes.create_router(require_api_key))
     app.include_router(completion_routes.create_router(require_api_key))
     app.include_router(chat_routes.create_router(require_api_key, call_format))
+    app.include_router(responses_api_routes.create_router(require_api_key, call_format))
 
     return app
 

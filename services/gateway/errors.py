@@ -122,7 +122,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before t
 
 
 def unknown_route_message(request: Request, app: FastAPI) -> str:
-    """What a client that called a route this server does not have (the Responses API, embeddings, a typo) reads:
+    """What a client that called a route this server does not have (embeddings, a stored response, a typo) reads:
     the API routes it does have, so that an SDK's "404 Not Found" says where to go instead."""
     routes = sorted(path for path in app.openapi()["paths"] if path.startswith("/v1/"))  # built once, then kept
     return f"{request.method} {request.url.path} is not a route of this server; its API routes: {', '.join(routes)}"

@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, tokenizer=tokenizer)
     base = f"{settings.scheme}://{settings.host}:{settings.port}"
     print(f"specserve gateway -> verifier {settings.verifier}", file=sys.stderr)
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-                 "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+                 "/tokenize", "/detokenize"):
         print(f"  {base}{path}", file=sys.stderr)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
                 access_log=not settings.disable_uvicorn_access_log,

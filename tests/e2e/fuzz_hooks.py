@@ -29,18 +29,21 @@ def _valid_int(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def cap_body(body: Any, generates: bool = True) -> Any:
-    """generates: the body is a completion or chat request (not /tokenize's, which has no max_tokens to add)."""
+def cap_body(body: Any, path: str = "/v1/completions") -> Any:
+    """path: the operation's; /v1 bodies generate (not /tokenize's, which have no max_tokens to add), and the
+    Responses API's limit is max_output_tokens."""
     if not isinstance(body, dict):
         return body
-    for key in ("max_tokens", "max_completion_tokens") if generates else ():
+    limits = () if not path.startswith("/v1/") else (
+        ("max_output_tokens",) if path == "/v1/responses" else ("max_tokens", "max_completion_tokens"))
+    for key in limits:
         if _valid_int(body.get(key), MAX_TOKENS + 1, 2**31 - 1):
             body[key] = MAX_TOKENS
-    if generates and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_TOKENS  # absent or null means the rest of the context window
+    if limits and all(body.get(key) is None for key in limits):
+        body[limits[0]] = MAX_TOKENS  # absent or null means the rest of the context window
     if _valid_int(body.get("n"), MAX_N + 1, 16):
         body["n"] = MAX_N
-    for key in ("prompt", "messages"):
+    for key in ("prompt", "messages", "input"):
         value = body.get(key)
         if isinstance(value, str):
             body[key] = value[:MAX_TEXT]
@@ -53,7 +56,7 @@ def cap_body(body: Any, generates: bool = True) -> Any:
 
 @schemathesis.hook
 def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
-    case.body = cap_body(case.body, generates=case.path.startswith("/v1/"))
+    case.body = cap_body(case.body, case.path)
 
 
 @schemathesis.hook

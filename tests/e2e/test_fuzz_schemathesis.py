@@ -5,7 +5,7 @@ nothing left running.
 
 The run is bounded (~700 cases, about a minute on 2 cores): a fixed seed, a few dozen fuzzed cases per
 operation plus schemathesis's coverage cases (boundary and invalid values of every field), one worker, and
-tests/e2e/fuzz_hooks.py capping max_tokens, n and prompt sizes to small values the server accepts.
+tests/e2e/fuzz_hooks.py capping max_tokens (max_output_tokens), n and prompt sizes to small values the server accepts.
 The document is fetched from the gateway; the only change made to it is that `model` names the served model
 (anything else is a 404, and every positive case would end there).
 """
@@ -37,8 +37,8 @@ def stack(shared_stack):
     return shared_stack
 
 
-REQUEST_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
-                   "DetokenizeRequest")
+REQUEST_SCHEMAS = ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeCompletionRequest",
+                   "TokenizeChatRequest", "DetokenizeRequest")
 
 
 def fuzz_document(document: dict, model: str) -> dict:
@@ -91,13 +91,15 @@ def test_fuzzing_finds_no_server_error_and_no_schema_violation(stack, tmp_path):
     assert report["failures"] == [] and report["errors"] == [], report["output"]
     assert report["exit_code"] == 0, report["output"]
     assert cases["with_failures"] == 0 and cases["errored"] == 0, report["output"]
-    assert report["operations"]["tested"] == 7  # completions, chat, models, models/{id}, tokenize, detokenize, version
+    # completions, chat, responses, models, models/{id}, tokenize, detokenize, version
+    assert report["operations"]["tested"] == 8
     assert cases["generated"] >= 200, summary  # the run really ran
     # Valid requests reached the model or tokenizer, not only the 4xx paths. How many of the generated requests
     # are valid depends on the seed and on the schema (a new request field reshuffles every generated case): chat
     # had 10 accepted before speculative_config.draft_pipelining and 9 after, so the bound is what the check needs
     # (some requests got through), not what one schema happened to give.
-    for operation in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"):
+    for operation in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
+                      "POST /detokenize"):
         accepted = sum(phase["accepted"] for phase in report["valid_rates"][operation].values())
         assert accepted >= 5, summary
 

@@ -87,6 +87,28 @@ def test_greedy_equality_with_and_without_speculation(client):
     assert all("quantity" not in c.text for c in a.choices)
 
 
+def test_the_responses_api_answers_what_chat_answers_with_speculation_on_and_off(client):
+    """OpenAI's Responses API (POST /v1/responses) is the chat pipeline in other shapes: the same conversation at
+    temperature 0 gives the chat's text, whole and streamed, with speculation and without."""
+    chat, whole, streamed, plain = at_once(
+        lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be exact."},
+                                                                      {"role": "user", "content": EDIT}],
+                                               max_tokens=40, temperature=0),
+        lambda: client.responses.create(model=MODEL, instructions="Be exact.", input=EDIT, max_output_tokens=40,
+                                        temperature=0),
+        lambda: list(client.responses.create(model=MODEL, instructions="Be exact.", input=EDIT,
+                                             max_output_tokens=40, temperature=0, stream=True)),
+        lambda: client.responses.create(model=MODEL, instructions="Be exact.", input=EDIT, max_output_tokens=40,
+                                        temperature=0, extra_body=NO_SPEC))
+    text = chat.choices[0].message.content
+    assert whole.output_text == plain.output_text == text
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == text
+    assert streamed[-1].response.output_text == text
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert whole.model_extra["speculative_decoding"]["num_accepted_tokens"] > 0
+
+
 def test_raw_http_like_curl(stack):
     response = httpx.post(
         f"{stack.base_url}/v1/completions",

@@ -204,7 +204,7 @@ async def test_unavailable_has_retry_after():
 
 
 async def test_a_route_this_server_does_not_have_is_a_404_naming_the_ones_it_has(client):
-    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("GET", "/v1/chat/completion")):
+    for method, path in (("POST", "/v1/embeddings"), ("GET", "/v1/responses/resp_1"), ("GET", "/v1/chat/completion")):
         r = await client.request(method, path, json={"model": MODEL, "input": "hi"})
         assert_openai_error(r, 404)
         message = r.json()["error"]["message"]
