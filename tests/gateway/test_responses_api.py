@@ -105,7 +105,8 @@ def test_function_calls_whole_streamed_and_answered(sdk, verifier):
     assert json.loads(arguments.arguments) == {"city": "Paris"} and arguments.output_index == 1
 
     verifier.reply = "It is 18 C."
-    turn = [{"role": "user", "content": "Weather in Paris?"}, *[item.model_dump(exclude_none=True) for item in r.output],
+    earlier = [item.model_dump(exclude_none=True) for item in r.output]  # the output items, sent back as input
+    turn = [{"role": "user", "content": "Weather in Paris?"}, *earlier,
             {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 18}'}]
     answer = sdk.responses.create(model=MODEL, input=turn, tools=[FUNCTION])
     assert answer.output_text == "It is 18 C."
