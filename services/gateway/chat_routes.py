@@ -50,7 +50,8 @@ async def chat_choices(state: GatewayState, tokenizer: Any, req: s.ChatCompletio
     ids = truncate_prompt(ids, req.truncate_prompt_tokens, (await state.model_info()).max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return Choices([ids], [""], req.requested_max_tokens, logprobs, PromptReturn(prompt_logprobs=req.prompt_logprobs),
-                   tool_output(req, tools, call_format, partial(added_token_id, tokenizer)))
+                   tool_output(req, tools, call_format, partial(added_token_id, tokenizer)),
+                   "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
 
 
 def tool_output(req: s.ChatCompletionRequest, tools: list, call_format: ToolCallFormat,

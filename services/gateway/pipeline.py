@@ -62,7 +62,8 @@ class Choices:
     """What a route asks of the pipeline: its prompts (ids, after truncation), each run `n` times; `echo`, per
     prompt, the text a completion's choices start with ("" otherwise); the max_tokens asked (None: the rest of the
     context); `logprobs`, alternatives per generated token (None: none); what is returned of the prompt; how a
-    chat's output is read for tool calls (None: not at all; `forced` holds a forced call's grammar)."""
+    chat's output is read for tool calls (None: not at all; `forced` holds a forced call's grammar); `max_field`:
+    the request field that set requested_max, named when it does not fit the context."""
 
     prompts: list[list[int]]
     echo: list[str]
@@ -70,6 +71,7 @@ class Choices:
     logprobs: int | None
     returned: PromptReturn
     tools: ToolOutput | None = None
+    max_field: str = "max_tokens"
 
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's, and a verifier's that does not say its own
@@ -103,7 +105,7 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
     bad_words = bad_words_ids(tokenizer, req.bad_words) if req.bad_words else []
     streams, choice_echo, choice_prompt = [], {}, {}
     for p, ids in enumerate(plan.prompts):
-        max_tokens = resolve_max_tokens(plan.requested_max, len(ids), info.max_model_len)
+        max_tokens = resolve_max_tokens(plan.requested_max, len(ids), info.max_model_len, plan.max_field)
         if plan.requested_max is None:  # the room left in the context, or less where the model's default says so
             max_tokens = state.generation_defaults.default_max_tokens(max_tokens)
         for i in range(req.n):

@@ -29,7 +29,8 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     return ids[-keep:] if 0 < keep < len(ids) else ids
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, field: str = "max_tokens") -> int:
+    """`field`: the request field that asked for `requested` tokens, named in the 400 when they do not fit."""
     if max_model_len and prompt_len >= max_model_len:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
                             f"prompt has {prompt_len} tokens; shorten it.", param="prompt",
@@ -39,8 +40,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     if max_model_len and prompt_len + requested > max_model_len:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                             f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-                            f"{requested} for the completion). Reduce the prompt or max_tokens.",
-                       param="max_tokens", code="context_length_exceeded")
+                            f"{requested} for the completion). Reduce the prompt or {field}.",
+                       param=field, code="context_length_exceeded")
     return requested
 
 

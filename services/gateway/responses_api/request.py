@@ -247,6 +247,12 @@ class ResponsesRequest(RefusesBooleansForNumbers):
         return value
 
     @model_validator(mode="after")
+    def _check_stream_options(self) -> ResponsesRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
     def _logprobs_with_text_only(self) -> ResponsesRequest:
         if self.returns_logprobs and self.tools and self.tool_choice != "none":
             raise ValueError("include: logprobs are returned with text output, not with tools")

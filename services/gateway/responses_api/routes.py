@@ -3,6 +3,7 @@ output returned as a response object or a stream of Responses events (builder.py
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -30,7 +31,8 @@ def create_router(require_api_key: Any, call_format: ToolCallFormat) -> APIRoute
         admitted = await admit(request, ResponsesRequest)
         body: ResponsesRequest = admitted.req
         chat = parse_body(s.ChatCompletionRequest, body.chat_body())
-        plan = await chat_choices(admitted.state, admitted.tokenizer, chat, call_format)
+        plan = replace(await chat_choices(admitted.state, admitted.tokenizer, chat, call_format),
+                       max_field="max_output_tokens")
         respond = partial(ResponsesApiResponses, request=body, tools=plan.tools)
         return await unless_disconnected(request, generate(admitted.state, "response", chat, admitted.served, plan,
                                                            respond))
