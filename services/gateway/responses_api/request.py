@@ -215,6 +215,20 @@ class ResponsesRequest(RefusesBooleansForNumbers):
             raise ValueError("reasoning: reasoning options are not supported by this server's models")
         return data
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _explain_input_shape(cls, value: Any) -> Any:
+        """Say what input may be, rather than pydantic's report of each branch of the union."""
+        if isinstance(value, list):
+            wrong = next((i for i, item in enumerate(value) if not isinstance(item, dict)), None)
+            if wrong is not None:
+                raise ValueError(f"input[{wrong}] is not an object; input is a string or a list of items (messages, "
+                                 "function_call and function_call_output objects)")
+        elif not isinstance(value, str):
+            raise ValueError("input is a string or a list of items (messages, function_call and "
+                             "function_call_output objects)")
+        return value
+
     @model_validator(mode="after")
     def _parse_items_and_tools(self) -> ResponsesRequest:
         if isinstance(self.input, str):
