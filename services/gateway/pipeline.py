@@ -26,7 +26,8 @@ from services.gateway.errors import ApiError, from_grpc, internal_error
 from services.gateway.generation import ChoiceEvent, ChoiceTimer, TextRules, merge, run_choice
 from services.gateway.metrics import NO_METHOD
 from services.gateway.request_body import parse_body, read_json
-from services.gateway.response_builders import ChatResponses, ChoiceOutput, CompletionResponses, RequestContext
+from services.gateway.response_builders import (ChatResponses, ChoiceOutput, CompletionResponses, RequestContext,
+                                                ResponseBuilder)
 from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, sse
 from services.gateway.sampling import bad_words_ids, build_request, resolve_max_tokens
 from services.gateway.state import GatewayState
@@ -35,7 +36,6 @@ from services.gateway.tools.output import ToolOutput
 
 logger = logging.getLogger("specserve.gateway")
 
-Builder = Any  # CompletionResponses, ChatResponses, responses_api.builder.ResponsesApiResponses
 # Response ids by kind, as OpenAI's look (vLLM's too)
 ID_PREFIXES = {"completion": "cmpl-", "chat": "chatcmpl-", "response": "resp_"}
 
@@ -88,7 +88,7 @@ def check_logprobs(req: s.SamplingFields, plan: Choices, limit: int) -> None:
 
 
 async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served: str, plan: Choices,
-                   respond: Callable[[RequestContext], Builder] | None = None) -> Response:
+                   respond: Callable[[RequestContext], ResponseBuilder] | None = None) -> Response:
     """kind: "completion", "chat" or "response" (a chat request answered in the Responses API's shapes);
     respond: the builder of this kind's responses (default: the completion's or the chat's)."""
     req = state.generation_defaults.apply(req)  # vLLM's --generation-config: the model's defaults where req has none
@@ -183,7 +183,7 @@ def _record(ctx: RequestContext, event: ChoiceEvent) -> None:
     ctx.prompt_logprobs[event.index] += event.prompt_logprobs
 
 
-async def _whole(builder: Builder, events: Any, all_events: AsyncIterator[ChoiceEvent],
+async def _whole(builder: ResponseBuilder, events: Any, all_events: AsyncIterator[ChoiceEvent],
                  finish_metrics: Callable[[], None]) -> Response:
     ctx = builder.ctx
     outputs = {i: ChoiceOutput("") for i in ctx.choice_echo}
@@ -202,7 +202,7 @@ async def _whole(builder: Builder, events: Any, all_events: AsyncIterator[Choice
     return JSONResponse(builder.whole(outputs).model_dump())
 
 
-async def _stream(builder: Builder, events: Any, all_events: AsyncIterator[ChoiceEvent],
+async def _stream(builder: ResponseBuilder, events: Any, all_events: AsyncIterator[ChoiceEvent],
                   finish_metrics: Callable[[], None]) -> AsyncIterator[bytes]:
     try:
         async for chunk in _chunks(builder, events, all_events, finish_metrics):
@@ -211,7 +211,7 @@ async def _stream(builder: Builder, events: Any, all_events: AsyncIterator[Choic
         finish_metrics()
 
 
-async def _chunks(builder: Builder, events: Any, all_events: AsyncIterator[ChoiceEvent],
+async def _chunks(builder: ResponseBuilder, events: Any, all_events: AsyncIterator[ChoiceEvent],
                   finish_metrics: Callable[[], None]) -> AsyncIterator[bytes]:
     ctx, req = builder.ctx, builder.ctx.req
     async with aclosing(events):

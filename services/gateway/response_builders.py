@@ -9,7 +9,7 @@ stream has sent so far (echoes, offsets, tool calls, the prompt's ids).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -56,6 +56,24 @@ class RequestContext:
         if self.returned.prompt_logprobs is None:
             return None
         return self.formatter.prompt_logprobs(self.prompt_logprobs[index], self.returned.prompt_logprobs)
+
+
+class ResponseBuilder(Protocol):
+    """What the pipeline asks of a builder: the whole response, or a stream's messages (those that open it, those
+    for each event, those that close it, the usage message when asked) and whether `data: [DONE]` ends it."""
+
+    ctx: RequestContext
+    ends_with_done: bool
+
+    def whole(self, outputs: dict[int, ChoiceOutput]) -> BaseModel: ...
+
+    def opening_chunks(self) -> list[BaseModel]: ...
+
+    def chunk(self, event: ChoiceEvent, speculation: s.SpeculativeDecoding | None) -> BaseModel | list[BaseModel]: ...
+
+    def closing_chunks(self) -> list[BaseModel]: ...
+
+    def usage_chunk(self) -> BaseModel | None: ...
 
 
 class CompletionResponses:

@@ -89,7 +89,8 @@ class ResponsesApiResponses:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*events, self._event(r.ResponseEvent, kind, response=self._response(status, self._items, final=True))]
 
-    def usage_chunk(self) -> None:  # usage is in the final response event
+    def usage_chunk(self) -> None:
+        """Never asked for (the chat request this route runs has no stream_options): usage is in the last event."""
         return None
 
     # ---- parts ----
