@@ -21,7 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway import chat_routes, completion_routes, model_routes, tokenize_routes
+from services.gateway import chat_routes, completion_routes, invocations_route, model_routes, tokenize_routes
 from services.gateway import schemas as s
 from services.gateway.errors import ApiError, from_grpc, install_error_handlers
 from services.gateway.metrics import GatewayMetrics
@@ -39,7 +39,7 @@ _DRAFTER_STATES = {pb.DRAFTER_STATE_SERVING: "serving", pb.DRAFTER_STATE_DISCONN
                    pb.DRAFTER_STATE_REFUSED: "refused", pb.DRAFTER_STATE_DEGRADED: "degraded",
                    pb.DRAFTER_STATE_UNSPECIFIED: "unknown"}
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ping", "/metrics", "/tokenize",
-           "/detokenize", "/version", "/v1/responses"}
+           "/detokenize", "/version", "/v1/responses", "/invocations"}
 MODEL_ROUTE = "/v1/models/{model}"  # one metrics label for every model id asked for
 
 
@@ -112,6 +112,9 @@ def create_app(settings: GatewaySettings, tokenizer: Any = None, client: Verifie
     app.include_router(completion_routes.create_router(require_api_key))
     app.include_router(chat_routes.create_router(require_api_key, call_format))
     app.include_router(responses_api_routes.create_router(require_api_key, call_format))
+    app.include_router(invocations_route.create_router(require_api_key, {  # SageMaker's route, beside /ping
+        "messages": chat_routes.chat_handler(call_format), "prompt": completion_routes.completions,
+        "input": responses_api_routes.responses_handler(call_format)}))
 
     return app
 

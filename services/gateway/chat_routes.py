@@ -3,7 +3,7 @@ calls read out of the text when the request offers tools), through the one reque
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -29,16 +29,22 @@ from services.gateway.verifier_client import pb
 def create_router(require_api_key: Any, call_format: ToolCallFormat) -> APIRouter:
     """call_format: how this model writes tool calls (--tool-call-parser)."""
     router = APIRouter()
+    router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
+                **generation_docs(s.ChatCompletionRequest, s.ChatCompletionResponse,
+                                  s.ChatCompletionChunk))(chat_handler(call_format))
+    return router
 
-    @router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
-                 **generation_docs(s.ChatCompletionRequest, s.ChatCompletionResponse, s.ChatCompletionChunk))
+
+def chat_handler(call_format: ToolCallFormat) -> Callable[[Request], Awaitable[Response]]:
+    """The route's handler (also what /invocations hands a body with `messages` to)."""
+
     async def chat_completions(request: Request) -> Response:
         admitted = await admit(request, s.ChatCompletionRequest)
         plan = await chat_choices(admitted.state, admitted.tokenizer, admitted.req, call_format)
         return await unless_disconnected(request, generate(admitted.state, "chat", admitted.req, admitted.served,
                                                            plan))
 
-    return router
+    return chat_completions
 
 
 async def chat_choices(state: GatewayState, tokenizer: Any, req: s.ChatCompletionRequest,

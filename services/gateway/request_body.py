@@ -32,6 +32,14 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, read once: a route that hands its request on (/invocations) reads it again from here."""
+    if hasattr(request.state, "json_body"):
+        return request.state.json_body
+    request.state.json_body = await _read_json(request, limit)
+    return request.state.json_body
+
+
+async def _read_json(request: Request, limit: int) -> Any:
     codings = _content_codings(request.headers.get("content-encoding"))
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:

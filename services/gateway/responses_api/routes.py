@@ -3,6 +3,7 @@ output returned as a response object or a stream of Responses events (builder.py
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -24,9 +25,14 @@ from services.gateway.tools.parsers import ToolCallFormat
 
 def create_router(require_api_key: Any, call_format: ToolCallFormat) -> APIRouter:
     router = APIRouter()
+    router.post("/v1/responses", dependencies=[Depends(require_api_key)],
+                **generation_docs(ResponsesRequest, ResponseObject, StreamEvent))(responses_handler(call_format))
+    return router
 
-    @router.post("/v1/responses", dependencies=[Depends(require_api_key)],
-                 **generation_docs(ResponsesRequest, ResponseObject, StreamEvent))
+
+def responses_handler(call_format: ToolCallFormat) -> Callable[[Request], Awaitable[Response]]:
+    """The route's handler (also what /invocations hands a body with `input` to)."""
+
     async def responses(request: Request) -> Response:
         admitted = await admit(request, ResponsesRequest)
         body: ResponsesRequest = admitted.req
@@ -37,4 +43,4 @@ def create_router(require_api_key: Any, call_format: ToolCallFormat) -> APIRoute
         return await unless_disconnected(request, generate(admitted.state, "response", chat, admitted.served, plan,
                                                            respond))
 
-    return router
+    return responses
