@@ -107,25 +107,24 @@ class ItemEvent(StreamEvent):  # response.output_item.added, .done
     item: OutputItem
 
 
-class PartEvent(StreamEvent):  # response.content_part.added, .done
+class InPart(StreamEvent):
+    """An event about one content part of one output item."""
+
     item_id: str
     output_index: int
     content_index: int
+
+
+class PartEvent(InPart):  # response.content_part.added, .done
     part: OutputText
 
 
-class TextDeltaEvent(StreamEvent):  # response.output_text.delta
-    item_id: str
-    output_index: int
-    content_index: int
+class TextDeltaEvent(InPart):  # response.output_text.delta
     delta: str
     logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
-class TextDoneEvent(StreamEvent):  # response.output_text.done
-    item_id: str
-    output_index: int
-    content_index: int
+class TextDoneEvent(InPart):  # response.output_text.done
     text: str
     logprobs: list[ChatTokenLogprob] = Field(default_factory=list)
 
