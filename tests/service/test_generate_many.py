@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
@@ -74,19 +75,25 @@ async def test_a_full_queue_and_an_engine_failure_fail_their_requests_only(model
             while (message := await sent.get()) is not None:
                 yield message
 
+        # "a" must still be running when its abort arrives: a step takes at least 20 ms, so its 150 tokens take 3 s
+        # or more, where the test sends the abort within a few steps (under fresh-clone-check's load, unpaced, "a"
+        # once finished before its abort was sent, and the test waited for an abort that had nothing to end)
+        forward = running.engine.runner.forward
+        running.engine.runner.forward = lambda rows: (time.sleep(0.02), forward(rows))[1]
         call = stub.GenerateMany(requests(), timeout=20)
         sent.put_nowait(start(greedy("a", [1, 2, 3], 150)))
         first = await call.read()
         assert first.updates[0].request_id == "a"
         sent.put_nowait(start(greedy("b", [1, 2, 3], 4)))  # no slot and no room to wait
-        refused = None
+        refused, last = None, first.updates[0]
         while refused is None:
             message = await call.read()
             refused = next((u for u in message.updates if u.request_id == "b"), None)
+            last = next((u for u in message.updates if u.request_id == "a"), last)
         assert refused.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert last.output.finish_reason == verifier_pb2.FINISH_REASON_UNSPECIFIED, "a ended before its abort"
         sent.put_nowait(verifier_pb2.StreamRequest(abort="a"))
-        last = None
-        while last is None or last.output.finish_reason == verifier_pb2.FINISH_REASON_UNSPECIFIED:
+        while last.output.finish_reason == verifier_pb2.FINISH_REASON_UNSPECIFIED:
             message = await call.read()
             last = next((u for u in message.updates if u.request_id == "a"), last)
         assert last.output.finish_reason == verifier_pb2.FINISH_REASON_ABORT
