@@ -120,16 +120,17 @@ def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None
     return value
 
 
-def refuse_unsupported(data: Any, known: set[str]) -> Any:
+def refuse_unsupported(data: Any, known: set[str], unsupported: dict[str, str] = UNSUPPORTED_FIELDS) -> Any:
     """Before field validation: unknown keys sent as null are absent; a field this server does not implement
-    is a 400 with the reason (unknown ones are refused by extra="forbid" afterwards)."""
+    (`unsupported`: name -> the reason) is a 400 with the reason unless it asks for nothing (unknown ones are
+    refused by extra="forbid" afterwards)."""
     if not isinstance(data, dict):
         return data
     data = {k: v for k, v in data.items() if v is not None or k in known}
-    for name, reason in UNSUPPORTED_FIELDS.items():
+    for name, reason in unsupported.items():
         if name in data and name not in known and not _asks_nothing(name, data[name]):
             raise ValueError(f"{name}: {reason}")
-    return {k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and k not in known)}
+    return {k: v for k, v in data.items() if not (k in unsupported and k not in known)}
 
 
 def refuse_booleans_for_numbers(data: Any, numeric: frozenset[str]) -> None:

@@ -18,14 +18,16 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from services.gateway.schemas import MAX_TOKENS_LIMIT, RefusesBooleansForNumbers, RequestSpeculativeConfig
+from services.gateway.errors import from_validation
+from services.gateway.schemas import (MAX_TOKENS_LIMIT, RefusesBooleansForNumbers, RequestSpeculativeConfig,
+                                      refuse_unsupported)
 from services.gateway.tools.schemas import MAX_TOOLS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 NOT_STORED = ("responses are not stored by this server: send the conversation's earlier items (messages, "
               "function_call and function_call_output items) in input")
-# Fields of OpenAI's Responses API this server does not implement, refused with the reason unless null.
+# Fields of OpenAI's Responses API this server does not implement, refused with the reason unless null or empty.
 UNSUPPORTED = {
     "previous_response_id": NOT_STORED,
     "conversation": NOT_STORED,
@@ -198,12 +200,10 @@ class ResponsesRequest(RefusesBooleansForNumbers):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
+        data = refuse_unsupported(data, set(cls.model_fields), UNSUPPORTED)
         if not isinstance(data, dict):
             return data
-        data = {k: v for k, v in data.items() if v is not None or k not in cls.NULL_AS_DEFAULT | UNSUPPORTED.keys()}
-        for name, reason in UNSUPPORTED.items():
-            if name in data:
-                raise ValueError(f"{name}: {reason}")
+        data = {k: v for k, v in data.items() if v is not None or k not in cls.NULL_AS_DEFAULT}
         if data.get("store") is True:
             raise ValueError(f"store: {NOT_STORED}; send store false or leave it out")
         if data.get("background") is True:
@@ -337,6 +337,5 @@ def _parsed(model: type[BaseModel], data: Any, where: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first.get("loc", ()))
-        raise ValueError(f"{where}{loc}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}") from None
+        refused = from_validation(error)  # the route's own wording: "field.path: problem"
+        raise ValueError(f"{where}{'.' if refused.param else ': '}{refused.message}") from None
