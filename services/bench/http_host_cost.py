@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from services.bench.engine_host_cost import run_case
 from services.bench.hardware import describe_hardware
@@ -38,15 +36,9 @@ from services.bench.http_runs import free_ports
 from services.bench.scripted_model import Script, SimulatedDevice, add_client_load_arguments
 from services.bench.verifier_stream_cost import start_scripted_verifier
 from services.modeling.registry import DEFAULT_MODEL
+from services.supervision import cpu_seconds
 
 HEALTHY_WITHIN_S = 120.0  # the gateway loads its tokenizer, then finds the verifier
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's CPU times are in these
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 async def through_http(rows: int, tokens: int, vocab: int, text: str, simulated: SimulatedDevice | None,
@@ -71,9 +63,9 @@ async def through_http(rows: int, tokens: int, vocab: int, text: str, simulated:
                 raise RuntimeError(f"the client process failed (exit {client.returncode}); the gateway's log:\n"
                                    f"{log.read()[-3000:]}")
             forwards, forward_s = runner.forwards, runner.forward_s
-            loop_cpu, gateway_cpu = time.thread_time(), process_cpu_s(gateway.pid)
+            loop_cpu, gateway_cpu = time.thread_time(), cpu_seconds(gateway.pid)
             measured = json.loads(await client.stdout.readline())
-            loop_cpu, gateway_cpu = time.thread_time() - loop_cpu, process_cpu_s(gateway.pid) - gateway_cpu
+            loop_cpu, gateway_cpu = time.thread_time() - loop_cpu, cpu_seconds(gateway.pid) - gateway_cpu
             if await client.wait():
                 raise RuntimeError(f"the client process failed (exit {client.returncode})")
         finally:

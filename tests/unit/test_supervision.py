@@ -259,3 +259,25 @@ def test_the_start_wait_counts_from_the_last_work_so_a_long_load_is_waited_for_a
                 assert time.monotonic() - started < 1.4
         finally:
             supervision.stop_processes([process])
+
+
+def test_cpu_seconds_counts_every_thread_of_another_process_below_a_clock_tick():
+    """A child whose second thread computes for 30 ms and exits, then sleeps: cpu_seconds reads all of it, though
+    30 ms is 3 clock ticks and a thread that is gone (what /proc/PID/stat would round, and a main-thread-only clock
+    would miss); the reading stays put while the child sleeps, and a process that is gone reads None."""
+    script = ("import threading, time\n"
+              "def spin():\n"
+              "    end = time.thread_time() + 0.03\n"
+              "    while time.thread_time() < end: pass\n"
+              "t = threading.Thread(target=spin); t.start(); t.join()\n"
+              "print('spun', flush=True); time.sleep(30)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert process.stdout.readline() == b"spun\n"
+        used = supervision.cpu_seconds(process.pid)
+        assert 0.03 <= used < 2.0
+        time.sleep(0.05)
+        assert supervision.cpu_seconds(process.pid) - used < 0.01
+    finally:
+        supervision.stop_processes([process])
+    assert supervision.cpu_seconds(process.pid) is None
