@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 
-from services import launcher
+from services import launcher, vllm_command_line
 from services.common.startup_errors import DeviceUnavailableError, PortUnavailableError
 from services.common.speculative_config import SpeculativeConfig
 from services.modeling.model_source import ModelUnavailableError, resolve_model_source
@@ -133,6 +133,11 @@ def _delegate(command: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return build_parsers()[0]
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command's parser, and its `serve` subcommand's (which a --config file gives defaults)."""
     parser = argparse.ArgumentParser(prog="specserve", description="Speculative decoding, split into services.")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,7 +162,27 @@ def build_parser() -> argparse.ArgumentParser:
         ("train-eagle", "train an EAGLE head for a target on ShareGPT (resumable)"),
     ):
         sub.add_parser(command, help=f"{what} (see `specserve {command} --help`)", add_help=False)
-    return parser
+    return parser, serve
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """The command line, read as argparse does, except that `serve` reads one written for `vllm serve` too: a
+    --config YAML file's options as defaults, flag names with underscores, and a reason for each vLLM flag it has
+    no counterpart for (services/vllm_command_line.py)."""
+    parser, serve = build_parsers()
+    if parser.parse_known_args(argv)[0].command != "serve":
+        return parser.parse_args(argv)
+    argv = vllm_command_line.dashed(argv)
+    path = vllm_command_line.config_path(argv)
+    if path is not None:
+        try:
+            vllm_command_line.apply_config_file(serve, path, launcher.add_arguments)
+        except ValueError as error:
+            serve.error(str(error))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        serve.error(vllm_command_line.unrecognized(unknown, vllm_command_line.option_strings(serve)))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         level = logging.WARNING if argv[0] in ("bench", "soak") else logging.INFO
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return _delegate(argv[0], argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "fetch":

@@ -323,6 +323,10 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model to serve, as in `vllm serve MODEL`: the same as --model")
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="vLLM's config file: a YAML mapping of these options' names to values (model: NAME, "
+                        "max-num-seqs: 16, enforce-eager: true, speculative-config: {method: ngram}); flags on the "
+                        "command line win over the file's")
     add_engine_flags(parser, default=None)  # unset: the verifier's own settings (defaults or environment) decide
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the names clients send as 'model'; responses give the first (default: the model's id)")
