@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
 from services.common.speculative_config import SpeculativeConfig
@@ -180,6 +181,9 @@ def plan(args: argparse.Namespace) -> list[Child]:
         gateway += ["--model", args.model]
     gateway += _given_flags(args, GATEWAY_FLAGS)
     children.append(Child("gateway", gateway, args.host, args.port))
+    if args.download_dir is not None:  # vLLM's flag: where model files are fetched to and read from
+        cache = ("SPECSERVE_CACHE_DIR", str(Path(args.download_dir).expanduser().resolve()))
+        children = [replace(child, env=(*child.env, cache)) for child in children]
     return children
 
 
@@ -328,6 +332,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "max-num-seqs: 16, enforce-eager: true, speculative-config: {method: ngram}); flags on the "
                         "command line win over the file's")
     add_engine_flags(parser, default=None)  # unset: the verifier's own settings (defaults or environment) decide
+    parser.add_argument("--download-dir", default=None, metavar="DIR",
+                        help="where registered models are fetched to and read from (every service's "
+                        "SPECSERVE_CACHE_DIR; default ~/.cache/specserve/models)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the names clients send as 'model'; responses give the first (default: the model's id)")
     parser.add_argument("--tool-call-parser", default=None,
@@ -342,6 +349,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_single_value_flags(parser)
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="vLLM's flag: no periodic stats log line from the verifier")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="accepted for vLLM's command lines: usage always has prompt_tokens_details.cached_tokens "
+                        "(the prompt tokens found in the prefix cache)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command lines: tool calls (tool_choice auto, none, required or a "
                         "named function) are always on")

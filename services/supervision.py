@@ -27,6 +27,7 @@ class Child:
     host: str
     port: int
     cpus: tuple[int, ...] = ()  # the CPUs it may run on (its torch threads follow); empty: the launcher's
+    env: tuple[tuple[str, str], ...] = ()  # variables it gets beside the launcher's environment
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -278,4 +279,4 @@ def spawn_child(child: Child) -> subprocess.Popen:
     if sys.platform == "linux":
         placement = ["--cpus", format_cpu_list(child.cpus)] if child.cpus else []
         argv = [sys.executable, str(DIE_WITH_PARENT_SHIM), str(os.getpid()), *placement, *argv]
-    return subprocess.Popen(argv)
+    return subprocess.Popen(argv, env={**os.environ, **dict(child.env)} if child.env else None)

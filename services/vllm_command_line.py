@@ -25,8 +25,6 @@ NOT_HERE = {
     "--quantization": "weights are served in --dtype (a GGUF model's are dequantized to it)",
     "-q": "vLLM's --quantization: weights are served in --dtype (a GGUF model's are dequantized to it)",
     "--load-format": "weights load from what the model has (safetensors, or a GGUF file); leave it out",
-    "--download-dir": "registered models are fetched to and read from $SPECSERVE_CACHE_DIR (default "
-                      "~/.cache/specserve/models): set that variable instead",
     "--revision": "a registered model is one pinned, checksummed version and a local folder is what it holds: "
                   "name the model or folder with --model",
     "--code-revision": "a model's remote code is the one its folder holds (with --trust-remote-code)",

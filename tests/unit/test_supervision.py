@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 import time
@@ -281,3 +282,14 @@ def test_cpu_seconds_counts_every_thread_of_another_process_below_a_clock_tick()
     finally:
         supervision.stop_processes([process])
     assert supervision.cpu_seconds(process.pid) is None
+
+
+def test_a_child_gets_its_own_variables_beside_the_launchers_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_TEST_INHERITED", "kept")
+    out = tmp_path / "env.json"
+    code = ("import json, os, sys; json.dump([os.environ.get('SPECSERVE_TEST_OWN'), "
+            "os.environ.get('SPECSERVE_TEST_INHERITED')], open(sys.argv[1], 'w'))")
+    child = supervision.Child("env", [sys.executable, "-c", code, str(out)], "127.0.0.1", 0,
+                              env=(("SPECSERVE_TEST_OWN", "mine"),))
+    assert supervision.spawn_child(child).wait(timeout=60) == 0
+    assert json.loads(out.read_text()) == ["mine", "kept"]

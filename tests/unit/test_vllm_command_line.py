@@ -113,3 +113,9 @@ def test_the_command_exits_2_with_the_reason_before_starting_anything():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "specserve serve: error: --swap-space (vLLM's) is not available" in result.stderr
+
+
+def test_download_dir_is_where_every_service_fetches_and_reads_models(tmp_path):
+    for child in serve_plan("--download-dir", str(tmp_path / "models")):
+        assert dict(child.env) == {"SPECSERVE_CACHE_DIR": str(tmp_path / "models")}, child.name
+    assert all(child.env == () for child in serve_plan())  # unset: each service's own environment decides
