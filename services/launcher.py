@@ -27,6 +27,7 @@ from services.gateway.settings import (
     add_generation_config_flag,
     add_https_flags,
     add_logging_flags,
+    add_root_path_flag,
 )
 from services.single_value_flags import add_single_value_flags
 from services.supervision import (
@@ -92,7 +93,7 @@ ENGINE_FLAGS = (
 GATEWAY_FLAGS = (
     "served_model_name", "chat_template", "tool_call_parser", "api_key", "allowed_origins", "allowed_methods",
     "allowed_headers", "allow_credentials", "uvicorn_log_level", "disable_uvicorn_access_log", "ssl_keyfile",
-    "ssl_certfile", "trust_remote_code", "generation_config",
+    "ssl_certfile", "trust_remote_code", "generation_config", "root_path",
 )
 
 
@@ -345,6 +346,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cors_flags(parser)
     add_logging_flags(parser)
     add_https_flags(parser)
+    add_root_path_flag(parser)
     add_generation_config_flag(parser)
     add_single_value_flags(parser)
     parser.add_argument("--disable-log-stats", action="store_true",

@@ -68,7 +68,6 @@ NOT_HERE = {
     "--guided-decoding-backend": "structured output always uses llguidance",
     "--structured-outputs-config": "structured output always uses llguidance",
     "--uds": "the gateway listens on --host and --port",
-    "--root-path": "the gateway serves at /; strip a proxy's prefix in the proxy",
     "--enable-sleep-mode": "the verifier keeps its model loaded while it runs",
     "--kv-transfer-config": "KV blocks stay in the verifier that computed them",
 }

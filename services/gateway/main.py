@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from services.gateway.settings import (
     GatewaySettings,
@@ -11,6 +12,7 @@ from services.gateway.settings import (
     add_generation_config_flag,
     add_https_flags,
     add_logging_flags,
+    add_root_path_flag,
 )
 from services.gateway.torch_free import hide_torch, quiet_torch_absence
 
@@ -35,6 +37,7 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
     add_cors_flags(parser)
     add_logging_flags(parser)
     add_https_flags(parser)
+    add_root_path_flag(parser)
     parser.add_argument("--grpc-root-cert", help="PEM root certificate: use TLS to the verifier")
     parser.add_argument("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen2.5, "
                                                    "Hermes)")
@@ -73,10 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
                  "/tokenize", "/detokenize"):
         print(f"  {base}{path}", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                access_log=not settings.disable_uvicorn_access_log,
-                ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile)
+    uvicorn.run(app, **server_options(settings))
     return 0
+
+
+def server_options(settings: GatewaySettings) -> dict[str, Any]:
+    """uvicorn's options for the gateway's settings."""
+    return {"host": settings.host, "port": settings.port, "log_level": settings.uvicorn_log_level,
+            "access_log": not settings.disable_uvicorn_access_log, "ssl_keyfile": settings.ssl_keyfile,
+            "ssl_certfile": settings.ssl_certfile, "root_path": settings.root_path}
 
 
 if __name__ == "__main__":

@@ -44,4 +44,10 @@ class RequestCounter:
             logger.exception("unhandled error in %s %s", scope.get("method", ""), scope.get("path", ""))
             await internal_error().response()(scope, receive, send_and_note)
         finally:
-            self.count(scope.get("path", ""), status[0] if status else 500)
+            self.count(route_path(scope), status[0] if status else 500)
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path as the routes see it: without the --root-path prefix, which uvicorn puts in front."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path

@@ -70,6 +70,9 @@ class GatewaySettings(BaseSettings):
     # readable at start-up, so a wrong path fails the start naming it rather than the first client's handshake
     ssl_keyfile: Path | None = None
     ssl_certfile: Path | None = None
+    # vLLM's --root-path: the path prefix a reverse proxy serves the API under and strips before forwarding (e.g.
+    # /specserve); the routes stay where they are, and the URLs the server writes (its /docs page's) carry it
+    root_path: str = Field("", pattern=r"^(/[^/?#\s]+)*$")
 
     @field_validator("ssl_keyfile", "ssl_certfile")
     @classmethod
@@ -147,6 +150,13 @@ def add_generation_config_flag(parser: argparse.ArgumentParser) -> None:
                         help="the sampling defaults of requests that leave them out: auto (default, as vLLM) the "
                         "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens), vllm OpenAI's, or a folder's generation_config.json")
+
+
+def add_root_path_flag(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --root-path, declared once for `specserve gateway` and `specserve serve` (which passes it on)."""
+    parser.add_argument("--root-path", metavar="/PREFIX",
+                        help="the path prefix a reverse proxy serves the API under and strips before forwarding "
+                        "(FastAPI's root_path: the /docs page's URLs carry it)")
 
 
 def add_https_flags(parser: argparse.ArgumentParser) -> None:

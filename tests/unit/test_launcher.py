@@ -448,6 +448,11 @@ def test_generation_config_reaches_the_gateway_only():
     assert flag(gateway.argv, "--generation-config") == "vllm" and "--generation-config" not in verifier.argv
 
 
+def test_root_path_reaches_the_gateway_only():
+    _, verifier, gateway = launcher.plan(parse("--root-path", "/specserve"))
+    assert flag(gateway.argv, "--root-path") == "/specserve" and "--root-path" not in verifier.argv
+
+
 def test_trust_remote_code_reaches_the_verifier_and_the_gateway_which_load_the_model_and_its_tokenizer():
     drafter, verifier, gateway = launcher.plan(parse("--trust-remote-code"))
     assert "--trust-remote-code" in verifier.argv and "--trust-remote-code" in gateway.argv
