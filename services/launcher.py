@@ -28,6 +28,7 @@ from services.gateway.settings import (
     add_https_flags,
     add_logging_flags,
     add_root_path_flag,
+    check_request_logging,
 )
 from services.single_value_flags import add_single_value_flags
 from services.supervision import (
@@ -93,7 +94,7 @@ ENGINE_FLAGS = (
 GATEWAY_FLAGS = (
     "served_model_name", "chat_template", "tool_call_parser", "api_key", "allowed_origins", "allowed_methods",
     "allowed_headers", "allow_credentials", "uvicorn_log_level", "disable_uvicorn_access_log", "ssl_keyfile",
-    "ssl_certfile", "trust_remote_code", "generation_config", "root_path",
+    "ssl_certfile", "trust_remote_code", "generation_config", "root_path", "enable_log_requests", "max_log_len",
 )
 
 
@@ -154,6 +155,7 @@ def plan(args: argparse.Namespace) -> list[Child]:
     tls = TlsFlags.from_args(args)
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):  # refused before the verifier loads, not by the gateway
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs the key and its certificate")
+    check_request_logging(args)
     children = []
     verifier = [
         *python, "verifier", *_given_flags(args, ENGINE_FLAGS), "--host", args.host, "--port", str(args.verifier_port),

@@ -55,8 +55,6 @@ NOT_HERE = {
     "-O": "vLLM's --compilation-config: the accelerator step is set with --cuda-graph-sizes and --enforce-eager",
     "--max-seq-len-to-capture": "the captured batch sizes are --cuda-graph-sizes; --enforce-eager turns capture off",
     "--num-scheduler-steps": "the verifier plans every step; leave it out",
-    "--enable-log-requests": "requests' contents are never logged; the access log has a line per request",
-    "--max-log-len": "requests' contents are never logged",
     "--response-role": "chat responses always come from the 'assistant' role",
     "--return-tokens-as-token-ids": "a request asks for logprob tokens as \"token_id:N\" with "
                                     "return_tokens_as_token_ids: true",

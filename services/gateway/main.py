@@ -13,6 +13,7 @@ from services.gateway.settings import (
     add_https_flags,
     add_logging_flags,
     add_root_path_flag,
+    check_request_logging,
 )
 from services.gateway.torch_free import hide_torch, quiet_torch_absence
 
@@ -51,7 +52,11 @@ def parse_args(argv: list[str] | None) -> GatewaySettings:
                         help="with --verifier-shared-stream: a call takes new requests for S seconds, then a new "
                              "one replaces it, so calls follow verifiers that join or restart (default 60)")
     args = parser.parse_args(argv)
-    args.disable_log_requests = None  # nothing to turn off (add_logging_flags)
+    try:
+        check_request_logging(args)
+    except ValueError as error:
+        parser.error(str(error))
+    args.disable_log_requests = None  # what it turns off is off by default (add_logging_flags)
     given = {k: v for k, v in vars(args).items() if v is not None}
     return GatewaySettings(**given)  # flags override SPECSERVE_GATEWAY_* environment values
 

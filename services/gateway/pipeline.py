@@ -26,6 +26,7 @@ from services.gateway.errors import ApiError, from_grpc, internal_error
 from services.gateway.generation import ChoiceEvent, ChoiceTimer, TextRules, merge, run_choice
 from services.gateway.metrics import NO_METHOD
 from services.gateway.request_body import parse_body, read_json
+from services.gateway.request_log import log_request
 from services.gateway.response_builders import (ChatResponses, ChoiceOutput, CompletionResponses, RequestContext,
                                                 ResponseBuilder)
 from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, sse
@@ -103,7 +104,7 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
     rules = TextRules(req.stop_strings, req.include_stop_str_in_output, req.min_tokens,
                       frozenset(req.stop_token_ids or ()))
     bad_words = bad_words_ids(tokenizer, req.bad_words) if req.bad_words else []
-    streams, choice_echo, choice_prompt = [], {}, {}
+    streams, choice_echo, choice_prompt, sampling = [], {}, {}, None
     for p, ids in enumerate(plan.prompts):
         max_tokens = resolve_max_tokens(plan.requested_max, len(ids), info.max_model_len, plan.max_field)
         if plan.requested_max is None:  # the room left in the context, or less where the model's default says so
@@ -117,6 +118,9 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
                                      bad_words=bad_words)
             streams.append(run_choice(state.client, grpc_req, index, decode, rules,
                                       ChoiceTimer(state.metrics, served, start)))
+            sampling = sampling or grpc_req.sampling
+    if state.settings.enable_log_requests:  # vLLM's --enable-log-requests
+        log_request(rid, plan.prompts, sampling, tokenizer, state.settings.max_log_len)
     accounting = Accounting(prompt_tokens=sum(len(ids) for ids in plan.prompts), num_choices=len(streams))
     # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (for tokens that are not whole text)
     formatter = LogprobFormatter((lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids

@@ -66,6 +66,10 @@ class GatewaySettings(BaseSettings):
     # uvicorn's logging, as vLLM's --uvicorn-log-level and --disable-uvicorn-access-log (a line per HTTP request)
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     disable_uvicorn_access_log: bool = False
+    # vLLM's --enable-log-requests and --max-log-len: a line per request with its prompt and sampling parameters
+    # (request_log.py), the prompt cut to max_log_len characters and tokens (None: whole)
+    enable_log_requests: bool = False
+    max_log_len: int | None = Field(None, ge=0)
     # vLLM's --ssl-keyfile and --ssl-certfile: the API served over HTTPS (uvicorn's TLS), both or neither; checked
     # readable at start-up, so a wrong path fails the start naming it rather than the first client's handshake
     ssl_keyfile: Path | None = None
@@ -165,6 +169,13 @@ def add_https_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssl-certfile", help="PEM certificate (chain) of --ssl-keyfile")
 
 
+def check_request_logging(args: argparse.Namespace) -> None:
+    """--enable-log-requests and --disable-log-requests together say the opposite (ValueError): refused, where
+    `specserve serve` would otherwise start a gateway that exits on it, again and again."""
+    if getattr(args, "enable_log_requests", None) and getattr(args, "disable_log_requests", None):
+        raise ValueError("--enable-log-requests and --disable-log-requests say the opposite: give one")
+
+
 def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's logging flags, declared once for `specserve gateway` and `specserve serve` (which passes them on)."""
     parser.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -172,5 +183,10 @@ def add_logging_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", default=None,
                         help="no log line per HTTP request")
     parser.add_argument("--disable-log-requests", action="store_true", default=None,
-                        help="accepted for vLLM's command lines: requests' contents are never logged (the access "
-                        "log's line per request is --disable-uvicorn-access-log's)")
+                        help="accepted for vLLM's command lines: requests' contents are not logged unless "
+                        "--enable-log-requests (the access log's line per request is --disable-uvicorn-access-log's)")
+    parser.add_argument("--enable-log-requests", action="store_true", default=None,
+                        help="vLLM's flag: log a line per request at INFO with its prompt (text and token ids) and "
+                        "sampling parameters (default off: prompts are users' data)")
+    parser.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                        help="with --enable-log-requests: the prompt cut to N characters and N token ids")

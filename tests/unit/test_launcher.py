@@ -407,7 +407,7 @@ def test_every_engine_and_gateway_flag_declared_reaches_the_service_it_is_for():
     add_engine_flags (add_cors_flags, add_logging_flags) and missing from its list would be accepted and silently
     ignored."""
     from services import cli
-    from services.gateway.settings import add_cors_flags, add_https_flags, add_logging_flags
+    from services.gateway.settings import add_cors_flags, add_https_flags, add_logging_flags, add_root_path_flag
     from services.verifier.settings import add_engine_flags
 
     def declared(**options) -> set[str]:
@@ -421,11 +421,13 @@ def test_every_engine_and_gateway_flag_declared_reaches_the_service_it_is_for():
     add_cors_flags(gateway)
     add_logging_flags(gateway)
     add_https_flags(gateway)
+    add_root_path_flag(gateway)
     names = {action.dest for action in gateway._actions} - {"help", "disable_log_requests"}  # nothing to turn off
     assert names <= set(launcher.GATEWAY_FLAGS)
-    switches, argv = {"allow_credentials", "disable_uvicorn_access_log", "trust_remote_code"}, []
+    switches, argv = {"allow_credentials", "disable_uvicorn_access_log", "trust_remote_code", "enable_log_requests"}, []
+    values = {"max_log_len": "100", "root_path": "/prefix"}
     for name in launcher.GATEWAY_FLAGS:
-        argv += [f"--{name.replace('_', '-')}", *([] if name in switches else ["info"])]
+        argv += [f"--{name.replace('_', '-')}", *([] if name in switches else [values.get(name, "info")])]
     planned = launcher.plan(parse(*argv))[2]
     assert all(f"--{name.replace('_', '-')}" in planned.argv for name in launcher.GATEWAY_FLAGS)
 
