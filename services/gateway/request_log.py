@@ -9,7 +9,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from google.protobuf import text_format
+from google.protobuf import json_format
 
 logger = logging.getLogger("specserve.gateway.requests")
 
@@ -23,9 +23,11 @@ def log_request(request_id: str, prompts: Sequence[Sequence[int]], sampling: Any
                 max_log_len: int | None) -> None:
     """One line per prompt of the request `request_id` (a completion may send several): its text, its token ids
     and `sampling` (the proto SamplingParams of its first choice) on one line."""
-    params = text_format.MessageToString(sampling, as_one_line=True)
+    params = json_format.MessageToDict(sampling, always_print_fields_with_no_presence=True,
+                                       preserving_proto_field_name=True)  # temperature 0.0 is said too
+    params = {name: value for name, value in params.items() if value not in ([], {})}
     for index, ids in enumerate(prompts):
         text = tokenizer.decode(list(clipped(ids, max_log_len)))
         name = request_id if len(prompts) == 1 else f"{request_id} (prompt {index})"
-        logger.info("Received request %s: prompt: %r, params: {%s}, prompt_token_ids: %s", name,
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", name,
                     clipped(text, max_log_len), params, list(clipped(ids, max_log_len)))

@@ -36,7 +36,7 @@ async def test_each_request_is_logged_with_its_prompt_and_parameters_cut_to_max_
                                                      "temperature": 0.5, "seed": 7, "request_id": "mine"})
     (line,) = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert response.json()["id"] == "cmpl-mine"
-    assert line.startswith("Received request cmpl-mine: prompt: 'Hello', params: {max_tokens: 3 temperature: 0.5")
+    assert line.startswith("Received request cmpl-mine: prompt: 'Hello', params: {'max_tokens': 3, 'temperature': 0.5")
     assert line.endswith("prompt_token_ids: [72, 101, 108, 108, 111]")  # the byte tokenizer's ids, five of them
 
     caplog.clear()
