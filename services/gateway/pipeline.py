@@ -235,13 +235,15 @@ async def _chunks(builder: ResponseBuilder, events: Any, all_events: AsyncIterat
                     yield sse(one)
         except (grpc.RpcError, ApiError) as exc:
             error = from_grpc(exc) if isinstance(exc, grpc.RpcError) else exc
-            yield sse(error.body())
+            for chunk in builder.error_chunks(error):
+                yield sse(chunk)
             if builder.ends_with_done:
                 yield sse("[DONE]")
             return
         except Exception:  # the headers are sent: a bug ends the stream with an error event, not a reset
             logger.exception("unhandled error while streaming %s", ctx.rid)
-            yield sse(internal_error().body())
+            for chunk in builder.error_chunks(internal_error()):
+                yield sse(chunk)
             if builder.ends_with_done:
                 yield sse("[DONE]")
             return

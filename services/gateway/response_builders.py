@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from services.gateway import schemas as s
+from services.gateway.errors import ApiError
 from services.gateway.generation import ChoiceEvent
 from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, joined
 from services.gateway.tools.output import StreamedChoice, ToolOutput
@@ -75,8 +76,18 @@ class ResponseBuilder(Protocol):
 
     def usage_chunk(self) -> BaseModel | None: ...
 
+    def error_chunks(self, error: ApiError) -> list[BaseModel | dict]: ...
 
-class CompletionResponses:
+
+class ErrorBodyChunk:
+    """Chat and completion streams say a failure after they began with the error's body (`{"error": {...}}`), as
+    OpenAI's and vLLM's servers do; the OpenAI SDK raises it as an APIError."""
+
+    def error_chunks(self, error: ApiError) -> list[dict]:
+        return [error.body()]
+
+
+class CompletionResponses(ErrorBodyChunk):
     """/v1/completions: text choices, with the echoed prompt (and its logprobs) in front when asked."""
 
     ends_with_done = True  # a stream's last line is `data: [DONE]`
@@ -145,7 +156,7 @@ class CompletionResponses:
                                  speculative_decoding=ctx.accounting.speculation().model())
 
 
-class ChatResponses:
+class ChatResponses(ErrorBodyChunk):
     """/v1/chat/completions: assistant messages, with tool calls read out of the text when the request offers
     tools (`tools`; None: not at all)."""
 

@@ -78,6 +78,28 @@ def test_a_stream_names_each_event_on_its_event_line(served):
     assert "[DONE]" not in "".join(lines), "a Responses stream ends with its last event, as OpenAI's"
 
 
+def test_a_failure_mid_stream_is_an_error_event_then_response_failed(sdk, served, verifier):
+    """The verifier lost after the first tokens (UNAVAILABLE, never retried then): the stream says so as OpenAI's
+    does, an `error` event and `response.failed` holding the error and what was written, both named on their
+    `event:` lines; the SDK hands both to its user, and its stream helper ends on the failed response."""
+    import httpx
+
+    verifier.unavailable_after_first = True
+    events = list(sdk.responses.create(model=MODEL, input="hi", max_output_tokens=100, stream=True))
+    error, failed = events[-2:]
+    assert error.type == "error" and error.code == "unavailable" and error.message
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.code == "server_error" and failed.response.error.message == error.message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    written = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert written and REPLY.startswith(written) and failed.response.output[0].content[0].text == written
+    with httpx.stream("POST", served() + "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True},
+                      timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-4] == "event: error" and json.loads(lines[-3][6:])["type"] == "error"
+    assert lines[-2] == "event: response.failed" and json.loads(lines[-1][6:])["type"] == "response.failed"
+
+
 def test_parse_holds_the_output_to_the_schema(sdk, verifier):
     class City(BaseModel):
         name: str

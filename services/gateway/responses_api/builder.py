@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from services.gateway.errors import ApiError
 from services.gateway.generation import ChoiceEvent
 from services.gateway.response_builders import ChoiceOutput, RequestContext
 from services.gateway.responses_api import shapes as r
@@ -89,6 +90,16 @@ class ResponsesApiResponses:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*events, self._event(r.ResponseEvent, kind, response=self._response(status, self._items, final=True))]
 
+    def error_chunks(self, error: ApiError) -> list[r.StreamEvent]:
+        """A failure after the stream began, as OpenAI's server says it: an `error` event, then `response.failed`
+        whose response holds what was written so far and the error (status "failed", error.code)."""
+        code = ("rate_limit_exceeded" if error.status == 429 else "invalid_prompt" if error.status < 500
+                else "server_error")
+        failed = self._response("failed", self._items, error=r.ResponseError(code=code, message=error.message))
+        return [self._event(r.ErrorEvent, "error", code=error.code or error.type, message=error.message,
+                            param=error.param),
+                self._event(r.ResponseEvent, "response.failed", response=failed)]
+
     def usage_chunk(self) -> None:
         """Never asked for (the chat request this route runs has no stream_options): usage is in the last event."""
         return None
@@ -163,8 +174,9 @@ class ResponsesApiResponses:
             return None
         return self.ctx.formatter.chat(generated).content
 
-    def _response(self, status: str, output: list[r.OutputItem], final: bool = False) -> r.ResponseObject:
-        """The response object; `final`: with usage and how speculation went."""
+    def _response(self, status: str, output: list[r.OutputItem], final: bool = False,
+                  error: r.ResponseError | None = None) -> r.ResponseObject:
+        """The response object; `final`: with usage and how speculation went; `error`: why it failed."""
         ctx, req = self.ctx, self.request
         text_format = req.text.format if req.text is not None and req.text.format is not None else None
         usage = speculation = None
@@ -176,7 +188,7 @@ class ResponsesApiResponses:
                                     input_tokens_details=r.InputTokensDetails(cached_tokens=cached))
             speculation = ctx.accounting.speculation().model()
         return r.ResponseObject(
-            id=ctx.rid, created_at=ctx.created, status=status,
+            id=ctx.rid, created_at=ctx.created, status=status, error=error,
             incomplete_details=r.IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens, model=ctx.served,
             output=[item.model_copy(deep=True) for item in output], parallel_tool_calls=req.parallel_tool_calls

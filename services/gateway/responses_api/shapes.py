@@ -58,14 +58,22 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(BaseModel):
+    """Why a response failed (status "failed"): OpenAI's code (server_error, rate_limit_exceeded, invalid_prompt)
+    and the message the chat route's error would carry."""
+
+    code: str
+    message: str
+
+
 class ResponseObject(BaseModel):
     """The response; the request's settings are echoed as OpenAI echoes them."""
 
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None = None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None
     max_output_tokens: int | None
@@ -142,5 +150,11 @@ class ArgumentsDoneEvent(StreamEvent):  # response.function_call_arguments.done
     arguments: str
 
 
+class ErrorEvent(StreamEvent):  # error: the stream failed after it began (then response.failed)
+    code: str | None
+    message: str
+    param: str | None
+
+
 RESPONSES_STREAM_EVENTS = (ResponseEvent, ItemEvent, PartEvent, TextDeltaEvent, TextDoneEvent, ArgumentsDeltaEvent,
-                           ArgumentsDoneEvent)
+                           ArgumentsDoneEvent, ErrorEvent)
