@@ -1,11 +1,12 @@
 """Saturating traffic against the gateway, with every request's outcome classified.
 
 Workers (more than the verifier has KV slots, so requests queue) loop over a seeded mix of the requests real
-clients send: streaming and non-streaming, chat and completions, n > 1, streams the client leaves mid-way, and
-invalid ones (bad JSON, bad parameters, an unknown model) that must get a clean 4xx. Each request ends in one
-`Outcome`; anything not expected (a 5xx other than 503, a wrong status for an invalid request, a stream that
-ends without [DONE] or with an error other than "unavailable", a malformed body, a timeout, a refused
-connection) is a failure, with its first examples kept for the report.
+clients send: streaming and non-streaming, chat, completions and the Responses API, n > 1, a JSON schema and a
+forced tool call (grammars under speculation), streams the client leaves mid-way, and invalid ones (bad JSON, bad
+parameters, an unknown model) that must get a clean 4xx. Each request ends in one `Outcome`; anything not
+expected (a 5xx other than 503, a wrong status for an invalid request, a stream that ends without its last
+message or with an error other than "unavailable", a malformed body or one that breaks its schema or tool, a
+timeout, a refused connection) is a failure, with its first examples kept for the report.
 """
 
 from __future__ import annotations
@@ -66,9 +67,16 @@ class TrafficSettings:
 
 # kind -> weight in the mix
 MIX = {
-    "chat_stream": 30, "completion_stream": 10, "completion": 15, "chat": 10, "chat_n2": 10,
-    "cancel_stream": 10, "bad_json": 5, "bad_params": 10,
+    "chat_stream": 25, "completion_stream": 10, "completion": 10, "chat": 10, "chat_n2": 8,
+    "responses": 5, "responses_stream": 5, "chat_json": 4, "chat_tool": 4,
+    "cancel_stream": 9, "bad_json": 5, "bad_params": 9,
 }
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+                 "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+UNAVAILABLE_CODES = ("unavailable", "resource_exhausted")  # a Responses stream's error event of a 503
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,15 @@ def _body(kind: str, rng: random.Random, settings: TrafficSettings) -> tuple[str
     if kind == "cancel_stream":
         return "/v1/completions", {**common, "prompt": prompt, "stream": True, "max_tokens": 200,
                                    "ignore_eos": True}
+    if kind in ("responses", "responses_stream"):
+        return "/v1/responses", {"model": settings.model, "input": prompt, "max_output_tokens": settings.max_tokens,
+                                 "temperature": common["temperature"], "stream": kind == "responses_stream"}
+    if kind == "chat_json":
+        return "/v1/chat/completions", {**common, "messages": messages, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}}
+    if kind == "chat_tool":
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                                        "tools": [WEATHER_TOOL], "tool_choice": "required"}
     raise ValueError(kind)
 
 
@@ -158,19 +175,45 @@ def _status_outcome(status: int, body: bytes) -> tuple[Outcome, str]:
     return Outcome.WRONG_STATUS, f"{status} {body[:200]!r}"
 
 
-async def _plain(client: httpx.AsyncClient, path: str, body: dict) -> tuple[Outcome, str]:
+async def _plain(client: httpx.AsyncClient, path: str, body: dict, kind: str) -> tuple[Outcome, str]:
     response = await client.post(path, json=body)
     if response.status_code != 200:
         return _status_outcome(response.status_code, response.content)
     try:
         data = response.json()
-        n = body.get("n", 1)
-        finished = [c["finish_reason"] for c in data["choices"]]
-        if len(finished) != n or None in finished or data["usage"]["completion_tokens"] < 0:
-            return Outcome.BAD_RESPONSE, f"choices={len(finished)} finish={finished} usage={data['usage']}"
-    except (ValueError, KeyError, TypeError) as error:
+        problem = _response_problem(data) if kind == "responses" else _choices_problem(data, body, kind)
+    except (ValueError, KeyError, TypeError, IndexError) as error:
         return Outcome.BAD_RESPONSE, f"{error!r}: {response.content[:200]!r}"
-    return Outcome.OK, ""
+    return (Outcome.BAD_RESPONSE, problem) if problem else (Outcome.OK, "")
+
+
+def _choices_problem(data: dict, body: dict, kind: str) -> str:
+    """What is wrong with a chat or completion body ("" if nothing): the choices, their finish reasons, and for a
+    JSON schema or a forced tool call, output that breaks it (unless max_tokens cut it)."""
+    n = body.get("n", 1)
+    finished = [c["finish_reason"] for c in data["choices"]]
+    if len(finished) != n or None in finished or data["usage"]["completion_tokens"] < 0:
+        return f"choices={len(finished)} finish={finished} usage={data['usage']}"
+    message = data["choices"][0].get("message") or {}
+    if kind == "chat_json" and finished[0] == "stop":
+        parsed = json.loads(message["content"])  # a ValueError: not JSON at all
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("answer"), str):
+            return f"breaks its schema: {message['content'][:200]!r}"
+    if kind == "chat_tool" and finished[0] != "length":
+        calls = message.get("tool_calls") or []
+        if finished[0] != "tool_calls" or not calls or calls[0]["function"]["name"] != "get_weather":
+            return f"no forced call: finish={finished[0]} message={json.dumps(message)[:200]}"
+        json.loads(calls[0]["function"]["arguments"])  # a ValueError: arguments that are not JSON
+    return ""
+
+
+def _response_problem(data: dict) -> str:
+    """What is wrong with a Responses API body ("" if nothing)."""
+    if data["object"] != "response" or data["status"] not in ("completed", "incomplete") or not data["output"]:
+        return f"status={data.get('status')} output={data.get('output')!r:.200}"
+    if data["usage"]["output_tokens"] < 0:
+        return f"usage={data['usage']}"
+    return ""
 
 
 def _content(event: dict) -> bool:
@@ -237,6 +280,36 @@ async def _invalid(client: httpx.AsyncClient, invalid: Invalid) -> tuple[Outcome
     return Outcome.WRONG_STATUS, f"{response.status_code} (want {invalid.status}) for {invalid.body[:80]!r}"
 
 
+async def _responses_stream(client: httpx.AsyncClient, body: dict) -> tuple[Outcome, str]:
+    """A streamed Responses API request: named events whose sequence numbers count up, ending with
+    response.completed or response.incomplete (an `error` event of a 503 is a clean unavailable)."""
+    async with client.stream("POST", "/v1/responses", json=body) as response:
+        if response.status_code != 200:
+            return _status_outcome(response.status_code, await response.aread())
+        named, sequence = None, 0
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                named = line[len("event: "):]
+                continue
+            if not line:
+                continue
+            if not line.startswith("data: "):
+                return Outcome.BAD_RESPONSE, f"not an SSE line: {line[:200]!r}"
+            try:
+                event = json.loads(line[len("data: "):])
+            except ValueError:
+                return Outcome.BAD_RESPONSE, f"not JSON: {line[:200]!r}"
+            if event.get("type") != named or event.get("sequence_number") != sequence:
+                return Outcome.BAD_RESPONSE, f"event {named!r} #{sequence}: {line[:200]!r}"
+            sequence += 1
+            if named == "error":
+                return ((Outcome.UNAVAILABLE, "") if event.get("code") in UNAVAILABLE_CODES
+                        else (Outcome.SERVER_ERROR, f"error event {line[:200]}"))
+            if named in ("response.completed", "response.incomplete"):
+                return Outcome.OK, ""
+        return Outcome.BAD_RESPONSE, "the stream ended without response.completed"
+
+
 async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, settings: TrafficSettings,
                       timings: StreamTimings) -> tuple[Outcome, str]:
     """Send one request of `kind`; every way it can end becomes an Outcome (never an exception)."""
@@ -247,10 +320,12 @@ async def one_request(client: httpx.AsyncClient, kind: str, rng: random.Random, 
             if kind == "bad_params":
                 return await _invalid(client, rng.choice(invalid_requests(settings.model)[2:]))
             path, body = _body(kind, rng, settings)
+            if kind == "responses_stream":
+                return await _responses_stream(client, body)
             if body.get("stream"):
                 leave = rng.randint(1, 4) if kind == "cancel_stream" else None
                 return await _stream(client, path, body, timings, leave)
-            return await _plain(client, path, body)
+            return await _plain(client, path, body, kind)
     except TimeoutError:
         return Outcome.TIMEOUT, f"no answer within {settings.request_timeout_s:.0f} s"
     except httpx.TimeoutException as error:
