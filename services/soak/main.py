@@ -18,12 +18,18 @@ from pathlib import Path
 
 import httpx
 
+from services.launcher import default_serve_speculation
 from services.common.process_memory import resident_bytes
 from services.soak.report import Memory, SoakReport, Targets, format_report, missed_targets
 from services.soak.serve_process import ServeProcess
 from services.soak.traffic import TrafficResult, TrafficSettings, drive
 
 Children = Callable[[], dict[str, int]]  # service name -> pid, read when called
+# Suffix decoding keeps each finished response in its global tree, up to 10,000 of them by default (about 9 KiB
+# each on random tokens): the drafter's memory grows by design until then, which no soak's warm-up reaches (a
+# 240 s soak read it as +11%). The soak caps that cache where its warm-up fills it, so that growth after the
+# warm-up is a leak.
+SOAK_CACHED_RESPONSES = 64
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,15 @@ async def soak(base_url: str, children: Children, settings: SoakSettings,
     return SoakReport.build(result, memory, running, waiting)
 
 
+def soak_speculation(given: str | None) -> str:
+    """The --speculative-config the soak serves with: the one given, else serve's default, with suffix decoding's
+    response cache capped at SOAK_CACHED_RESPONSES unless the config sets it."""
+    spec = json.loads(given or default_serve_speculation())
+    if spec.get("method") == "suffix":
+        spec.setdefault("suffix_decoding_max_cached_requests", SOAK_CACHED_RESPONSES)
+    return json.dumps(spec)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specserve soak", description=__doc__.split("\n\n")[0])
     defaults = TrafficSettings()
@@ -93,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, default=None,
                         help="memory baseline after this much traffic (default: a tenth of the duration, <= 60 s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speculative-config", default=None,
+                        help="serve's, as JSON (default: serve's default drafter; suffix decoding's response cache "
+                        f"capped at {SOAK_CACHED_RESPONSES} unless given, so that it is full after the warm-up)")
     parser.add_argument("--json-report", type=Path, default=None, help="also write the report here as JSON")
     parser.add_argument("--log-file", type=Path, default=None, help="the stack's output (default: a temp file)")
     return parser.parse_args(argv)
@@ -114,9 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     def progress(line: str) -> None:
         print(f"[soak {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
+    speculation = soak_speculation(args.speculative_config)
     stack = ServeProcess(log_path, model=args.model, device=args.device, max_model_len=args.max_model_len,
-                         max_num_seqs=args.max_num_seqs)
-    progress(f"starting specserve serve on {stack.base_url} (log: {log_path})")
+                         max_num_seqs=args.max_num_seqs, extra_flags=["--speculative-config", speculation])
+    progress(f"starting specserve serve on {stack.base_url} (log: {log_path}; speculation {speculation})")
     try:
         stack.start()
         progress(f"stack healthy; {settings.traffic.concurrency} clients for {settings.traffic.duration_s:.0f} s")

@@ -112,3 +112,67 @@ def test_a_clean_run_meets_every_target():
 def test_each_missed_target_is_named(outcomes, memory, running, missed):
     sentences = missed_targets(report(outcomes, memory, running), Targets())
     assert len(sentences) == 1 and missed in sentences[0], sentences
+
+
+def named(*events: dict) -> bytes:
+    """A Responses API stream: each event on its `event:` line and numbered."""
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': i})}\n\n".encode()
+                    for i, e in enumerate(events))
+
+
+CREATED, DELTA = {"type": "response.created"}, {"type": "response.output_text.delta", "delta": "hi"}
+RESPONSE = {"object": "response", "status": "completed", "output": [{"type": "message"}],
+            "usage": {"output_tokens": 3}}
+
+
+def chat(message: dict, finish: str) -> dict:
+    return {"choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": {"completion_tokens": 3}}
+
+
+def call(name: str, arguments: str) -> dict:
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+@pytest.mark.parametrize(("kind", "respond", "expected"), [
+    ("responses_stream", streamed(named(CREATED, DELTA, {"type": "response.completed"})), Outcome.OK),
+    ("responses_stream", streamed(named(CREATED, DELTA, {"type": "response.incomplete"})), Outcome.OK),
+    ("responses_stream", streamed(named(CREATED, DELTA)), Outcome.BAD_RESPONSE),  # no last event
+    ("responses_stream", streamed(named(CREATED, {"type": "error", "code": "unavailable"})), Outcome.UNAVAILABLE),
+    ("responses_stream", streamed(named(CREATED, {"type": "error", "code": "internal_error"})),
+     Outcome.SERVER_ERROR),
+    ("responses_stream", streamed(named(CREATED) + named(DELTA)), Outcome.BAD_RESPONSE),  # numbered twice from 0
+    ("responses_stream", streamed(sse(CREATED)), Outcome.BAD_RESPONSE),  # not named
+    ("responses", lambda r: httpx.Response(200, json=RESPONSE), Outcome.OK),
+    ("responses", lambda r: httpx.Response(200, json={**RESPONSE, "status": "failed"}), Outcome.BAD_RESPONSE),
+    ("responses", lambda r: httpx.Response(200, json={**RESPONSE, "output": []}), Outcome.BAD_RESPONSE),
+    ("chat_json", lambda r: httpx.Response(200, json=chat({"content": '{"answer": "x"}'}, "stop")), Outcome.OK),
+    ("chat_json", lambda r: httpx.Response(200, json=chat({"content": '{"answer": 1}'}, "stop")),
+     Outcome.BAD_RESPONSE),
+    ("chat_json", lambda r: httpx.Response(200, json=chat({"content": '["answer"]'}, "stop")), Outcome.BAD_RESPONSE),
+    ("chat_json", lambda r: httpx.Response(200, json=chat({"content": '{"ans'}, "stop")), Outcome.BAD_RESPONSE),
+    ("chat_json", lambda r: httpx.Response(200, json=chat({"content": '{"ans'}, "length")), Outcome.OK),  # cut
+    ("chat_tool", lambda r: httpx.Response(200, json=chat(call("get_weather", '{"city": "Paris"}'), "tool_calls")),
+     Outcome.OK),
+    ("chat_tool", lambda r: httpx.Response(200, json=chat({"content": "It is sunny."}, "stop")),
+     Outcome.BAD_RESPONSE),
+    ("chat_tool", lambda r: httpx.Response(200, json=chat(call("get_weather", '{"city": '), "tool_calls")),
+     Outcome.BAD_RESPONSE),
+    ("chat_tool", lambda r: httpx.Response(200, json=chat(call("other", "{}"), "tool_calls")), Outcome.BAD_RESPONSE),
+])
+async def test_the_responses_api_a_schema_and_a_forced_call_are_classified(kind, respond, expected):
+    assert await classify(kind, respond) == expected
+
+
+def test_the_soak_fills_suffix_decodings_response_cache_in_its_warm_up():
+    """Suffix decoding's global tree grows by design up to its cap (10,000 responses): the soak serves with a cap
+    its warm-up reaches, so that the drafter's memory after the warm-up measures leaks, not the cache filling."""
+    from services.soak.main import SOAK_CACHED_RESPONSES, soak_speculation
+
+    capped = json.loads(soak_speculation('{"method": "suffix", "num_speculative_tokens": 3}'))
+    assert capped == {"method": "suffix", "num_speculative_tokens": 3,
+                      "suffix_decoding_max_cached_requests": SOAK_CACHED_RESPONSES}
+    given = '{"method": "suffix", "suffix_decoding_max_cached_requests": 9}'
+    assert json.loads(soak_speculation(given))["suffix_decoding_max_cached_requests"] == 9
+    assert json.loads(soak_speculation('{"method": "ngram"}')) == {"method": "ngram"}
+    assert json.loads(soak_speculation(None))["method"] in ("suffix", "ngram")  # serve's default, on this machine
