@@ -173,15 +173,17 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     if parser.parse_known_args(argv)[0].command != "serve":
         return parser.parse_args(argv)
     argv = vllm_command_line.dashed(argv)
-    path = vllm_command_line.config_path(argv)
+    path, from_file = vllm_command_line.config_path(argv), {}
     if path is not None:
         try:
-            vllm_command_line.apply_config_file(serve, path, launcher.add_arguments)
+            from_file = vllm_command_line.apply_config_file(serve, path, launcher.add_arguments)
         except ValueError as error:
             serve.error(str(error))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         serve.error(vllm_command_line.unrecognized(unknown, vllm_command_line.option_strings(serve)))
+    if args.model_tag is not None and args.model is not None and args.model == from_file.get("model"):
+        args.model = None  # a MODEL on the command line replaces the file's model, as in vLLM
     return args
 
 

@@ -131,23 +131,22 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def apply_config_file(parser: argparse.ArgumentParser, path: str,
-                      add_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
+                      add_arguments: Callable[[argparse.ArgumentParser], None]) -> dict[str, object]:
     """Make the options of the config file at `path` `parser`'s defaults, so that the command line's own flags
-    win over the file's, as in vLLM. `add_arguments` declares `parser`'s arguments; the file is read by a parser
-    it builds the same way, so its values pass the flags' own checks, and an option this command does not have is
-    refused as on the command line. The file's `model` is the positional MODEL's default: a MODEL on the command
-    line replaces it."""
+    win over the file's, as in vLLM; returns those defaults. `add_arguments` declares `parser`'s arguments; the
+    file is read by a parser it builds the same way, so its values pass the flags' own checks, and an option this
+    command does not have is refused as on the command line."""
     tokens = config_tokens(path)
     known = set(option_strings(parser))
     tokens = [t for t in tokens if not t.startswith("--no-") or t in known]  # false: off, a switch's default
-    models = [t.partition("=")[2] for t in tokens if t.startswith("--model=")]
-    tokens = [*models[-1:], *(t for t in tokens if not t.startswith("--model="))]  # the positional goes first
     reader = argparse.ArgumentParser(prog=f"{parser.prog} {CONFIG_FLAG} {path}", add_help=False)
     add_arguments(reader)
     read, unknown = reader.parse_known_args(tokens)
     if unknown:
         reader.error(unrecognized(unknown, sorted(known)))
-    parser.set_defaults(**{dest: value for dest, value in vars(read).items() if value != parser.get_default(dest)})
+    defaults = {dest: value for dest, value in vars(read).items() if value != parser.get_default(dest)}
+    parser.set_defaults(**defaults)
+    return defaults
 
 
 def unrecognized(unknown: Sequence[str], known: Sequence[str]) -> str:

@@ -62,6 +62,8 @@ def test_a_config_files_options_reach_the_services_and_the_command_lines_flags_w
     assert "--adaptive-speculation" in verifier.argv and "--no-adaptive-speculation" not in verifier.argv
     assert flag(verifier.argv, "--model") == "qwen2.5-coder-0.5b-instruct"
     assert flag(verifier.argv, "--max-model-len") == "512"  # the file's still, where the command line is silent
+    *_, gateway = serve_plan("--config", str(config), "--model", "qwen2.5-coder-0.5b-instruct")
+    assert flag(gateway.argv, "--model") == "qwen2.5-coder-0.5b-instruct"
 
 
 def test_a_config_file_that_cannot_be_used_is_refused_with_what_is_wrong(tmp_path, capsys):
