@@ -118,7 +118,7 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
                                      bad_words=bad_words)
             streams.append(run_choice(state.client, grpc_req, index, decode, rules,
                                       ChoiceTimer(state.metrics, served, start)))
-            sampling = sampling or grpc_req.sampling
+            sampling = grpc_req.sampling if sampling is None else sampling  # the first choice's, to log
     if state.settings.enable_log_requests:  # vLLM's --enable-log-requests
         log_request(rid, plan.prompts, sampling, tokenizer, state.settings.max_log_len)
     accounting = Accounting(prompt_tokens=sum(len(ids) for ids in plan.prompts), num_choices=len(streams))
