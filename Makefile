@@ -18,7 +18,7 @@ PIP_INSTALL := $(BIN)/python -m pip install -q
 # on with a warning: `--method suffix` then fails at start-up with how to install it; every other method works.
 SUFFIX_BUILD_DEPS := setuptools wheel ninja 'cmake>=3.18' nanobind==2.9.2
 
-.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-link bench-sweep bench-grammar bench-draft-model bench-drafter-kernels bench-pipelining bench-trees bench-eagle bench-accelerator bench-accelerator-http eagle-head eagle3-head soak fetch-model clean
+.PHONY: install proto run test test-fast bench bench-prefix bench-stall bench-link bench-sweep bench-grammar bench-draft-model bench-drafter-kernels bench-pipelining bench-trees bench-prediction bench-eagle bench-accelerator bench-accelerator-http eagle-head eagle3-head soak fetch-model clean
 
 install: $(STAMP) proto
 
@@ -70,6 +70,7 @@ bench: fetch-model
 	$(MAKE) bench-drafter-kernels
 	$(MAKE) bench-pipelining
 	$(MAKE) bench-trees
+	$(MAKE) bench-prediction
 
 # The accelerator step: eager vs captured graphs vs batch-invariant, side by side (ms and kernel launches per step,
 # tok/s at 1/8/64 with and without ngram, greedy identity); exit 1 if a batch-invariant speculative output differs.
@@ -88,6 +89,11 @@ bench-accelerator-http: fetch-model
 # the multi-turn conversation, at 1 and 8 requests, modes interleaved; exit 1 if an output differs (TREES_BENCH_ARGS).
 bench-trees: fetch-model
 	$(BIN)/python -m services.bench.suffix_trees --model $(MODEL) $(TREES_BENCH_ARGS)
+
+# OpenAI's predicted outputs: held-out functions renamed, the prediction the code before the edit, against no
+# speculation and ngram, one request at a time; exit 1 if an output differs (PREDICTION_BENCH_ARGS).
+bench-prediction: fetch-model
+	$(BIN)/python -m services.bench.predicted_outputs --model $(MODEL) $(PREDICTION_BENCH_ARGS)
 
 # The shipped EAGLE head on held-out ShareGPT prompts: no speculation, ngram K=4, eagle at K = 1..5 and adaptive, at
 # 1 and 4 requests, both drafters as gRPC processes; exit 1 if a speculative output differs (EAGLE_BENCH_ARGS).

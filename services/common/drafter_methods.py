@@ -33,6 +33,9 @@ NO_SPECULATION = "none"  # not a method: turns speculation off (server default o
 # Not a drafter either: the verifier serves without speculation and writes every request's target hidden states
 # to files (vLLM's name; services/verifier/hidden_state_files.py)
 EXTRACT_HIDDEN_STATES = "extract_hidden_states"
+# Not a drafter service's method: every verifier drafts a request's predicted output (OpenAI's `prediction`) itself,
+# under this name (services/verifier/prediction_proposer.py)
+PREDICTION = "prediction"
 
 
 

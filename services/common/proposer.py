@@ -39,6 +39,11 @@ class DraftInput:
     # The request's sampling temperature, 0 for a greedy one: a proposer that samples its drafts (EAGLE's q-trees)
     # draws at it and sends q; deterministic proposers ignore it.
     temperature: float = 0.0
+    # The request's predicted output (OpenAI's `prediction`, as token ids) for the verifier's built-in prediction
+    # proposer (services/verifier/prediction_proposer.py), and how many of token_ids are the prompt (the output is
+    # what the prediction is lined up with); empty and 0 without one. Other proposers ignore both.
+    prediction: Sequence[int] = ()
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from services.gateway.request_log import log_request
 from services.gateway.response_builders import (ChatResponses, ChoiceOutput, CompletionResponses, RequestContext,
                                                 ResponseBuilder)
 from services.gateway.responses import Accounting, LogprobFormatter, PromptReturn, sse
-from services.gateway.sampling import bad_words_ids, build_request, resolve_max_tokens
+from services.gateway.sampling import bad_words_ids, build_request, predicted_ids, resolve_max_tokens
 from services.gateway.state import GatewayState
 from services.gateway.tokenizer import make_decode, token_text
 from services.gateway.tools.output import ToolOutput
@@ -104,6 +104,7 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
     rules = TextRules(req.stop_strings, req.include_stop_str_in_output, req.min_tokens,
                       frozenset(req.stop_token_ids or ()))
     bad_words = bad_words_ids(tokenizer, req.bad_words) if req.bad_words else []
+    prediction = predicted_ids(tokenizer, req.predicted_text(), info.max_model_len)
     streams, choice_echo, choice_prompt, sampling = [], {}, {}, None
     for p, ids in enumerate(plan.prompts):
         max_tokens = resolve_max_tokens(plan.requested_max, len(ids), info.max_model_len, plan.max_field)
@@ -115,13 +116,14 @@ async def generate(state: GatewayState, kind: str, req: s.SamplingFields, served
             grpc_req = build_request(req, request_id=f"{internal}-{index}", prompt_ids=ids, max_tokens=max_tokens,
                                      choice=index, logprobs=plan.logprobs, prompt_logprobs=plan.returned.wire,
                                      structured_output=plan.tools.forced if plan.tools is not None else None,
-                                     bad_words=bad_words)
+                                     bad_words=bad_words, prediction=prediction)
             streams.append(run_choice(state.client, grpc_req, index, decode, rules,
                                       ChoiceTimer(state.metrics, served, start)))
             sampling = grpc_req.sampling if sampling is None else sampling  # the first choice's, to log
     if state.settings.enable_log_requests:  # vLLM's --enable-log-requests
         log_request(rid, plan.prompts, sampling, tokenizer, state.settings.max_log_len)
-    accounting = Accounting(prompt_tokens=sum(len(ids) for ids in plan.prompts), num_choices=len(streams))
+    accounting = Accounting(prompt_tokens=sum(len(ids) for ids in plan.prompts), num_choices=len(streams),
+                            predicted=prediction is not None)
     # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (for tokens that are not whole text)
     formatter = LogprobFormatter((lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids
                                  else (lambda t: token_text(tokenizer, t)), state.token_bytes())

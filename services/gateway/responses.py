@@ -64,6 +64,7 @@ class Accounting:
 
     prompt_tokens: int
     num_choices: int
+    predicted: bool = False  # the request has a prediction: usage says how much of it the reply took
     finished: dict[int, ChoiceEvent] = field(default_factory=dict)
     latest: dict[int, ChoiceEvent] = field(default_factory=dict)  # each choice's last event so far
 
@@ -88,9 +89,16 @@ class Accounting:
         completion = sum(e.completion_tokens for e in events)
         # the prompt counts once for all choices, and its cached tokens as the fewest any choice found
         cached = min((e.cached_tokens for e in events), default=0)
+        details = None
+        if self.predicted:  # drafted from the prediction: accepted, or verified and not taken
+            accepted = sum(e.speculation.num_accepted_tokens for e in events if e.speculation is not None)
+            drafted = sum(e.speculation.num_draft_tokens for e in events if e.speculation is not None)
+            details = s.CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                                rejected_prediction_tokens=drafted - accepted)
         return s.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
                        total_tokens=self.prompt_tokens + completion,
-                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached))
+                       prompt_tokens_details=s.PromptTokensDetails(cached_tokens=cached),
+                       completion_tokens_details=details)
 
     def speculation(self) -> SpecTotals:
         totals = SpecTotals()

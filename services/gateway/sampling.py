@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.common.drafter_methods import PREDICTION
 from services.common.sampling_rules import GREEDY_TEMPERATURE_EPS, MAX_BAD_WORD_TOKENS
 from services.gateway.errors import ApiError
 from services.gateway.schemas import SamplingFields
@@ -88,11 +89,25 @@ def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return [ids for ids in sequences if ids]
 
 
+def predicted_ids(tokenizer: Any, text: str | None, max_model_len: int) -> list[int] | None:
+    """OpenAI's predicted output as the token ids the verifier drafts from (None without one). Longer than the
+    model's context it could never be the output: a 400 at admission, not a draft source that cannot be used."""
+    if text is None:
+        return None
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if len(ids) > max_model_len:
+        raise ApiError(400, f"prediction is {len(ids)} tokens, longer than the model's context ({max_model_len}): "
+                       "no output could follow it", param="prediction")
+    return ids
+
+
 def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int], max_tokens: int,
                   choice: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                  structured_output: Any | None = None, bad_words: list[list[int]] = ()) -> Any:
+                  structured_output: Any | None = None, bad_words: list[list[int]] = (),
+                  prediction: list[int] | None = None) -> Any:
     """structured_output: a proto StructuredOutput that replaces the request's own (a forced tool call's);
-    bad_words: the request's bad_words as token sequences (bad_words_ids)."""
+    bad_words: the request's bad_words as token sequences (bad_words_ids); prediction: its predicted output's
+    token ids (predicted_ids), drafted from by the verifier's "prediction" method."""
     if req.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_tokens})",
                        param="min_tokens")
@@ -128,5 +143,8 @@ def build_request(req: SamplingFields, *, request_id: str, prompt_ids: list[int]
             speculation.num_speculative_tokens = req.speculative_config.num_speculative_tokens
         if req.speculative_config.draft_pipelining is not None:
             speculation.draft_pipelining = req.speculative_config.draft_pipelining
+    if prediction is not None:
+        speculation.method = PREDICTION
+        speculation.prediction_token_ids.extend(prediction)
     return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
                               speculation=speculation)

@@ -15,7 +15,7 @@ import functools
 import json
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from services.common.method_options import MAX_SPECULATIVE_TOKENS
 from services.common.sampling_rules import MAX_BAD_WORD_SEQUENCES, SEED_MAX, SEED_MIN
@@ -77,7 +77,7 @@ UNSUPPORTED_FIELDS = {
     "function_call": "function calls are not supported by this server",
     "best_of": "best_of is not supported (vLLM refuses it too); use n and score the choices yourself",
     "audio": "audio output is not supported: this server serves text-only models",
-    "prediction": "predicted outputs are not supported",
+    "prediction": "predicted outputs are supported on /v1/chat/completions only",
     "reasoning_effort": "reasoning_effort is not supported by this server's models",
     "verbosity": "verbosity is not supported by this server's models",
     "web_search_options": "web search is not supported",
@@ -259,6 +259,11 @@ class SamplingFields(RefusesBooleansForNumbers, OutputConstraintFields):
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
+
+    def predicted_text(self) -> str | None:
+        """OpenAI's predicted output, where the route takes one (chat)."""
+        return None
+
     # vLLM's extension: each prompt token's logprob (after the first) plus this many alternatives, under the
     # model's raw distribution, in the response's `prompt_logprobs` (not in streams: refused there, as vLLM does).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -454,6 +459,19 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the reply is expected to mostly be (a file being edited). The verifier
+    drafts from it, so matching text comes faster; the reply is the model's own whatever the prediction says."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -470,6 +488,8 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's output types: ["text"] is what this server makes and is accepted; any other is refused
     modalities: list[str] | None = None
+    # OpenAI's predicted outputs: drafted from by the verifier's "prediction" method (prediction_proposer.py)
+    prediction: Prediction | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -492,11 +512,18 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
                              "final message is continued, no new one is started")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be the assistant's to continue")
+        method = self.speculative_config.method if self.speculative_config is not None else ""
+        if self.prediction is not None and method not in ("", "prediction"):
+            raise ValueError(f"prediction is drafted from by speculative method 'prediction', which "
+                             f"speculative_config.method {method!r} would replace: leave the method out")
         return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def predicted_text(self) -> str | None:
+        return self.prediction.text if self.prediction is not None else None
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
@@ -506,11 +533,28 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    """With a prediction: its tokens the reply took as drafted, and those drafted that it did not (OpenAI's
+    accepted/rejected_prediction_tokens, counted as the verifier verified them)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a prediction only: left out otherwise
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("completion_tokens_details", ...) is None:
+            del data["completion_tokens_details"]
+        return data
 
 
 class SpeculativeDecoding(BaseModel):

@@ -154,8 +154,10 @@ class DraftCollector:
         """The proposer's view of a row: its tokens as a snapshot, so a call that outlives the step (a probe of an
         open breaker) reads the tokens of its own step while the engine appends more."""
         sampling = state.request.sampling
-        return DraftInput(state.request_id, state.committed_view(), k, state.hidden_states(),
-                          state.request.speculation.draft_pipelining, 0.0 if sampling.greedy else sampling.temperature)
+        spec = state.request.speculation
+        return DraftInput(state.request_id, state.committed_view(), k, state.hidden_states(), spec.draft_pipelining,
+                          0.0 if sampling.greedy else sampling.temperature, spec.prediction,
+                          len(state.request.prompt_token_ids) if spec.prediction else 0)
 
     def readmit(self, method: str) -> None:
         """Close `method`'s breaker on outside evidence that it answers in time (a health probe)."""

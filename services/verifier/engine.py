@@ -32,6 +32,7 @@ from typing import Self
 
 import torch
 
+from services.common.drafter_methods import PREDICTION
 from services.common.main_thread_compute import worker_thread
 from services.common.proposer import Proposer, capabilities_known, capabilities_of
 from services.modeling.hidden_layers import FINAL_ONLY
@@ -43,6 +44,7 @@ from services.verifier.engine_config import EngineConfig
 from services.verifier.hidden_state_files import write_request_states
 from services.verifier.kept_states import KeptStates
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
+from services.verifier.prediction_proposer import PredictionProposer
 from services.verifier.random_streams import seed_to_int64
 from services.verifier.request_state import OutputSink, RequestState
 from services.verifier.request_stream import RequestStream
@@ -106,8 +108,10 @@ class Engine:
         if hasattr(runner, "keep_hidden_states") and (self.config.extract_hidden_states_dir is not None or any(
                 capabilities_of(p).needs_hidden_states for p in (proposers or {}).values())):
             runner.keep_hidden_states()  # so that requests that keep hidden states reuse cached prefixes too
+        # OpenAI's predicted outputs draft in every engine, beside the proposers given (prediction_proposer.py)
+        proposers = {PREDICTION: PredictionProposer(), **(proposers or {})}
         self.drafts = DraftCollector(
-            proposers or {}, runner.vocab_size, self.config.draft_timeout_s, self.config.max_draft_timeout_s
+            proposers, runner.vocab_size, self.config.draft_timeout_s, self.config.max_draft_timeout_s
         )
         self.planner = SpeculationPlanner(StepCostModel.for_runner(runner), self.config.adaptive_speculation)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -321,6 +325,10 @@ class Engine:
         if any(not 0 <= token < vocab for word in request.sampling.bad_words for token in word):
             raise ValueError(f"bad_words token ids must be in [0, {vocab})")
         spec = request.speculation
+        if spec.prediction and spec.method != PREDICTION:
+            raise ValueError(f"a prediction is drafted from by method {PREDICTION!r}, not {spec.method or 'none'!r}")
+        if any(not 0 <= token < vocab for token in spec.prediction):
+            raise ValueError(f"prediction token ids must be in [0, {vocab})")
         if spec.enabled and spec.method not in self.proposers:
             available = ", ".join(sorted(self.proposers)) or "none configured"
             raise ValueError(f"unknown speculative method {spec.method!r}; available: {available}")

@@ -157,6 +157,8 @@ class SpeculationParams:
     method: str | None = None
     num_speculative_tokens: int = 0
     draft_pipelining: bool | None = None
+    # OpenAI's predicted output as token ids, drafted from by method "prediction" (prediction_proposer.py)
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.drafter_methods import PREDICTION
 from services.common.protos import load
 from services.verifier.outputs import FinishReason, RequestOutput, TokenLogprob
 from services.verifier.request_mux import Update
@@ -84,14 +85,15 @@ def grammar_from_proto(message) -> OutputGrammar:
 
 
 def speculation_from_proto(message, default: DefaultSpeculation) -> SpeculationParams:
-    """"" -> the server default; "none" -> off; a name -> that drafter (unknown names are the engine's to
-    refuse). An unset K takes the default K."""
-    method = message.method or default.method
+    """"" -> the server default, or "prediction" for a request with prediction_token_ids; "none" -> off; a name ->
+    that drafter (unknown names are the engine's to refuse). An unset K takes the default K."""
+    prediction = tuple(message.prediction_token_ids)
+    method = message.method or (PREDICTION if prediction else default.method)
     pipelining = message.draft_pipelining if message.HasField("draft_pipelining") else None
-    if method is None or method == NO_SPECULATION:
-        return SpeculationParams(draft_pipelining=pipelining)  # kept so that the engine can refuse it
+    if method is None or method == NO_SPECULATION:  # kept so that the engine can refuse them
+        return SpeculationParams(draft_pipelining=pipelining, prediction=prediction)
     k = message.num_speculative_tokens if message.HasField("num_speculative_tokens") else default.num_tokens
-    return SpeculationParams(method, k, pipelining)
+    return SpeculationParams(method, k, pipelining, prediction)
 
 
 def request_from_proto(message, request_id: str, default: DefaultSpeculation) -> GenerationRequest:

@@ -109,6 +109,31 @@ def test_the_responses_api_answers_what_chat_answers_with_speculation_on_and_off
     assert whole.model_extra["speculative_decoding"]["num_accepted_tokens"] > 0
 
 
+def test_a_predicted_output_is_drafted_from_and_the_reply_is_unchanged(client):
+    """OpenAI's predicted outputs on the real model: with the code it edits as the prediction (greedy, sampled with
+    a seed), the reply is the one without speculation, and the prediction's tokens are accepted; a wrong prediction
+    changes nothing either."""
+    messages = [{"role": "user", "content": EDIT}]
+    edited = CODE.replace("def total", "def order_total")
+    plain, predicted, wrong, seeded, seeded_predicted = at_once(
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
+                                               extra_body=NO_SPEC),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
+                                               prediction={"type": "content", "content": edited}),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
+                                               prediction={"type": "content", "content": "Nothing like it. " * 9}),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0.8,
+                                               seed=7, extra_body=NO_SPEC),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0.8,
+                                               seed=7, prediction={"type": "content", "content": edited}))
+    text = plain.choices[0].message.content
+    assert predicted.choices[0].message.content == wrong.choices[0].message.content == text
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0, details
+    assert predicted.model_extra["speculative_decoding"]["method"] == "prediction"
+    assert seeded_predicted.choices[0].message.content == seeded.choices[0].message.content
+
+
 def test_raw_http_like_curl(stack):
     response = httpx.post(
         f"{stack.base_url}/v1/completions",

@@ -81,7 +81,7 @@ class SlowProposer:
 def decode_states(method: str, count: int) -> list[SimpleNamespace]:
     """What the collector reads of a decoding request: its id, its tokens (as RequestState.committed_view gives
     them), its proposer's name, its sampling (greedy here) and its kept target states (none here)."""
-    speculation = SimpleNamespace(method=method, draft_pipelining=None)
+    speculation = SimpleNamespace(method=method, draft_pipelining=None, prediction=())
     sampling = SimpleNamespace(greedy=True, temperature=0.0)
     return [SimpleNamespace(request_id=f"r{i}", committed_view=TokenHistory([1, 2, 3]).view,
                             request=SimpleNamespace(speculation=speculation, sampling=sampling),
