@@ -90,9 +90,10 @@ def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
 
 
 def predicted_ids(tokenizer: Any, text: str | None, max_model_len: int) -> list[int] | None:
-    """OpenAI's predicted output as the token ids the verifier drafts from (None without one). Longer than the
-    model's context it could never be the output: a 400 at admission, not a draft source that cannot be used."""
-    if text is None:
+    """OpenAI's predicted output as the token ids the verifier drafts from (None without one, or an empty one, which
+    predicts nothing: the request keeps the server's drafter). Longer than the model's context it could never be
+    the output: a 400 at admission, not a draft source that cannot be used."""
+    if not text:
         return None
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     if len(ids) > max_model_len:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from services.common.drafter_methods import PREDICTION
 from services.common.method_options import MAX_SPECULATIVE_TOKENS
 from services.common.sampling_rules import MAX_BAD_WORD_SEQUENCES, SEED_MAX, SEED_MIN
 from services.gateway.structured_output import OutputConstraintFields
@@ -513,8 +514,8 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be the assistant's to continue")
         method = self.speculative_config.method if self.speculative_config is not None else ""
-        if self.prediction is not None and method not in ("", "prediction"):
-            raise ValueError(f"prediction is drafted from by speculative method 'prediction', which "
+        if self.prediction is not None and method not in ("", PREDICTION):
+            raise ValueError(f"prediction is drafted from by speculative method {PREDICTION!r}, which "
                              f"speculative_config.method {method!r} would replace: leave the method out")
         return self
 

@@ -40,6 +40,9 @@ def test_the_prediction_is_drafted_from_and_usage_counts_what_it_gave(sdk, verif
     plain = sdk.chat.completions.create(model=MODEL, messages=MESSAGES)
     assert plain.usage.completion_tokens_details is None  # no prediction, nothing to count
     assert list(verifier.requests[-1].speculation.prediction_token_ids) == []
+    sdk.chat.completions.create(model=MODEL, messages=MESSAGES, prediction={"type": "content", "content": ""})
+    sent = verifier.requests[-1].speculation  # an empty prediction predicts nothing: the server's drafter drafts
+    assert sent.method == "" and list(sent.prediction_token_ids) == []
 
 
 @pytest.mark.parametrize(("route", "body", "said"), [
