@@ -16,6 +16,7 @@ import grpc
 from services.common.drafter_methods import PREDICTION
 from services.common.protos import load
 from services.verifier.outputs import FinishReason, RequestOutput, TokenLogprob
+from services.verifier.prediction_proposer import PREDICTION_NUM_TOKENS
 from services.verifier.request_mux import Update
 from services.verifier.sampling_params import (
     GenerationRequest,
@@ -86,13 +87,15 @@ def grammar_from_proto(message) -> OutputGrammar:
 
 def speculation_from_proto(message, default: DefaultSpeculation) -> SpeculationParams:
     """"" -> the server default, or "prediction" for a request with prediction_token_ids; "none" -> off; a name ->
-    that drafter (unknown names are the engine's to refuse). An unset K takes the default K."""
+    that drafter (unknown names are the engine's to refuse). An unset K takes the default K (for a prediction, at
+least PREDICTION_NUM_TOKENS)."""
     prediction = tuple(message.prediction_token_ids)
     method = message.method or (PREDICTION if prediction else default.method)
     pipelining = message.draft_pipelining if message.HasField("draft_pipelining") else None
     if method is None or method == NO_SPECULATION:  # kept so that the engine can refuse them
         return SpeculationParams(draft_pipelining=pipelining, prediction=prediction)
-    k = message.num_speculative_tokens if message.HasField("num_speculative_tokens") else default.num_tokens
+    k = default.num_tokens if method != PREDICTION else max(default.num_tokens, PREDICTION_NUM_TOKENS)
+    k = message.num_speculative_tokens if message.HasField("num_speculative_tokens") else k
     return SpeculationParams(method, k, pipelining, prediction)
 
 

@@ -151,3 +151,17 @@ async def test_a_prediction_the_request_cannot_use_is_refused_at_admission():
     ok = await run_schedule(engine, {0: [GenerationRequest("ok", (1, 2, 3), greedy,
                                                            SpeculationParams(PREDICTION, 3, prediction=(4,)))]})
     assert len(ok["ok"].tokens) == 4
+
+
+def test_a_prediction_without_k_drafts_long_runs_and_a_k_given_is_kept():
+    from services.verifier.prediction_proposer import PREDICTION_NUM_TOKENS
+    from services.verifier.wire import DefaultSpeculation, speculation_from_proto
+    from services.verifier.wire import verifier_pb2 as pb
+
+    predicted = pb.SpeculationParams(prediction_token_ids=[5, 6])
+    spec = speculation_from_proto(predicted, DefaultSpeculation("suffix", 5))
+    assert (spec.method, spec.num_speculative_tokens, spec.prediction) == (PREDICTION, PREDICTION_NUM_TOKENS, (5, 6))
+    assert speculation_from_proto(predicted, DefaultSpeculation("suffix", 12)).num_speculative_tokens == 12
+    predicted.num_speculative_tokens = 3
+    assert speculation_from_proto(predicted, DefaultSpeculation(None, 5)).num_speculative_tokens == 3
+    assert speculation_from_proto(pb.SpeculationParams(), DefaultSpeculation("suffix", 5)).num_speculative_tokens == 5
