@@ -9,6 +9,7 @@ first puts the prompts in the prefix cache. Prints the hardware, tok/s per mode 
 ratio to no speculation, and accepted tokens per step; exits 1 if any output differs from no speculation.
 
     python -m services.bench.predicted_outputs [--model smollm2-135m-instruct] [--functions 8] [--k 5 8]
+        [--device cpu] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ async def one(engine, ids: RequestIds, prompt, max_tokens: int, spec: Speculatio
 
 
 async def bench(args) -> int:
-    loaded = load_model(args.model, device="cpu", dtype="float32")
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    weights = next(loaded.model.parameters())
     cases = edits(loaded.tokenizer, args.functions)
     runner = create_runner(loaded.model, 1, 4096, owns_model=True)
     drafter = SpeculativeConfig(method="ngram")
@@ -70,7 +72,7 @@ async def bench(args) -> int:
         modes[f"prediction K={k}"] = lambda prediction, k=k: SpeculationParams(PREDICTION, k,
                                                                               prediction=tuple(prediction))
     print(json.dumps(describe_hardware()))
-    print(f"{args.model}, greedy, {len(cases)} HumanEval functions renamed (the prediction: the code before the "
+    print(f"{args.model} on {weights.device}, {weights.dtype}, greedy, {len(cases)} HumanEval functions renamed (the prediction: the code before the "
           "edit), one request at a time, adaptive speculation on, modes interleaved")
     ids, differ = RequestIds(), 0
     measured: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--functions", type=int, default=8, help="HumanEval functions edited")
     parser.add_argument("--k", type=int, nargs="+", default=[5, 8], help="prediction draft lengths")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cuda: with captured step graphs)")
+    parser.add_argument("--dtype", default="float32")
     return asyncio.run(bench(parser.parse_args(argv)))
 
 
