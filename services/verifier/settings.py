@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.byte_size import parse_bytes
+from services.common.human_counts import human_readable_int
 from services.common.speculative_config import SpeculativeConfig
 from services.common.tls import TlsServerSettings
 from services.modeling.registry import DEFAULT_MODEL
@@ -156,8 +157,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
                         "architecture or tokenizer, and run that code (default off: such a model fails to load)")
     parser.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, default=default,
                         help=f"requests running at once; more wait (default {shown('max_num_seqs')})")
-    parser.add_argument("--max-model-len", dest="max_model_len", type=int, default=default,
-                        help=f"most tokens of one request, prompt and output (default {shown('max_model_len')})")
+    parser.add_argument("--max-model-len", dest="max_model_len", type=human_readable_int, default=default,
+                        help="most tokens of one request, prompt and output; 32k = 32,000, 32K = 32,768 as in vLLM "
+                        f"(default {shown('max_model_len')})")
     parser.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory_bytes", default=default,
                         help="memory for the paged KV cache, e.g. 4GiB, 512M or bytes "
                         f"(default {shown('kv_cache_memory_bytes')})")
@@ -171,8 +173,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, default=argparse.SUPPRESS,
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
                         action=argparse.BooleanOptionalAction, default=default,
                         help="reuse the KV cache of a prompt's cached prefix (default on)")
-    parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, default=default,
-                        help=f"prompt tokens prefilled per step (default {shown('max_num_batched_tokens')})")
+    parser.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=human_readable_int,
+                        default=default, help="prompt tokens prefilled per step; 8k = 8,000, 8K = 8,192 "
+                        f"(default {shown('max_num_batched_tokens')})")
     if serving:
         parser.add_argument("--max-logprobs", dest="max_logprobs", type=int, default=default,
                             help="most logprobs / prompt_logprobs alternatives a request may ask per position; -1: "

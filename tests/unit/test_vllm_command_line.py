@@ -121,3 +121,15 @@ def test_download_dir_is_where_every_service_fetches_and_reads_models(tmp_path):
     for child in serve_plan("--download-dir", str(tmp_path / "models")):
         assert dict(child.env) == {"SPECSERVE_CACHE_DIR": str(tmp_path / "models")}, child.name
     assert all(child.env == () for child in serve_plan())  # unset: each service's own environment decides
+
+
+def test_counts_are_read_as_vllm_writes_them(capsys):
+    """vLLM's human_readable_int: lowercase suffixes decimal, uppercase binary; the verifier gets plain digits."""
+    from services.common.human_counts import human_readable_int
+
+    assert [human_readable_int(t) for t in ("4096", "32k", "32K", "25.6k", "1m", "2M", " 8k ")] == [
+        4096, 32_000, 32_768, 25_600, 1_000_000, 2 * 2**20, 8_000]
+    _, verifier, _ = serve_plan("--max-model-len", "4k", "--max_num_batched_tokens=2K")
+    assert flag(verifier.argv, "--max-model-len") == "4000" and flag(verifier.argv, "--max-num-batched-tokens") == "2048"
+    assert "a fraction needs a decimal suffix" in refusal(capsys, "--max-model-len", "1.5K")
+    assert "'four' is not a count" in refusal(capsys, "--max-model-len", "four")
