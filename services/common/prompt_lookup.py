@@ -23,6 +23,23 @@ class NgramSettings:
             )
 
 
+TOKEN_BYTES = 8  # the searches run over the tokens as int64 bytes (bytes.find / rfind: one C scan)
+
+
+def find_tokens(data: bytes, pattern: bytes, start: int, end: int, last: bool = False) -> int:
+    """The token index of the first (`last`: the last) occurrence of `pattern` within data[start:end] (token
+    bytes, offsets in bytes) that starts on a token's boundary, or -1: a byte match inside a token is no match,
+    and the search goes on past it."""
+    while True:
+        found = data.rfind(pattern, start, end) if last else data.find(pattern, start, end)
+        if found < 0 or found % TOKEN_BYTES == 0:
+            return found // TOKEN_BYTES if found >= 0 else -1
+        if last:
+            end = found + len(pattern) - 1  # only matches starting before this misaligned one are left
+        else:
+            start = found + 1
+
+
 def propose_ngram(tokens: np.ndarray, k: int, settings: NgramSettings) -> list[int]:
     """Up to k tokens following the most recent earlier occurrence of the longest matching suffix n-gram
     (n from prompt_lookup_max down to prompt_lookup_min).
@@ -36,14 +53,9 @@ def propose_ngram(tokens: np.ndarray, k: int, settings: NgramSettings) -> list[i
         return []
     length = len(tokens)
     data = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
-    width = 8  # bytes a token
-    before_last = (length - 1) * width  # an occurrence ends before the last token (it may overlap the suffix)
+    before_last = (length - 1) * TOKEN_BYTES  # an occurrence ends before the last token (it may overlap the suffix)
     for n in range(min(settings.prompt_lookup_max, length - 1), settings.prompt_lookup_min - 1, -1):
-        suffix = data[(length - n) * width :]
-        end = before_last
-        while (found := data.rfind(suffix, 0, end)) >= 0:
-            if found % width == 0:
-                start = found // width + n
-                return tokens[start : start + k].tolist()
-            end = found + len(suffix) - 1  # only matches starting before this misaligned one are left
+        found = find_tokens(data, data[(length - n) * TOKEN_BYTES :], 0, before_last, last=True)
+        if found >= 0:
+            return tokens[found + n : found + n + k].tolist()
     return []

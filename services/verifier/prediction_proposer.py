@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.drafter_methods import PREDICTION
-from services.common.prompt_lookup import NgramSettings, propose_ngram
+from services.common.prompt_lookup import TOKEN_BYTES, NgramSettings, find_tokens, propose_ngram
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 
 __all__ = ["PREDICTION", "LinedUp", "PredictionProposer", "line_up"]
@@ -39,7 +39,6 @@ MIN_REJOIN = 2  # the shortest suffix that lines the output up again anywhere bu
 # 2.73x on SmolLM2-135M, 6.16x against 5.70x on Qwen2.5-Coder-0.5B); adaptive speculation still verifies fewer
 # where a wider verify does not pay
 PREDICTION_NUM_TOKENS = 8
-TOKEN_BYTES = 8  # the searches run over the tokens as int64 bytes (bytes.find: one C scan)
 
 
 @dataclass
@@ -50,19 +49,6 @@ class _Alignment:
     data: bytes  # prediction's bytes, searched
     next_index: int = 0  # the index in prediction of the token expected after the committed ones
     committed: int | None = None  # how many output tokens were committed then (None: not lined up then)
-
-
-def _find(data: bytes, pattern: bytes, start: int, end: int, forward: bool) -> int:
-    """The token index of the first (forward) or last occurrence of `pattern` within data[start:end] (bytes) that
-    starts on a token boundary, or -1."""
-    while True:
-        found = data.find(pattern, start, end) if forward else data.rfind(pattern, start, end)
-        if found < 0 or found % TOKEN_BYTES == 0:
-            return found // TOKEN_BYTES if found >= 0 else -1
-        if forward:
-            start = found + 1
-        else:
-            end = found + len(pattern) - 1
 
 
 @dataclass(frozen=True)
@@ -89,9 +75,9 @@ def line_up(output: np.ndarray, alignment: _Alignment) -> LinedUp | None:
     shortest = 1 if length == 1 else MIN_REJOIN
     for n in range(min(MAX_NGRAM, length, len(prediction)), shortest - 1, -1):
         pattern = np.ascontiguousarray(output[-n:], dtype=np.int64).tobytes()
-        found = _find(data, pattern, max(here - n, 0) * TOKEN_BYTES, len(data), forward=True)
+        found = find_tokens(data, pattern, max(here - n, 0) * TOKEN_BYTES, len(data))
         if found < 0:
-            found = _find(data, pattern, 0, max(here - 1, 0) * TOKEN_BYTES + len(pattern), forward=False)
+            found = find_tokens(data, pattern, 0, max(here - 1, 0) * TOKEN_BYTES + len(pattern), last=True)
         if found >= 0:
             return LinedUp(found + n, n)
     return None
