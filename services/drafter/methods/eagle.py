@@ -52,7 +52,7 @@ from services.drafter.eagle_head_graphs import ChainInputs, HeadGraphs, draft_ch
 from services.drafter.eagle_tree_candidates import tree_candidates, tree_columns
 from services.drafter.eagle_trees import TreeStart, padded_caches, sampled_trees, sent_trees, tree_shape
 from services.drafter.head_kernels import use_chosen_kernels
-from services.drafter.head_prefix_cache import BLOCK, HeadPrefixCache
+from services.drafter.head_prefix_cache import BLOCK, HeadPrefixCache, HeadRows, Publication
 from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import DraftRows, EagleHead
 from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
@@ -85,16 +85,18 @@ class HeadSequence:
             return None
         return self.keys.view().permute(1, 0, 2)[None], self.values.view().permute(1, 0, 2)[None]
 
-    def restart(self, cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Start over from `cache` (a cached prefix's positions, or none)."""
-        self.keys, self.values, self.published = GrowingRows(), GrowingRows(), (0, 0)
-        if cache is not None:
-            self.append(*cache)
+    @property
+    def rows(self) -> HeadRows:
+        """Keys and values [fed, kv heads, D] (views, valid while the sequence grows), as the prefix cache takes
+        them."""
+        return self.keys.view(), self.values.view()
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keys and values [1, kv heads, m, D] of the next m positions."""
-        self.keys.append(keys[0].transpose(0, 1))
-        self.values.append(values[0].transpose(0, 1))
+    def restart(self, rows: HeadRows | None = None) -> None:
+        """Start over from `rows` (a cached prefix's positions [m, kv heads, D], or none)."""
+        self.keys, self.values, self.published = GrowingRows(), GrowingRows(), (0, 0)
+        if rows is not None:
+            self.keys.append(rows[0])
+            self.values.append(rows[1])
 
 
 @dataclass
@@ -358,8 +360,10 @@ class EagleProposer:
                 committed.append((item, seq))
         if into:
             torch._foreach_copy_(into, new_rows)
-        for item, seq in committed:
-            seq.published = self.prefix_cache.publish(item.token_ids, seq.cache, seq.fed, seq.published)
+        published = self.prefix_cache.publish([Publication(item.token_ids, seq.rows, seq.fed, seq.published)
+                                                for item, seq in committed])
+        for (_, seq), progress in zip(committed, published, strict=True):
+            seq.published = progress
         for row, (i, item, seq, n, _) in enumerate(ready):
             starts[i] = ChainStart(seq.cache, n - 1, int(item.token_ids[n]), last[row : row + 1],
                                    item.num_speculative_tokens)
