@@ -26,6 +26,17 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return tensor.to(device)
 
 
+def pinned_join(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`tensors` (on the host) joined along their first dimension, in pinned memory where CUDA is available: where a
+    join then `pinned` copied every byte twice on the host (an EAGLE head's opening of 52 chats moves 18-36 MB of
+    target states; a join of them took 1.7 ms on an H200's host)."""
+    if not torch.cuda.is_available():
+        return torch.cat(tensors)
+    first = tensors[0]
+    joined = torch.empty((sum(t.shape[0] for t in tensors), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    return torch.cat(tensors, out=joined)
+
+
 class DeviceToHost:
     """Device-to-host copies queued during a step and read after its one wait.
 

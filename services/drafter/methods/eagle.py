@@ -56,7 +56,7 @@ from services.drafter.head_prefix_cache import BLOCK, HeadPrefixCache, HeadRows,
 from services.modeling.eagle3_head import Eagle3Head
 from services.modeling.eagle_head import DraftRows, EagleHead
 from services.modeling.eagle_head_files import fit_head_to_target, load_eagle_head
-from services.modeling.host_copies import to_device
+from services.modeling.host_copies import pinned_join, to_device
 from services.modeling.step_graphs import power_of_two_at_least
 from services.modeling.tokenizer_fingerprint import tokenizer_fingerprint
 
@@ -377,8 +377,13 @@ class EagleProposer:
         def moved(rows: torch.Tensor) -> torch.Tensor:
             return rows if rows.device == self.device else to_device(rows, self.device)
 
-        same = all(rows.device == states[0].device for rows in states)
-        joined = torch.cat(states) if same else torch.cat([moved(rows) for rows in states])
+        on_host = all(rows.device.type == "cpu" for rows in states)
+        if on_host and self.device.type == "cuda":  # joined once, into pinned memory, which a copy reads at once
+            joined = pinned_join(states)
+        elif on_host or all(rows.device == states[0].device for rows in states):
+            joined = torch.cat(states)
+        else:
+            joined = torch.cat([moved(rows) for rows in states])
         if self.catch_up_graphs is not None:
             replayed = self.catch_up_graphs.run(ids, joined, positions)
             if replayed is not None:
