@@ -22,8 +22,11 @@ MIN_CAPACITY = 64
 
 def grown_capacity(length: int, needed: int) -> int:
     """The capacity a buffer holding `length` rows grows to when `needed` do not fit: doubled, and at least
-    `needed` and MIN_CAPACITY (so a row is copied O(1) times on average). token_history.py's buffer grows so too."""
-    return max(needed, 2 * length, MIN_CAPACITY)
+    `needed` and MIN_CAPACITY (so a row is copied O(1) times on average). token_history.py's buffer grows so too.
+    An empty buffer's first rows get as much room again: every user appends after its first rows (a prompt's, then
+    a step's), and sized to them exactly the first append copied them all (an EAGLE head's cache: two copy launches
+    a sequence at its first ask after its opening, 104 at 52 chats on a GPU)."""
+    return max(2 * needed if length == 0 else needed, 2 * length, MIN_CAPACITY)
 
 
 class GrowingRows:

@@ -53,3 +53,12 @@ def test_extended_rows_are_written_in_place_by_the_caller_and_grow_like_appends(
         torch._foreach_copy_([place], [chunk])
         expected.append(chunk)
     assert torch.equal(rows.view(), torch.cat(expected))
+
+
+def test_the_first_rows_get_room_for_as_many_again_so_the_next_appends_copy_nothing():
+    """A prompt's rows, then a step's: the buffer made for the first rows takes the next ones in place."""
+    rows = GrowingRows(torch.zeros(3 * MIN_CAPACITY, 2))
+    buffer = rows.view().data_ptr()
+    for _ in range(3 * MIN_CAPACITY):
+        rows.append(torch.ones(1, 2))
+    assert rows.view().data_ptr() == buffer and len(rows) == 6 * MIN_CAPACITY
