@@ -179,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
                         help="sleep a device step time in each forward: BASE ms + ROW ms a row beyond the first + "
                              "TOKEN ms a token beyond one a row (the H200's captured step: 2.4 0.035 0.002)")
+    parser.add_argument("--simulated-verify-ms", type=float, nargs=2, metavar=("BASE", "ROW"), default=[0.0, 0.0],
+                        help="with --simulated-step-ms: what a step that verifies drafts costs more, BASE ms + ROW ms "
+                             "a row (0.3 0.02: the H200's, stop 74; default none)")
     default_ask, default_eagle = SimulatedAsk(), EagleLike()
     parser.add_argument("--simulated-ask-ms", type=float, nargs=2, metavar=("BASE", "ROW"),
                         default=[default_ask.base_ms, default_ask.row_ms],
@@ -197,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   if args.method == EAGLE_SIM else None)
     if args.text == "novel" and args.vocab < 2 * SCRIPT_PERIOD + max(args.rows) * args.rounds + args.tokens:
         parser.error("--text novel needs a vocabulary larger than a request's prompt and output (raise --vocab)")
-    simulated = SimulatedDevice(*args.simulated_step_ms) if args.simulated_step_ms else None
+    simulated = SimulatedDevice(*args.simulated_step_ms, *args.simulated_verify_ms) if args.simulated_step_ms else None
     for key, value in describe_hardware().items():
         print(f"{key}: {value}")
     if simulated is not None:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from services.bench.engine_host_cost import run_case
 from services.bench.hardware import describe_hardware
 from services.bench.http_runs import free_ports
-from services.bench.scripted_model import Script, SimulatedDevice, add_client_load_arguments
+from services.bench.scripted_model import Script, SimulatedDevice, add_client_load_arguments, simulated_device
 from services.bench.verifier_stream_cost import start_scripted_verifier
 from services.modeling.registry import DEFAULT_MODEL
 from services.supervision import cpu_seconds
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      args.stream))
         print(json.dumps(figures), flush=True)
         return 0
-    simulated = SimulatedDevice(*args.simulated_step_ms)
+    simulated = simulated_device(args)
     for key, value in describe_hardware().items():
         print(f"{key}: {value}")
     print(f"simulated device step: {simulated}; {'streamed' if args.stream else 'whole'} completions")

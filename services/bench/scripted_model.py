@@ -93,16 +93,24 @@ def script_token(position: int, vocab: int, period: int = SCRIPT_PERIOD) -> int:
 @dataclass(frozen=True)
 class SimulatedDevice:
     """A step time of an accelerator's shape, slept inside the forward, as a host waits on its device:
-    `base_ms` + `row_ms` a row beyond the first + `token_ms` a token beyond one a row. The default is the H200's
-    captured SmolLM2-135M step in bf16 (stop 53: 2.4 ms at 1 row, 2.8 at 8, 4.7 at 64 on the device; 0.5 ms more
-    at 64 rows verifying 4 drafts each)."""
+    `base_ms` + `row_ms` a row beyond the first + `token_ms` a token beyond one a row, and for a step that verifies
+    drafts (more tokens than rows) `verify_ms` + `verify_row_ms` a row more. The default is the H200's captured
+    SmolLM2-135M step in bf16 (stop 53: 2.4 ms at 1 row, 2.8 at 8, 4.7 at 64 on the device; 0.5 ms more at 64 rows
+    verifying 4 drafts each), without the verify terms. With them (`--simulated-verify-ms 0.3 0.02`): a verify's
+    first draft column pays in attention over every position read (replayed step graphs on an H100: 1 x 2 tokens
+    20% over 1 x 1, 64 x 2 22% over 64 x 1, at 512 positions), and on the H200 in stop 74 the steps that verified
+    ngram drafts at 64 chats took 1.6 ms more on the device than plain ones (5.1 ms): 0.3 ms + 0.02 a row gives 1.6
+    at 64 rows and 0.3 at one."""
 
     base_ms: float = 2.4
     row_ms: float = 0.035
     token_ms: float = 0.002
+    verify_ms: float = 0.0
+    verify_row_ms: float = 0.0
 
     def seconds(self, rows: int, tokens: int) -> float:
-        return (self.base_ms + self.row_ms * (rows - 1) + self.token_ms * (tokens - rows)) / 1000.0
+        verify = self.verify_ms + self.verify_row_ms * rows if tokens > rows else 0.0
+        return (self.base_ms + self.row_ms * (rows - 1) + self.token_ms * (tokens - rows) + verify) / 1000.0
 
 
 class ScriptedRunner:
@@ -221,6 +229,14 @@ def add_simulated_step_argument(parser) -> None:
                         default=[default.base_ms, default.row_ms, default.token_ms],
                         help="the device step slept in each forward: BASE ms + ROW ms a row beyond the first + TOKEN "
                              "ms a token beyond one a row (default: the H200's captured SmolLM2 step)")
+    parser.add_argument("--simulated-verify-ms", type=float, nargs=2, metavar=("BASE", "ROW"), default=[0.0, 0.0],
+                        help="what a simulated step that verifies drafts costs more: BASE ms + ROW ms a row (0.3 0.02: "
+                             "the H200's, stop 74; default none)")
+
+
+def simulated_device(args) -> SimulatedDevice:
+    """The SimulatedDevice of --simulated-step-ms and --simulated-verify-ms."""
+    return SimulatedDevice(*args.simulated_step_ms, *args.simulated_verify_ms)
 
 
 def add_client_load_arguments(parser, rows: list[int], tokens: int) -> None:

@@ -30,7 +30,8 @@ from types import SimpleNamespace
 
 from services.bench.engine_host_cost import run_case
 from services.bench.hardware import describe_hardware
-from services.bench.scripted_model import Script, ScriptedRunner, SimulatedDevice, add_client_load_arguments
+from services.bench.scripted_model import (Script, ScriptedRunner, SimulatedDevice, add_client_load_arguments,
+                                           simulated_device)
 from services.common import protos
 
 
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      args.many))
         print(json.dumps(figures), flush=True)
         return 0
-    simulated = SimulatedDevice(*args.simulated_step_ms)
+    simulated = simulated_device(args)
     for key, value in describe_hardware().items():
         print(f"{key}: {value}")
     print(f"simulated device step: {simulated}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.bench.engine_host_cost import run_case
 
 
@@ -44,6 +46,9 @@ async def test_the_chat_script_gives_some_drafts_a_token_or_two_and_the_simulate
         runner.add_sequence(seq)
     runner.forward([RowInput(seq, [1, 2, 3], 3) for seq in range(4)])
     assert runner.forward_s >= device.seconds(rows=4, tokens=12) == (20.0 + 3 * 1.0 + 8 * 0.5) / 1000
+    verifying = SimulatedDevice(base_ms=20.0, row_ms=1.0, token_ms=0.5, verify_ms=3.0, verify_row_ms=0.25)
+    assert verifying.seconds(rows=4, tokens=4) == device.seconds(rows=4, tokens=4)  # a decode step pays no verify
+    assert verifying.seconds(rows=4, tokens=12) == pytest.approx(device.seconds(rows=4, tokens=12) + 0.004)
 
 
 async def test_with_a_simulated_device_decode_steps_verify_in_its_graph_as_on_an_accelerator():
