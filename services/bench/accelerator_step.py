@@ -140,9 +140,9 @@ class StepPhases:
     one says where to look.
 
     And the decode-only steps (one forward: no prompt chunk beside) are split by whether they asked for drafts,
-    asked probes only, or asked nothing: tokens committed per ms of each kind. Why: on an H200 at 64 chats (stop 74) ngram asked at 104 of
-    370 steps, which cost 62% more than a plain step for 28% more tokens, where the CPU's simulated device has the
-    planner ask rarely; this says at a glance whether a run's asking paid."""
+    asked probes only, or asked nothing: tokens committed per ms of each kind. Why: on an H200 at 64 chats (stop
+    74) ngram asked at 104 of 370 steps, which cost 62% more than a plain step for 28% more tokens, where the CPU's
+    simulated device has the planner ask rarely; this says at a glance whether a run's asking paid."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
@@ -152,7 +152,7 @@ class StepPhases:
         self.step_asked = False  # the step under way asked for drafts
         self.host_by_phase: dict[str, list[float]] = {}  # forward host seconds: "before asks", "asked", "unasked"
         self._asked: set[str] = set()  # requests asked so far
-        # decode-only steps by kind ("asked" or "plain"): [steps, tokens committed, seconds]
+        # decode-only steps by kind ("asked", "probed", "plain"): [steps, tokens committed, seconds]
         self.by_kind: dict[str, list[float]] = {}
         self._step_tokens = self._step_decoding = 0  # the step under way's tokens committed, its decoding rows
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []

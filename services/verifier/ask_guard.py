@@ -20,10 +20,9 @@ Once both windows are full, asking loses where the asking steps' rate falls MARG
 so wide a window and margin: at one request an asking step commits 1.4 tokens on average with a spread of about
 one (ngram on the CPU bench's chat text), so by that spread 48 of them that pay 30% read below 0.9 of the plain
 rate about once in a thousand windows, where 32 read below 0.95 about once in two hundred; a loss the guard is
-for is larger (the H200's: 21%). The bucket then asks nothing for
-PAUSE_STEPS steps (probes go on: they keep measuring acceptance), after which its asking steps are forgotten and the
-plan may ask again to be measured afresh (WINDOW losing steps each PAUSE_STEPS: about 2% of the time at a 20%
-loss a step).
+for is larger (the H200's: 21%). The bucket then asks nothing for PAUSE_STEPS steps (probes go on: they keep
+measuring acceptance), after which its asking steps are forgotten and the plan may ask again to be measured afresh
+(WINDOW losing steps each PAUSE_STEPS: about 2% of the time at a 20% loss a step).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class _Bucket:
 class AskGuard:
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}
-        self.pauses = 0  # times a bucket stopped asking (for the metrics and the benches)
+        self.pauses = 0  # times a bucket stopped asking (for the benches and tests)
 
     def allows(self, rows: int, step: int) -> bool:
         """Whether a step of `rows` decoding rows at planner step `step` may ask for drafts."""
