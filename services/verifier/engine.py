@@ -430,7 +430,6 @@ class Engine:
         if result.verify_timing is not None and not prefill:
             shape, forward_s = result.verify_timing
             self.planner.observe_overhead(step_s - forward_s - drafting_s, shape.width > 1, len(decode))
-            self.planner.observe_step(len(decode), sum(len(row.tokens) for row in result.rows), step_s)
         self.planner.settle_probe(step_s, measured=not prefill)
         if self._stats_logger.due():
             self._stats_logger.maybe_log(self.stats)

@@ -49,7 +49,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance
-from services.verifier.ask_guard import AskGuard
 from services.verifier.cost_by_rows import CostByRows
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
@@ -147,9 +146,6 @@ class SpeculationPlanner:
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
         self._probe_step: ProbeStep | None = None  # this step's probes, until settle_probe
         self._opening = False  # this step asks a row for the first time (its drafting is not measured)
-        self.ask_guard = AskGuard()  # asking stopped for a while where asking steps realized less (ask_guard.py)
-        self._step_kind: str | None = None  # this step's plan: "asked", "plain", "probed" (None: not planned)
-        self._plain_s = 0.0  # the plain step predicted for this step's rows
         self._asked: list[int] = []  # the rows (indices) this step asked for drafts, until choose_drafts
         self._probing: list[RowSpeculation] = []  # ... of them the probes
         self.steps = 0  # steps planned so far: the clock of the rows' re-probes (row_speculation.ProbeSchedule)
@@ -170,7 +166,6 @@ class SpeculationPlanner:
         for row in self._probing:  # a step that failed before settle_probe leaves its probes' flags set
             row.probing = False
         self._asked, self._probing = [], []
-        self._step_kind = None
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
         figures = self.row_figures
@@ -186,8 +181,6 @@ class SpeculationPlanner:
                                       lambda k: draft_cost.predict(k, askable), self.speculative_overhead_s(rows),
                                       self._displacement(caps, narrow + overhead_s, backlog))
         plain_s = narrow + overhead_s  # what a plain step is expected to take
-        if width > 1 and not self.ask_guard.allows(rows, self.steps):
-            width = 1
         self._probe_column_s = max(0.0, forward_s[1] - narrow)
         token_s = plain_s / rows  # a token's share of a plain step: what a probe's win saves
         due: list[int] = []  # the rows a probe would ask
@@ -219,8 +212,6 @@ class SpeculationPlanner:
             if row is not None and not row.asked_before:
                 opening = row.asked_before = True
         self._opening = opening
-        self._step_kind = "asked" if width > 1 else "probed" if self._asked else "plain"
-        self._plain_s = plain_s
         if self._probing:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
             self._probe_step = ProbeStep(plain_s, probe_call_s, token_s)
@@ -310,12 +301,6 @@ class SpeculationPlanner:
         elif row.probing:
             row.probe.unanswered(self.steps)
         row.probing = False
-
-    def observe_step(self, rows: int, tokens: int, seconds: float) -> None:
-        """A decode-only step (no prompt chunk beside) of `rows` rows committed `tokens` in `seconds`: what the
-        ask guard weighs asking by (probing steps are left out: they are rationed apart)."""
-        if self._step_kind in ("asked", "plain"):
-            self.ask_guard.observe(rows, self._step_kind == "asked", tokens, seconds, self._plain_s, self.steps)
 
     def observe_forward(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape, seconds)
