@@ -72,8 +72,9 @@ async def bench(args) -> int:
         modes[f"prediction K={k}"] = lambda prediction, k=k: SpeculationParams(PREDICTION, k,
                                                                               prediction=tuple(prediction))
     print(json.dumps(describe_hardware()))
-    print(f"{args.model} on {weights.device}, {weights.dtype}, greedy, {len(cases)} HumanEval functions renamed (the prediction: the code before the "
-          "edit), one request at a time, adaptive speculation on, modes interleaved")
+    print(f"{args.model} on {weights.device}, {weights.dtype}, greedy, {len(cases)} HumanEval functions renamed "
+          "(the prediction: the code before the edit), one request at a time, adaptive speculation on, modes "
+          "interleaved")
     ids, differ = RequestIds(), 0
     measured: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     with ThreadPoolExecutor(1) as compute:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from services.launcher import default_serve_speculation
 from services.common.process_memory import resident_bytes
+from services.launcher import default_serve_speculation
 from services.soak.report import Memory, SoakReport, Targets, format_report, missed_targets
 from services.soak.serve_process import ServeProcess
 from services.soak.traffic import TrafficResult, TrafficSettings, drive

@@ -157,7 +157,7 @@ class DraftCollector:
         spec = state.request.speculation
         return DraftInput(state.request_id, state.committed_view(), k, state.hidden_states(), spec.draft_pipelining,
                           0.0 if sampling.greedy else sampling.temperature, spec.prediction,
-                          len(state.request.prompt_token_ids) if spec.prediction else 0)
+                          state.num_prompt_tokens if spec.prediction else 0)
 
     def readmit(self, method: str) -> None:
         """Close `method`'s breaker on outside evidence that it answers in time (a health probe)."""

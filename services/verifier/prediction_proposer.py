@@ -31,7 +31,6 @@ from services.common.drafter_methods import PREDICTION
 from services.common.prompt_lookup import TOKEN_BYTES, NgramSettings, find_tokens, propose_ngram
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 
-__all__ = ["PREDICTION", "LinedUp", "PredictionProposer", "line_up"]
 MAX_NGRAM = 8  # the longest suffix of the output looked for in the prediction
 MIN_REJOIN = 2  # the shortest suffix that lines the output up again anywhere but where it left off
 # K for a request with a prediction that does not set one, when the server's default is lower: a reply that lines

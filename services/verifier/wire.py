@@ -88,7 +88,7 @@ def grammar_from_proto(message) -> OutputGrammar:
 def speculation_from_proto(message, default: DefaultSpeculation) -> SpeculationParams:
     """"" -> the server default, or "prediction" for a request with prediction_token_ids; "none" -> off; a name ->
     that drafter (unknown names are the engine's to refuse). An unset K takes the default K (for a prediction, at
-least PREDICTION_NUM_TOKENS)."""
+    least PREDICTION_NUM_TOKENS)."""
     prediction = tuple(message.prediction_token_ids)
     method = message.method or (PREDICTION if prediction else default.method)
     pipelining = message.draft_pipelining if message.HasField("draft_pipelining") else None
