@@ -23,8 +23,13 @@ class ProbeSchedule:
     interval: int = PROBE_INTERVAL
     since: int = 0  # the planner's step at the row's last verified draft (or its start)
 
+    @property
+    def due_at(self) -> int:
+        """The planner's first step at which the row is due."""
+        return self.since + self.interval + 1
+
     def due(self, now: int) -> bool:
-        return now - self.since > self.interval
+        return now >= self.due_at
 
     def verified(self, probed: bool, num_accepted: int, now: int) -> None:
         self.since = now

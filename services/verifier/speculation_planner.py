@@ -185,8 +185,7 @@ class SpeculationPlanner:
         token_s = plain_s / rows  # a token's share of a plain step: what a probe's win saves
         due: list[int] = []  # the rows a probe would ask
         if width == 1:
-            due = [i for i, (state, cap) in enumerate(zip(decode, caps, strict=True))
-                   if cap > 0 and state.speculation is not None and state.speculation.probe.due(self.steps)]
+            due = figures.due(self.steps)
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
         # (priced for the rows it asks, one while none is due). Granted at no more than a plain step's time: a figure a
         # pause left high would otherwise keep away the very probes that measure it again (draft_cost.py);
@@ -276,6 +275,7 @@ class SpeculationPlanner:
             if row.probing:
                 row.probe.unanswered(self.steps)
                 row.probing = False
+                self.row_figures.changed()  # its schedule moved
         self._probing = []
         if self._probe_step is None:
             return
@@ -300,6 +300,7 @@ class SpeculationPlanner:
                 self._probe_step.won_tokens += num_accepted
         elif row.probing:
             row.probe.unanswered(self.steps)
+            self.row_figures.changed()  # its schedule moved
         row.probing = False
 
     def observe_forward(self, shape: StepShape, seconds: float) -> None:

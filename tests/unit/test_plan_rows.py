@@ -11,6 +11,7 @@ import pytest
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.plan_rows import PlanRows
 from services.verifier.request_state import RequestState
+from services.verifier.row_speculation import ProbeSchedule
 from services.verifier.sampling_params import GenerationRequest, SpeculationParams
 from services.verifier.speculation_planner import SpeculationPlanner
 from tests.step_costs import FixedCost
@@ -24,7 +25,8 @@ def test_figures_are_read_again_only_when_what_they_depend_on_changed():
         return (state.accept,) * cap
 
     def row(accept: float) -> SimpleNamespace:
-        return SimpleNamespace(accept=accept, speculation=SimpleNamespace(drafts=SimpleNamespace(rate=1.0)))
+        return SimpleNamespace(accept=accept, speculation=SimpleNamespace(drafts=SimpleNamespace(rate=1.0),
+                                                                          probe=ProbeSchedule()))
 
     rows = [row(0.5), row(0.5), row(1.0)]
     figures = PlanRows()
@@ -78,3 +80,25 @@ def test_the_plan_reads_each_empty_answer_and_each_verified_draft():
         planner.draft_requests(decode, [4] * 8)
         assert planner.row_figures.survivals == [s.speculation.acceptance.survival(4) for s in decode]
     assert all(now[0] < 0.5 * then[0] for now, then in zip(planner.row_figures.survivals, first, strict=True))
+
+
+def test_the_rows_due_for_a_re_probe_are_read_from_every_schedule_as_it_moves():
+    """The plan finds the rows due for a re-probe from the figures' order of due steps, not by looking at every row:
+    at each step of a batch whose drafts are worth nothing, probed, answered empty, rejected or accepted in turn,
+    they are exactly the rows whose own schedule says due."""
+    planner = SpeculationPlanner(FixedCost(base=0.004, per_row=0.00003, per_token=0.0004), adaptive=True)
+    decode = decoding_rows(planner, 12)
+    probed = 0
+    for step in range(400):
+        caps = [0 if (i + step // 50) % 5 == 0 else 4 for i in range(len(decode))]  # some rows may not draft
+        asks = planner.draft_requests(decode, caps)
+        expected = [i for i, (state, cap) in enumerate(zip(decode, caps, strict=True))
+                    if cap > 0 and state.speculation.probe.due(planner.steps)]
+        assert planner.row_figures.due(planner.steps) == expected
+        drafts = [ProposedDraft([7] * ask if (i + step) % 3 else [], None) for i, ask in enumerate(asks)]
+        drafts = planner.choose_drafts(decode, drafts)
+        probed += sum(map(bool, asks))
+        for i, (state, draft) in enumerate(zip(decode, drafts, strict=True)):
+            planner.observe_row(state, len(draft.tokens), len(draft.tokens) if (i + step) % 4 == 0 else 0)
+        planner.settle_probe(0.005)
+    assert probed > 20  # the schedules moved: rows were probed, answered empty, rejected and accepted
