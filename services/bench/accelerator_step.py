@@ -142,7 +142,9 @@ class StepPhases:
     And the decode-only steps (one forward: no prompt chunk beside) are split by whether they asked for drafts,
     asked probes only, or asked nothing: tokens committed per ms of each kind. Why: on an H200 at 64 chats (stop
     74) ngram asked at 104 of 370 steps, which cost 62% more than a plain step for 28% more tokens, where the CPU's
-    simulated device has the planner ask rarely; this says at a glance whether a run's asking paid."""
+    simulated device has the planner ask rarely; this says at a glance whether a run's asking paid. Beside them, the
+    planner's own audit of those steps (plan_audit.py): what its first plan predicted of each kind, tokens and
+    time, against what came, which says whether a loss came from tokens expected or from time unforeseen."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
@@ -160,6 +162,7 @@ class StepPhases:
         step, collect, forward, commit = engine.step, engine.drafts.collect, engine.runner.forward, engine._commit
         execute = engine_module.execute_isolating_faults
         planner = engine.planner
+        self.audit = planner.audit  # the planner's predictions of its steps against what they came to
         self._step_probed = False  # the step under way asked probes only
 
         async def timed_step():
@@ -256,6 +259,7 @@ class StepPhases:
         self._asked.clear()
         self.host_by_phase.clear()
         self.by_kind.clear()
+        self.audit.reset()
 
     def summary(self) -> str:
         """ms per step of each phase, over the steps since reset()."""
@@ -279,6 +283,7 @@ class StepPhases:
                 f"{kind} {tokens / (1000 * seconds):.3g} ({steps} steps, {tokens / steps:.1f} tokens, "
                 f"{1000 * seconds / steps:.2f} ms)" for kind, (steps, tokens, seconds) in sorted(self.by_kind.items())
                 if steps)
+            asks += f"; as the planner predicted them (plan_audit.py): {self.audit.describe()}"
         return (f"{self.steps} steps, {self.forwards} forwards ({self.verified_in_graph} verified in their graph); "
                 f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}{asks}")
 

@@ -52,6 +52,7 @@ from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance
 from services.verifier.cost_by_rows import CostByRows
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
+from services.verifier.plan_audit import PlanAudit
 from services.verifier.plan_rows import PlanRows, column_gains
 from services.verifier.request_state import RequestState
 from services.verifier.row_speculation import (
@@ -142,6 +143,7 @@ class SpeculationPlanner:
         self.speculative_extra = CostByRows(OVERHEAD_SMOOTHING)
         self.draft_cost = DraftCostModel()
         self.row_figures = PlanRows()  # what the first plan reads of its rows, kept while unchanged (plan_rows.py)
+        self.audit = PlanAudit()  # what the first plans predicted against what their steps realized (plan_audit.py)
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
         self._probe_step: ProbeStep | None = None  # this step's probes, until settle_probe
@@ -177,8 +179,9 @@ class SpeculationPlanner:
         narrow = forward_s[0]
         askable = rows - caps.count(0)  # a step that asks asks every row that may draft
         draft_cost = self.draft_cost
+        wide_overhead_s = self.speculative_overhead_s(rows)
         width = best_width_of_columns(rows, figures.columns, forward_s, overhead_s,
-                                      lambda k: draft_cost.predict(k, askable), self.speculative_overhead_s(rows),
+                                      lambda k: draft_cost.predict(k, askable), wide_overhead_s,
                                       self._displacement(caps, narrow + overhead_s, backlog))
         plain_s = narrow + overhead_s  # what a plain step is expected to take
         self._probe_column_s = max(0.0, forward_s[1] - narrow)
@@ -214,6 +217,15 @@ class SpeculationPlanner:
         if self._probing:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
             self._probe_step = ProbeStep(plain_s, probe_call_s, token_s)
+        if width > 1:  # (a step whose prompts wait is not audited: its prefill is not in the plan)
+            wide_s = forward_s[width - 1] + (overhead_s if wide_overhead_s is None else wide_overhead_s)
+            self.audit.planned("asked", rows, rows + sum(figures.columns[: width - 1]),
+                               wide_s + draft_cost.predict(width - 1, askable))
+        elif self._probing:
+            self.audit.planned("probed", rows, rows + sum(figures.first_wins[i] for i in self._asked),
+                               plain_s + probe_call_s + self._probe_column_s)
+        else:
+            self.audit.planned("plain", rows, rows, plain_s)
         return asks
 
     def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft],
@@ -277,6 +289,7 @@ class SpeculationPlanner:
                 row.probing = False
                 self.row_figures.changed()  # its schedule moved
         self._probing = []
+        self.audit.settled(step_s, measured)
         if self._probe_step is None:
             return
         probe, self._probe_step = self._probe_step, None
@@ -293,6 +306,7 @@ class SpeculationPlanner:
         if row is None:
             return
         if num_draft:
+            self.audit.accepted(num_accepted)
             row.acceptance.observe(num_draft, num_accepted)
             self.row_figures.changed()
             row.probe.verified(row.probing, num_accepted, self.steps)
