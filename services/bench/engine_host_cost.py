@@ -1,13 +1,15 @@
 """What the engine's own host work costs a step, with the model taken out: the ceiling a fast accelerator meets.
 
 Run: `python -m services.bench.engine_host_cost [--rows 1 8 64] [--tokens 256] [--text novel|chat|mixed]
-[--method suffix] [--link] [--simulated-step-ms BASE ROW TOKEN] [--rounds R] [--after-burst N]`. On an H100
+[--method suffix] [--link] [--simulated-step-ms BASE ROW TOKEN] [--rounds R] [--lengths varied|equal]
+[--after-burst N]`. On an H100
 SmolLM2's captured step takes about 5 ms, so what the engine does around it (planning, drafting, sampling on the
 host, committing, the asyncio loop) decides the throughput at high concurrency. Here the engine drives a
 ScriptedRunner: a "model" that answers instantly with logits that continue a fixed token script, so that the time
 measured is the engine's own, and n-gram drafts from the context are accepted. Printed per row count, without
 speculation and with ngram (K = 4; `--method suffix`: the suffix drafter): tokens/s, forwards, and host ms per
-forward.
+forward; with speculation also the decode-only steps by kind (asked, probed, plain) as the planner predicted them
+and as they came (plan_audit.py).
 
 `--text novel` scripts text that never repeats, so the n-gram drafter never has a draft (new chat text, where it
 mostly has none): what speculation costs where it cannot pay, which adaptive speculation should keep near nothing.
@@ -61,7 +63,7 @@ EAGLE_SIM = "eagle-sim"  # the method name of the EAGLE-like scripted drafter
 async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive: bool = True,
                    drafter: str | None = None, text: str = "repeating", simulated: SimulatedDevice | None = None,
                    rounds: int = 1, burst: int = 0, method: str = "ngram", eagle_like: EagleLike | None = None,
-                   per_request_streams: bool = False) -> dict[str, float]:
+                   per_request_streams: bool = False, varied_lengths: bool = False) -> dict[str, float]:
     """`rows` greedy requests of `tokens` each, all at once, after one unmeasured round. adaptive: the engine's
     default adaptive speculation, whose K follows the step costs it measures (so the number of forwards depends on
     the machine and its load); False: K = 4 at every step. text: the script (scripted_model.SCRIPTS; novel text
@@ -74,6 +76,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     measured rows with. method: the drafter, ngram or suffix (serve's default where arctic-inference is
     installed). eagle_like: instead, an EAGLE-like drafter in process (scripted_drafter.py, method "eagle-sim":
     its ask's time simulated, the link included), the runner returning target states of its width.
+    varied_lengths: each request asks for its own number of tokens (request_tokens) instead of `tokens` each.
     per_request_streams: read each request's outputs with a task of its own (a Generate call a request) instead of
     as one GenerateMany call's (muxed_clients.py, the deployed path)."""
     script = Script(text, vocab)
@@ -96,7 +99,8 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     async def one(name: str, offset: int) -> list[int]:
         prompt = script.prompt(offset)
         sent = time.perf_counter()
-        request = GenerationRequest(name, prompt, SamplingParams(max_tokens=tokens, temperature=0.0), speculation)
+        sampling = SamplingParams(max_tokens=request_tokens(offset, tokens, varied_lengths), temperature=0.0)
+        request = GenerationRequest(name, prompt, sampling, speculation)
         if clients is not None:
             out = await clients.generate(request)
         else:
@@ -114,6 +118,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
         asked, rows_asked = calls.count, calls.rows
         captured = runner.captured_forwards
         before = copy.deepcopy(engine.stats_by_method.get(method)) or SpecDecodeStats()
+        engine.planner.audit.reset()
 
         async def client(i: int) -> list[tuple[int, list[int]]]:
             return [(offset, await one(f"run-{offset}", offset)) for offset in range(i, rows * rounds, rows)]
@@ -135,7 +140,22 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
             "host_ms_per_forward": 1000 * (seconds - (runner.forward_s - forward_s)) / max(steps, 1),
             "follows_script": all(script.continues(script.prompt(offset), out) for offset, out in outputs),
             "repeating_request_s": median_latency(latencies, [o for o, _ in outputs if script.repeats(o)]),
-            "other_request_s": median_latency(latencies, [o for o, _ in outputs if not script.repeats(o)])}
+            "other_request_s": median_latency(latencies, [o for o, _ in outputs if not script.repeats(o)]),
+            "plans": engine.planner.audit.describe()}
+
+
+def request_tokens(offset: int, tokens: int, varied: bool) -> int:
+    """The tokens the request numbered `offset` asks for: `tokens`, or, `varied`, from `tokens` down to just over
+    half of it, consecutive requests far apart in that range (offset x 37, modulo half of it).
+
+    Why vary them: requests of one length that start together end together, and each client's next request then
+    starts with the others', so that without speculation every decoding step of a batch runs all its rows. With
+    speculation rows end at different steps, and while a finished row's successor is on its way (its client sends it
+    as the answer ends) the steps run one row short: at 8 rows on a simulated H200 step, plain steps under
+    speculation ran 7.5 rows against 8.0 without, and ngram read 0.92-0.94x none where with varied lengths it read
+    0.97-0.99x (the none run's rate fell from about 2,500 tok/s to 2,280). Served requests end at their own
+    lengths, speculation or not."""
+    return tokens - (offset * 37) % max(1, tokens // 2) if varied else tokens
 
 
 def median_latency(latencies: dict[int, float], offsets: Sequence[int]) -> float:
@@ -176,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="serve N requests at once before the measured rows (on the same engine)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="requests each of the rows' clients sends, one after the other (1: one closed batch)")
+    parser.add_argument("--lengths", choices=("varied", "equal"), default="varied",
+                        help="requests ask for from --tokens down to just over half of it (request_tokens), or each "
+                             "for --tokens (the only way before stop 75: it favours no speculation, see "
+                             "request_tokens)")
     parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
                         help="sleep a device step time in each forward: BASE ms + ROW ms a row beyond the first + "
                              "TOKEN ms a token beyond one a row (the H200's captured step: 2.4 0.035 0.002)")
@@ -218,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 figures = asyncio.run(run_case(rows, speculate, args.tokens, args.vocab, drafter=drafter,
                                                text=args.text, simulated=simulated, rounds=args.rounds,
                                                burst=args.after_burst, method=args.method, eagle_like=eagle_like,
-                                               per_request_streams=args.per_request_streams))
+                                               per_request_streams=args.per_request_streams,
+                                               varied_lengths=args.lengths == "varied"))
                 rates[speculate] = figures["tokens"] / figures["seconds"]
                 latency[speculate] = figures
                 drafts = figures["drafts"]
@@ -230,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"({figures['rows_asked']} rows){verified}, "
                       f"{figures['host_ms_per_forward']:.2f} ms of host work a forward"
                       + ("" if figures["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"), flush=True)
+                if speculate:
+                    print(f"{'':>3}   decode-only steps as planned (plan_audit.py): {figures['plans']}", flush=True)
             if args.text == "mixed":  # a request's latency by kind: the batch's rate is the chats' pace
                 for kind, key in (("repeating", "repeating_request_s"), ("chat", "other_request_s")):
                     print(f"{rows:>3} rows, mixed text: {kind} requests {1000 * latency[True][key]:.0f} ms each "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.engine_host_cost import run_case
+from services.bench.engine_host_cost import request_tokens, run_case
 
 
 async def test_the_scripted_model_is_followed_and_ngram_drafts_it_in_fewer_forwards():
@@ -40,6 +40,11 @@ async def test_the_chat_script_gives_some_drafts_a_token_or_two_and_the_simulate
     assert drafted["drafts"] > 20 and 0.2 < accepted_a_draft < 2.5, drafted
     steady = await run_case(rows=2, speculate=True, tokens=32, vocab=512, text="chat", rounds=3)
     assert steady["follows_script"] and steady["tokens"] == 2 * 3 * 32  # every request of every round, scripted
+    assert steady["plans"].startswith(("asked", "probed", "plain"))  # the planner's steps by kind (plan_audit.py)
+    varied = await run_case(rows=2, speculate=False, tokens=32, vocab=512, text="chat", rounds=3, varied_lengths=True)
+    lengths = [request_tokens(offset, 32, varied=True) for offset in range(2 * 3)]
+    assert varied["follows_script"] and varied["tokens"] == sum(lengths)
+    assert len(set(lengths)) == 6 and min(lengths) > 16 and max(lengths) == 32  # each its own, from 32 to over 16
     device = SimulatedDevice(base_ms=20.0, row_ms=1.0, token_ms=0.5)
     runner = ScriptedRunner(4, Script("chat", 512), simulated=device)
     for seq in range(4):
