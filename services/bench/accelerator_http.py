@@ -1,13 +1,15 @@
 """Issue 29's HTTP rows: the whole stack on an accelerator, through the OpenAI API, captured steps against eager.
 
 Run: `python -m services.bench.accelerator_http --device cuda --dtype bfloat16 [--modes captured eager]
-[--loads 1 8 64] [--rounds R]`. For each mode, the stack `specserve serve` starts (an ngram drafter with K = 4, the
+[--loads 1 8 64] [--rounds R] [--lengths varied|equal]`. For each mode, the stack `specserve serve` starts (an ngram drafter with K = 4, the
 verifier, the gateway; on free ports; eager adds `--enforce-eager`) comes up, and for each load that many greedy
 chat prompts go to POST /v1/completions at once, first without speculation, then with ngram, both per request on
 the same stack (prefix caching off, so the second run does not find the first one's prompts cached). With
 `--rounds R` each of the load's clients sends R requests, each as its last ends: a steady load, where one closed
 batch ends on the rows that ran slowest (at 64 chats with ngram, the rows that never had a draft: speculation can
-shorten the others but not the batch). Printed: each
+shorten the others but not the batch). Each request asks for its own number of tokens up to --max-tokens
+(request_lengths.py: equal lengths keep a batch without speculation in lockstep; `--lengths equal` as before stop
+75). Printed: each
 stack's start-up seconds (graph capture included), tokens/s of each load (completion tokens over the load's wall
 time, HTTP round trips included) without and with speculation and their ratio, then captured against eager.
 accelerator_step.py measures the same engine in process, with the step taken apart; this is what a client sees.
@@ -26,6 +28,7 @@ import torch
 from services.bench.accelerator_step import NGRAM
 from services.bench.hardware import describe_hardware
 from services.bench.http_runs import HttpClient, HttpStack, HttpTarget, launcher_args
+from services.bench.request_lengths import add_lengths_argument, request_tokens
 from services.bench.prompts import chat_token_ids
 from services.eagle.chat_prompts import chat_prompt_messages
 from services.gateway.tokenizer import load_tokenizer
@@ -36,13 +39,15 @@ K = NGRAM.num_speculative_tokens  # the in-process bench's drafter, so that the 
 
 
 def load_rate(client: HttpClient, prompts: Sequence[Sequence[int]], max_tokens: int, k: int,
-              clients: int | None = None) -> float:
+              clients: int | None = None, varied: bool = False) -> float:
     """Completion tokens per second of `prompts` sent by `clients` clients at once (None: one a prompt), each
-    sending its share one after another (K = 0: speculation off)."""
+    sending its share one after another (K = 0: speculation off); `varied`: prompt i asks for
+    request_tokens(i, max_tokens) tokens (request_lengths.py), else each for `max_tokens`."""
     clients = clients or len(prompts)
 
     def one_client(first: int) -> int:
-        return sum(client.complete(prompt, max_tokens, k).reported_tokens for prompt in prompts[first::clients])
+        return sum(client.complete(prompts[i], request_tokens(i, max_tokens, varied), k).reported_tokens
+                   for i in range(first, len(prompts), clients))
 
     with ThreadPoolExecutor(clients) as pool:
         started = time.perf_counter()
@@ -52,9 +57,9 @@ def load_rate(client: HttpClient, prompts: Sequence[Sequence[int]], max_tokens: 
 
 
 def run_mode(target: HttpTarget, mode: str, prompts_by_load: dict[int, list], max_tokens: int,
-             progress) -> tuple[float, dict[int, tuple[float, float]]]:
+             progress, varied: bool = False) -> tuple[float, dict[int, tuple[float, float]]]:
     """(start-up seconds, per load: tok/s without speculation, with ngram K) of one stack; a load's prompts are
-    sent by `load` clients."""
+    sent by `load` clients (`varied`: load_rate's)."""
     lookup = NGRAM.options
     args = launcher_args(target, K, lookup.prompt_lookup_min, lookup.prompt_lookup_max, max(prompts_by_load), 2048,
                          "auto")
@@ -65,7 +70,7 @@ def run_mode(target: HttpTarget, mode: str, prompts_by_load: dict[int, list], ma
         startup = time.perf_counter() - started
         load_rate(client, prompts_by_load[min(prompts_by_load)], 16, 0)  # warm-up, both ways
         load_rate(client, prompts_by_load[min(prompts_by_load)], 16, K)
-        rates = {load: tuple(load_rate(client, prompts, max_tokens, k, load) for k in (0, K))
+        rates = {load: tuple(load_rate(client, prompts, max_tokens, k, load, varied) for k in (0, K))
                  for load, prompts in prompts_by_load.items()}
     return startup, rates
 
@@ -83,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="requests each client of a load sends, each as its last ends (1: one closed batch)")
     parser.add_argument("--threads", type=int, default=None,
                         help="the verifier's torch threads (default: 1 on an accelerator, this machine's cores on CPU)")
+    add_lengths_argument(parser)
     args = parser.parse_args(argv)
     for key, value in describe_hardware().items():
         print(f"{key}: {value}")
@@ -95,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = HttpTarget(args.model, args.device, args.dtype, threads, tokenizer.decode)
     results = {}
     for mode in args.modes:
-        startup, rates = run_mode(target, mode, prompts_by_load, args.max_tokens, lambda line: None)
+        startup, rates = run_mode(target, mode, prompts_by_load, args.max_tokens, lambda line: None,
+                                  args.lengths == "varied")
         results[mode] = rates
         print(f"\n[{mode}] stack started in {startup:.0f} s", flush=True)
         for load, (plain, spec) in rates.items():

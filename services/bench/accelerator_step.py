@@ -6,7 +6,9 @@ captured: step graphs, invariant: captured and --batch-invariant) an in-process 
 - the decode step at batch 1: ms per step (step_profile's timers), and, on CUDA, kernel launches, stream syncs and
   host-to-device copies per step from torch.profiler (a request of 64 tokens less one of 32, so no prefill);
 - tokens/s at 1, 8 and 64 concurrent greedy chat requests (sent all at once, one closed batch; `--rounds R`: each
-  client sends R in turn, a steady load), without speculation and with the default drafter
+  client sends R in turn, a steady load; each asks for its own number of tokens up to --max-tokens, since equal
+  lengths keep a batch without speculation in lockstep, which favours it: request_lengths.py, `--lengths equal` as
+  before stop 75), without speculation and with the default drafter
   (`--method`: what `specserve serve` drafts with here, suffix where arctic-inference is installed, each
   request's own tree only, else ngram; K = 4), and the code edit at 1 request (the answer is nearly the prompt:
   its drafts land), once more at K = 8;
@@ -33,6 +35,7 @@ from dataclasses import replace
 import torch
 
 from services.bench.hardware import describe_hardware
+from services.bench.request_lengths import add_lengths_argument, request_tokens
 from services.bench.prompts import chat_token_ids, code_edit_message
 from services.bench.step_profile import PROMPT, profile_runner
 from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
@@ -102,13 +105,14 @@ def step_counts(loaded: LoadedModel, mode: str, prompt: Sequence[int], tokens: i
 
 
 async def generate_all(engine, prompts: Sequence[Sequence[int]], max_tokens: int,
-                       speculation: SpeculationParams, clients: int | None = None
+                       speculation: SpeculationParams, clients: int | None = None, varied: bool = False
                        ) -> tuple[float, list[tuple[int, ...]]]:
     """All prompts, `clients` at a time, each client sending its next as its last ends (None: all at once); (tokens/s,
-    each output's tokens, in the prompts' order)."""
+    each output's tokens, in the prompts' order). `varied`: prompt i asks for request_tokens(i, max_tokens) tokens
+    (request_lengths.py), each its own; else each for `max_tokens`."""
     async def one(i: int) -> None:
-        request = GenerationRequest(f"r{i}", tuple(prompts[i]), SamplingParams(max_tokens=max_tokens,
-                                                                              temperature=0.0), speculation)
+        sampling = SamplingParams(max_tokens=request_tokens(i, max_tokens, varied), temperature=0.0)
+        request = GenerationRequest(f"r{i}", tuple(prompts[i]), sampling, speculation)
         out: list[int] = []
         async for output in engine.generate(request):
             out += output.token_ids
@@ -289,12 +293,13 @@ class StepPhases:
 
 
 def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load: dict[str, list],
-               max_tokens: int, k_by_load: dict[str, int] | None = None, clients: dict[str, int] | None = None
-               ) -> dict[str, tuple[float, float, int, int, str]]:
+               max_tokens: int, k_by_load: dict[str, int] | None = None, clients: dict[str, int] | None = None,
+               varied: bool = False) -> dict[str, tuple[float, float, int, int, str]]:
     """Per load: (tok/s none, tok/s with options' speculative method, outputs identical, outputs, what the steps
     did: forwards and ms per forward of each run; with speculation, the drafts verified and accepted). A load in
     `k_by_load` asks for that many draft tokens a step instead of the options' K (a request may ask for any); a load in
-    `clients` sends its prompts that many at a time (generate_all; otherwise all at once)."""
+    `clients` sends its prompts that many at a time (generate_all; otherwise all at once); `varied`: each request
+    asks for its own number of tokens up to `max_tokens` (generate_all)."""
     method = options.speculative_config.method
     k_by_load = k_by_load or {}
     default_k = options.speculative_config.num_speculative_tokens
@@ -306,7 +311,7 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
     async def timed_run(load, speculation_params):
         phases.reset()
         rate, outputs = await generate_all(engine, prompts_by_load[load], max_tokens, speculation_params,
-                                           clients.get(load))
+                                           clients.get(load), varied)
         return rate, outputs, phases.summary()
 
     async def run():
@@ -318,7 +323,7 @@ def throughput(loaded: LoadedModel, options: LocalEngineOptions, prompts_by_load
             for load, prompts in prompts_by_load.items():
                 for params in (SpeculationParams(), speculation_by_load[load]):
                     # one round (a client's first request) meets the shapes
-                    await generate_all(engine, prompts[: clients.get(load)], max_tokens, params)
+                    await generate_all(engine, prompts[: clients.get(load)], max_tokens, params, varied=varied)
             for load, prompts in prompts_by_load.items():
                 plain, plain_out, plain_steps = await timed_run(load, SpeculationParams())
                 drafted = copy.deepcopy(engine.stats_by_method.get(method))
@@ -401,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "all at once, one closed batch; more: a steady load, rows ending and starting apart)")
     parser.add_argument("--method", choices=("ngram", "suffix"), default=None,
                         help="the drafter of the speculation rows (default: serve's, suffix where it installs)")
+    add_lengths_argument(parser)
     args = parser.parse_args(argv)
     args.method = args.method or first_runnable(SERVE_PREFERENCE, NGRAM)[0]
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -414,6 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     clients = {str(n): n for n in args.loads}
     if args.rounds > 1:
         print(f"each client of a chat load sends {args.rounds} requests, each as its last ends")
+    varied = args.lengths == "varied"
+    print(f"chats ask for {'from ' if varied else ''}{args.max_tokens} tokens"
+          + (f" down to {args.max_tokens - args.max_tokens // 2 + 1}, each its own (--lengths)" if varied else " each"))
     if args.method == "suffix":
         print("suffix: each request's own tree only (suffix_decoding_max_cached_requests 0): the prompts repeat")
     prompts_by_load["edit"] = [chat_token_ids(loaded.tokenizer, code_edit_message())]
@@ -442,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      batch_invariant=mode == "invariant",
                                      speculative_config=speculation_config(args.method))
         rows[mode] = (step_ms, forward_ms, counts, throughput(loaded, options, prompts_by_load, args.max_tokens,
-                                                              {EDIT_LONG: LONG_K}, clients))
+                                                              {EDIT_LONG: LONG_K}, clients, varied))
         print(f"\n[{mode}] decode step at batch 1: {step_ms:.2f} ms (forward {forward_ms:.2f})"
               + "".join(f", {v:.1f} {k}" for k, v in counts.items()) + (" per step" if counts else ""), flush=True)
         print_throughput(args.method, rows[mode][3])
@@ -453,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 draft_dtype=args.dtype, **({"num_draft_tokens": TREE_NODES, "eagle_topk": TREE_TOPK} if tree else {})))
             chains = {load: prompts for load, prompts in prompts_by_load.items() if load != EDIT_LONG}
             nodes = {load: TREE_NODES for load in chains} if tree else None  # a request's K is its tree's budget
-            print_throughput(row, throughput(loaded, eagle, chains, args.max_tokens, nodes, clients))
+            print_throughput(row, throughput(loaded, eagle, chains, args.max_tokens, nodes, clients, varied))
     if "eager" in rows and "captured" in rows:
         eager, captured = rows["eager"], rows["captured"]
         print(f"\ncaptured vs eager: step {eager[0] / captured[0]:.2f}x faster; tok/s without speculation "

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from services.bench.drafter_process import drafter_process
 from services.bench.hardware import describe_hardware
 from services.bench.muxed_clients import MuxedClients
+from services.bench.request_lengths import add_lengths_argument, request_tokens
 from services.common.speculative_config import SpeculativeConfig
 from services.bench.scripted_drafter import EagleLike, SimulatedAsk
 from services.bench.scripted_model import SCRIPT_PERIOD, SCRIPTS, ScriptedRunner, Script, SimulatedDevice
@@ -76,7 +77,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
     measured rows with. method: the drafter, ngram or suffix (serve's default where arctic-inference is
     installed). eagle_like: instead, an EAGLE-like drafter in process (scripted_drafter.py, method "eagle-sim":
     its ask's time simulated, the link included), the runner returning target states of its width.
-    varied_lengths: each request asks for its own number of tokens (request_tokens) instead of `tokens` each.
+    varied_lengths: each request asks for its own number of tokens (request_lengths.py) instead of `tokens` each.
     per_request_streams: read each request's outputs with a task of its own (a Generate call a request) instead of
     as one GenerateMany call's (muxed_clients.py, the deployed path)."""
     script = Script(text, vocab)
@@ -144,20 +145,6 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
             "plans": engine.planner.audit.describe()}
 
 
-def request_tokens(offset: int, tokens: int, varied: bool) -> int:
-    """The tokens the request numbered `offset` asks for: `tokens`, or, `varied`, from `tokens` down to just over
-    half of it, consecutive requests far apart in that range (offset x 37, modulo half of it).
-
-    Why vary them: requests of one length that start together end together, and each client's next request then
-    starts with the others', so that without speculation every decoding step of a batch runs all its rows. With
-    speculation rows end at different steps, and while a finished row's successor is on its way (its client sends it
-    as the answer ends) the steps run one row short: at 8 rows on a simulated H200 step, plain steps under
-    speculation ran 7.5 rows against 8.0 without, and ngram read 0.92-0.94x none where with varied lengths it read
-    0.97-0.99x (the none run's rate fell from about 2,500 tok/s to 2,280). Served requests end at their own
-    lengths, speculation or not."""
-    return tokens - (offset * 37) % max(1, tokens // 2) if varied else tokens
-
-
 def median_latency(latencies: dict[int, float], offsets: Sequence[int]) -> float:
     """The median seconds of the requests numbered `offsets` (0.0 for none)."""
     return statistics.median(latencies[offset] for offset in offsets) if offsets else 0.0
@@ -196,10 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="serve N requests at once before the measured rows (on the same engine)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="requests each of the rows' clients sends, one after the other (1: one closed batch)")
-    parser.add_argument("--lengths", choices=("varied", "equal"), default="varied",
-                        help="requests ask for from --tokens down to just over half of it (request_tokens), or each "
-                             "for --tokens (the only way before stop 75: it favours no speculation, see "
-                             "request_tokens)")
+    add_lengths_argument(parser)
     parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
                         help="sleep a device step time in each forward: BASE ms + ROW ms a row beyond the first + "
                              "TOKEN ms a token beyond one a row (the H200's captured step: 2.4 0.035 0.002)")

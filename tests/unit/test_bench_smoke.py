@@ -132,6 +132,7 @@ async def test_a_steady_load_sends_each_prompt_once_a_client_at_a_time_and_keeps
     """accelerator_step --rounds: generate_all with `clients` keeps at most that many requests in flight, each client
     sending its next as its last ends; the outputs are those of sending them all at once, in the prompts' order."""
     from services.bench.accelerator_step import generate_all
+    from services.bench.request_lengths import request_tokens
     from services.modeling.llama_runner import LlamaFamilyRunner
     from services.verifier.engine import Engine
     from services.verifier.engine_config import EngineConfig
@@ -155,5 +156,10 @@ async def test_a_steady_load_sends_each_prompt_once_a_client_at_a_time_and_keeps
         _, together = await generate_all(engine, prompts, 6, SpeculationParams())
         engine.generate = counted
         _, two_at_a_time = await generate_all(engine, prompts, 6, SpeculationParams(), clients=2)
+        engine.generate = generate
+        _, varied = await generate_all(engine, prompts, 6, SpeculationParams(), clients=2, varied=True)
     assert two_at_a_time == together and len(together) == 7 and all(len(out) == 6 for out in together)
     assert most == 2
+    # --lengths varied: each its own length, the first tokens of the same greedy answers
+    assert [len(out) for out in varied] == [request_tokens(i, 6, varied=True) for i in range(7)] != [6] * 7
+    assert all(out == full[: len(out)] for out, full in zip(varied, together, strict=True))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.engine_host_cost import request_tokens, run_case
+from services.bench.engine_host_cost import run_case
+from services.bench.request_lengths import request_tokens
 
 
 async def test_the_scripted_model_is_followed_and_ngram_drafts_it_in_fewer_forwards():
