@@ -11,7 +11,10 @@
 #          trees) at 1, 8, 64 chats under a steady load (3 requests a client), and the code edit (STEP_ARGS replaces
 #          its arguments after --device and --dtype)
 #   ngram  accelerator_step with the ngram drafter (issue 29's ngram target; `step` drafts with serve's default,
-#          suffix where it installs), no EAGLE rows
+#          suffix where it installs), no EAGLE rows; each request asks for its own length (--lengths varied)
+#   lockstep  the same with every request of one length (--lengths equal), as every run before stop 75 was: a
+#          load without speculation then runs in lockstep (services/bench/request_lengths.py), and the difference
+#          from `ngram` says how much of the 8 and 64 chats rows' losses that was
 #   prediction  predicted_outputs: OpenAI's predicted outputs on the code edits, in float32, where every output
 #          must equal the output without speculation (exit 1 if one differs; bf16 reduces a verify in another order)
 #   http   accelerator_http: the same stack through the OpenAI HTTP API, steady load
@@ -29,7 +32,8 @@ summary=()
 
 limit_of() {  # each check's own limit in seconds
     case "$1" in
-        tests) echo 90 ;; step) echo 300 ;; ngram) echo 120 ;; prediction) echo 120 ;; http) echo 240 ;;
+        tests) echo 90 ;; step) echo 300 ;; ngram) echo 120 ;; lockstep) echo 120 ;; prediction) echo 120 ;;
+        http) echo 240 ;;
         link) echo 120 ;; *) echo 0 ;;
     esac
 }
@@ -45,6 +49,8 @@ tests/unit/test_host_copies.py tests/unit/test_accelerator_kernels.py tests/unit
 ${STEP_ARGS:---modes captured --rounds 3 --eagle eagle3 eagle3-tree}" ;;
         ngram) echo "BENCH=accelerator_step bash deploy/scripts/gpu-bench.sh --device $device --dtype $dtype \
 --modes captured --rounds 3 --method ngram --no-eagle" ;;
+        lockstep) echo "BENCH=accelerator_step bash deploy/scripts/gpu-bench.sh --device $device --dtype $dtype \
+--modes captured --rounds 3 --method ngram --no-eagle --lengths equal" ;;
         prediction) echo "BENCH=predicted_outputs bash deploy/scripts/gpu-bench.sh --device $device --dtype float32" ;;
         http) echo "BENCH=accelerator_http bash deploy/scripts/gpu-bench.sh --device $device --dtype $dtype \
 --modes captured --rounds 3" ;;
@@ -59,7 +65,7 @@ if [ ! -d /tmp/site/transformers ]; then
     [ -n "$setup" ] || { echo "no /tmp/site and no .gpu/p*/setup.sh: carry the kit's last part" >&2; exit 2; }
     bash "$setup" || exit 2
 fi
-for name in ${CHECKS:-tests step ngram prediction http link}; do
+for name in ${CHECKS:-tests step ngram lockstep prediction http link}; do
     limit=$(limit_of "$name")
     [ "$limit" -gt 0 ] || { summary+=("$name: unknown check"); continue; }
     left=$(( budget - ($(date +%s) - started) ))
