@@ -195,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=[default_ask.base_ms, default_ask.row_ms],
                         help="eagle-sim: an ask's time, BASE ms + ROW ms a sequence beyond the first (default: the "
                              "H200's EAGLE-3 chain of 4 over gRPC)")
+    parser.add_argument("--simulated-opening-ms", type=float, default=default_ask.opening_ms,
+                        help="eagle-sim: what an ask takes more for each sequence it asks about for the first time "
+                             "(default none)")
     parser.add_argument("--accept", type=float, default=default_eagle.accept,
                         help="eagle-sim: the chance a draft position is right given the one before was")
     parser.add_argument("--repeating-accept", type=float, default=None,
@@ -204,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.link and args.method == EAGLE_SIM:
         parser.error("--method eagle-sim runs in process (its simulated ask includes the link): drop --link")
-    eagle_like = (EagleLike(SimulatedAsk(*args.simulated_ask_ms), args.accept, args.state_width, args.repeating_accept)
-                  if args.method == EAGLE_SIM else None)
+    eagle_like = (EagleLike(SimulatedAsk(*args.simulated_ask_ms, args.simulated_opening_ms), args.accept,
+                            args.state_width, args.repeating_accept) if args.method == EAGLE_SIM else None)
     if args.text == "novel" and args.vocab < 2 * SCRIPT_PERIOD + max(args.rows) * args.rounds + args.tokens:
         parser.error("--text novel needs a vocabulary larger than a request's prompt and output (raise --vocab)")
     simulated = SimulatedDevice(*args.simulated_step_ms, *args.simulated_verify_ms) if args.simulated_step_ms else None
