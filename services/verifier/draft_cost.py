@@ -29,15 +29,41 @@ gRPC) predicted its calls at 0.5-0.8 of what they cost, asked at that price, and
 (engine_host_cost's chat text on a simulated H200 step: planned asks took 1.3-4.5% of the step time). The fade
 moves every FADE_REFRESH_STEPS steps rather than every step, so that what a plan prices is worked out once for
 those steps (a fading figure changes by 7% across them).
+
+A row's first ask opens it on the drafter (the whole prompt; for EAGLE its target states and the head's prefill),
+once per request: an ask that opens rows costs its class's figure plus that much a row opened (`opening_s`, one
+figure for every class). Such asks were left out of the figures once, so that a first call's 16 ms over gRPC (0.5 a
+call after it) would not stop the asking. But under a steady load every ask of a batch opens the rows that arrived
+since the one before: at 64 rows 31 of 38 asks in a run opened some, the figures came from the other 7, faded stale
+between them (eagle-sim, below), and the plan did not price the openings at all (an H200's EAGLE-3 at 64 chats: 5
+of its 7 asks opened rows, 52.8 ms each against a 7 ms step). So an opening ask teaches both: what it took beyond
+what the figures say such an ask takes (its class's, or the line through the others') is the openings', and what it
+took less them its class's. Before any figure it is left out, as before. The plan prices an ask's openings, each
+shared among the asks its row can expect (SpeculationPlanner.draft_requests).
+
+A class's figures fade toward the lowest of its last few measurements at any k (LOWEST_OF), once it has two, not
+toward nothing; that floor fades too, ten times slower. Why: an ask that rarely pays is rarely measured, however
+true its figure. At 64 rows an EAGLE-like drafter's ask of every row cost 13-19 ms against a 5 ms step; its figures,
+not measured for a few hundred steps, faded to 0.3 ms, so the planner asked again, paid, measured, stopped, and so
+on: 4-8 asks and 2 probes of most rows in a run of about 570 steps, which took 1.7-2.8 times what the plan said
+(engine_host_cost's chat text, eagle-sim, on a simulated H200 step: 0.87-0.91x none at 64 rows; on an H200
+EAGLE-3 at 64 chats asked 7 times in 386 steps, at 0.89x). Any k: such asks come at several k (the plan's width
+differs from one to the next) and probes at k = 1, each measured once. Below what the class's figures say unfaded
+only: a floor from a larger k does not price a smaller one above its own current figure. A class measured once
+fades as before: a first call that met one-time costs (a graph captured inside it) must not hold the asking back
+once it has faded, and the next measurement gives the floor.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of the newest observation in each k's moving average, and in a class's mean rows
 STALE_STEPS = 100  # steps without a measurement after which a figure fades, and the next one replaces it
 HALF_LIFE_STEPS = 100  # steps, once stale, after which a figure not measured again counts half
+LOWEST_OF = 4  # a class's figures fade toward the lowest of its last this many measurements (once it has two)
+FLOOR_HALF_LIFE_STEPS = 10 * HALF_LIFE_STEPS  # ... and that floor, once stale, counts half after this many steps
 FADE_REFRESH_STEPS = 10  # a fading figure's age is counted in steps of this many
 
 
@@ -49,6 +75,7 @@ class RowClassAsks:
     rows: float
     seconds_by_k: dict[int, float] = field(default_factory=dict)
     measured_at: dict[int, int] = field(default_factory=dict)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=LOWEST_OF))  # its last measurements, any k
 
 
 @dataclass
@@ -57,6 +84,8 @@ class DraftCostModel:
     steps: int = 0  # steps aged so far
     observations: int = 0  # calls observed so far
     oldest: int = 0  # the step the least recently measured figure was measured at
+    _opening_s: float = 0.0  # the average of what asks took beyond their figure, per row opened (opening_s)
+    openings_known: bool = False
     # (fade's step, observations) when the predictions below were worked out -> {(k, rows): seconds}: a plan prices
     # several k a step (about 2 us each at 64 rows when the line was fitted again for each), and the figures change
     # at most once a step
@@ -79,10 +108,32 @@ class DraftCostModel:
         previous = asks.seconds_by_k.get(k)
         fresh = previous is None or self.steps - asks.measured_at[k] >= STALE_STEPS
         asks.seconds_by_k[k] = seconds if fresh else previous + SMOOTHING * (seconds - previous)
+        asks.recent.append(seconds)
         if fresh or renews:
             asks.measured_at[k] = self.steps
         self.oldest = min(min(asks.measured_at.values()) for asks in self.classes.values())
         self.observations += 1
+
+    def observe_opening(self, k: int, seconds: float, renews: bool, rows: int, opened: int) -> None:
+        """An ask of `rows` rows, `opened` of them asked for the first time, took `seconds`: what it took beyond what
+        the figures say such an ask takes is the openings', a row opened each; what it took less the openings is
+        its class's (module docstring). Before any figure, left out: nothing tells a first call's own costs apart."""
+        if k <= 0 or seconds < 0 or opened <= 0:
+            return
+        expected = self.predict(k, rows)
+        if expected <= 0:
+            return
+        # not clipped at 0 an ask: where openings cost nothing, asks that took less than their figure balance those
+        # that took more (clipped, the noise alone made a figure of them); `opening` clips the average
+        extra = (seconds - expected) / opened
+        self._opening_s = extra if not self.openings_known else self._opening_s + SMOOTHING * (extra - self._opening_s)
+        self.openings_known = True
+        self.observe(k, max(0.0, seconds - self.opening_s * opened), renews, rows)
+
+    @property
+    def opening_s(self) -> float:
+        """What a row's first ask adds to the call, per row opened (0 until known)."""
+        return max(0.0, self._opening_s)
 
     def age(self) -> None:
         """One more step has passed (see the module docstring)."""
@@ -124,14 +175,23 @@ class DraftCostModel:
     @staticmethod
     def _class_seconds(asks: RowClassAsks, k: int, now: int) -> float:
         """One class's figure at k: through its figures faded to `now`, proportional to k from one, a line from
-        more."""
-        figures = {seen: seconds * 0.5 ** (max(0, now - asks.measured_at[seen] - STALE_STEPS) / HALF_LIFE_STEPS)
-                   for seen, seconds in asks.seconds_by_k.items()}
-        if len(figures) == 1:
-            (seen, seconds), = figures.items()
-            return seconds * k / seen
-        fixed, per_token = nonnegative_line(figures)
-        return max(0.0, fixed + per_token * k)
+        more; not below its floor while that is below the figure unfaded (module docstring)."""
+        stale = {seen: max(0, now - at - STALE_STEPS) for seen, at in asks.measured_at.items()}
+        figure = figure_at(k, {seen: seconds * 0.5 ** (stale[seen] / HALF_LIFE_STEPS)
+                               for seen, seconds in asks.seconds_by_k.items()})
+        if len(asks.recent) < 2 or not any(stale.values()):
+            return figure
+        floor = min(asks.recent) * 0.5 ** (min(stale.values()) / FLOOR_HALF_LIFE_STEPS)
+        return max(figure, min(floor, figure_at(k, asks.seconds_by_k)))
+
+
+def figure_at(k: int, figures: dict[int, float]) -> float:
+    """Seconds at k from figures by k: proportional to k from one, a line from more."""
+    if len(figures) == 1:
+        (seen, seconds), = figures.items()
+        return seconds * k / seen
+    fixed, per_token = nonnegative_line(figures)
+    return max(0.0, fixed + per_token * k)
 
 
 def nonnegative_line(points: dict[float, float]) -> tuple[float, float]:

@@ -9,7 +9,8 @@ times what the same loops take timed warm), and most steps under load verify not
 they read had changed. Kept, the plan takes about 0.22 ms there (with cheaper cost predictions, step_cost.py).
 
 A row's figures change only when its acceptance is observed (a verified draft, which also moves its method's
-prior, so every row of that method), when its proposer is asked (its draft rate) or its re-probe schedule moves,
+prior, so every row of that method), when its proposer is asked (its draft rate, and whether it was ever asked:
+an ask opens it on the drafter) or its re-probe schedule moves,
 or when its cap changes; and the batch's when its rows change. The planner counts the first three (`changed`);
 the figures are computed again when that count, the rows (compared by identity) or their caps differ from the step
 they were computed at.
@@ -50,6 +51,9 @@ class PlanRows:
         # those steps, in order
         self._due_rows: list[int] = []
         self._due_steps: list[int] = []
+        # of the rows that may draft and were never asked (an ask opens them on the drafter), the tokens each may
+        # still write
+        self.unopened_remaining: list[int] = []
         self._version = 0  # bumped by `changed`
         self._computed_at: tuple[int, list[RequestState], list[int]] | None = None  # (version, rows, caps)
 
@@ -77,9 +81,11 @@ class PlanRows:
                              if cap > 0 and state.speculation is not None)
         self._due_steps = [step for step, _ in by_due_step]
         self._due_rows = [i for _, i in by_due_step]
+        self.unopened_remaining = [decode[i].request.sampling.max_tokens - decode[i].num_output_tokens
+                                   for i in self._due_rows if not decode[i].speculation.asked_before]
         self._computed_at = (self._version, list(decode), caps)
 
     def due(self, step: int) -> list[int]:
-        """The rows (indices, in order) that may draft and are due for a re-probe at the planner's `step`, as of
-        the last read (a schedule that moves is a change: `changed`)."""
-        return sorted(self._due_rows[: bisect_right(self._due_steps, step)])
+        """The rows (indices) that may draft and are due for a re-probe at the planner's `step`, as of the last read
+        (a schedule that moves is a change: `changed`), longest due first."""
+        return self._due_rows[: bisect_right(self._due_steps, step)]

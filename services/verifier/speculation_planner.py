@@ -67,6 +67,7 @@ from services.verifier.step_planning import PrefillBacklog, prefill_room
 from services.verifier.tree_budget import best_nodes, keep_nodes, node_gains
 
 OVERHEAD_SMOOTHING = 0.05  # weight of the newest step in the moving average of step overhead
+ASKING_SMOOTHING = 0.05  # weight of the newest step in the share of steps that asked (_openings_s)
 TREE_YIELD_SMOOTHING = 0.5  # weight of a row's newest tree in its trees' yield (_observe_tree_yield)
 
 
@@ -147,7 +148,8 @@ class SpeculationPlanner:
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
         self._probe_step: ProbeStep | None = None  # this step's probes, until settle_probe
-        self._opening = False  # this step asks a row for the first time (its drafting is not measured)
+        self._opened = 0  # the rows this step asks for the first time (draft_cost.observe_opening)
+        self.asking = 0.0  # the share of steps lately whose plan asked for drafts (ASKING_SMOOTHING: _openings_s)
         self._asked: list[int] = []  # the rows (indices) this step asked for drafts, until choose_drafts
         self._probing: list[RowSpeculation] = []  # ... of them the probes
         self.steps = 0  # steps planned so far: the clock of the rows' re-probes (row_speculation.ProbeSchedule)
@@ -179,16 +181,20 @@ class SpeculationPlanner:
         narrow = forward_s[0]
         askable = rows - caps.count(0)  # a step that asks asks every row that may draft
         draft_cost = self.draft_cost
+        openings_s = self._openings_s(figures.unopened_remaining)
+
+        def draft_s(k: int) -> float:
+            return draft_cost.predict(k, askable) + openings_s if k > 0 else 0.0
+
         wide_overhead_s = self.speculative_overhead_s(rows)
-        width = best_width_of_columns(rows, figures.columns, forward_s, overhead_s,
-                                      lambda k: draft_cost.predict(k, askable), wide_overhead_s,
+        width = best_width_of_columns(rows, figures.columns, forward_s, overhead_s, draft_s, wide_overhead_s,
                                       self._displacement(caps, narrow + overhead_s, backlog))
         plain_s = narrow + overhead_s  # what a plain step is expected to take
         self._probe_column_s = max(0.0, forward_s[1] - narrow)
         token_s = plain_s / rows  # a token's share of a plain step: what a probe's win saves
         due: list[int] = []  # the rows a probe would ask
         if width == 1:
-            due = figures.due(self.steps)
+            due = self._probe_rows(decode, figures.due(self.steps), plain_s)
         # a step that asks no row for a draft makes no drafting call, unless a probe asks: then the probe pays for it
         # (priced for the rows it asks, one while none is due). Granted at no more than a plain step's time: a figure a
         # pause left high would otherwise keep away the very probes that measure it again (draft_cost.py);
@@ -208,25 +214,52 @@ class SpeculationPlanner:
                 asks[i] = 1
                 self._probing.append(decode[i].speculation)
                 decode[i].speculation.probing = True
-        opening = False
+        opened = 0
         for i in self._asked:
             row = decode[i].speculation
             if row is not None and not row.asked_before:
-                opening = row.asked_before = True
-        self._opening = opening
+                row.asked_before = True
+                opened += 1
+        self._opened = opened
         if self._probing:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
             self._probe_step = ProbeStep(plain_s, probe_call_s, token_s)
+        self.asking += ASKING_SMOOTHING * ((width > 1) - self.asking)
         if width > 1:  # (a step whose prompts wait is not audited: its prefill is not in the plan)
             wide_s = forward_s[width - 1] + (overhead_s if wide_overhead_s is None else wide_overhead_s)
-            self.audit.planned("asked", rows, rows + sum(figures.columns[: width - 1]),
-                               wide_s + draft_cost.predict(width - 1, askable))
+            self.audit.planned("asked", rows, rows + sum(figures.columns[: width - 1]), wide_s + draft_s(width - 1))
         elif self._probing:
             self.audit.planned("probed", rows, rows + sum(figures.first_wins[i] for i in self._asked),
                                plain_s + probe_call_s + self._probe_column_s)
         else:
             self.audit.planned("plain", rows, rows, plain_s)
         return asks
+
+    def _probe_rows(self, decode: Sequence[RequestState], due: list[int], plain_s: float) -> list[int]:
+        """Of the rows `due` for a re-probe (longest due first), the most that one probe asks (in order): as many as
+        a plain step's time pays the openings of (at least one). Due rows probe together, so that one call serves
+        them all; but under a steady load most rows are new at a probe, and an EAGLE-like drafter probed 47-62 rows
+        at once, opening each: 60-108 ms against a 5 ms step, charged four steps' time at most (PROBE_CHARGE_STEPS),
+        so the probes took several times their share (engine_host_cost's chat text, eagle-sim with 1 ms openings,
+        on a simulated H200 step at 64 rows). The call itself is not what bounds them: a figure a pause left high
+        would then keep the probes from the very rows whose asks measure it again."""
+        opening_s = self.draft_cost.opening_s
+        count = len(due)
+        while count > 1 and opening_s * sum(not decode[i].speculation.asked_before for i in due[:count]) > plain_s:
+            count //= 2
+        return sorted(due[:count])
+
+    def _openings_s(self, remaining: Sequence[int]) -> float:
+        """What an ask would add opening the rows never asked, `remaining[i]` the tokens the i-th may still write.
+        An opening is paid once and serves the row's later asks too: each is shared among the asks its row can
+        expect, 1 + its remaining tokens x the share of steps that asked lately. Alone with a drafter worth asking,
+        that is most steps, and a 16 ms opening over gRPC is next to nothing an ask; at 64 chats where asks are
+        rare, an opening is charged nearly in full (an H200's EAGLE-3 openings at 64 chats: 52.8 ms against a 7 ms
+        step)."""
+        if not remaining or not self.draft_cost.openings_known:
+            return 0.0
+        asking = self.asking
+        return self.draft_cost.opening_s * sum(1.0 / (1.0 + asking * max(0, left)) for left in remaining)
 
     def choose_drafts(self, decode: Sequence[RequestState], drafts: Sequence[ProposedDraft],
                       backlog: PrefillBacklog | None = None) -> list[ProposedDraft]:
@@ -322,10 +355,10 @@ class SpeculationPlanner:
 
     def observe_drafting(self, k: int, seconds: float) -> None:
         """Collecting the step's drafts, at most `k` tokens each (0: none asked), took `seconds`. A step that asked a
-        row for the first time is not measured: a first call opens the sequence on the drafter (the whole prompt,
-        for EAGLE its target states and the head's prefill; the link itself, for the first request), once per
-        request, and measured as a step's cost it made the planner stop asking (16 ms over gRPC against 0.5 ms a
-        call after it).
+        row for the first time teaches the figure of an opening apart (draft_cost.observe_opening): a first call
+        opens the sequence on the drafter (the whole prompt, for EAGLE its target states and the head's prefill; the
+        link itself, for the first request), once per request, and measured as an ask's cost it made the planner
+        stop asking (16 ms over gRPC against 0.5 ms a call after it).
 
         A step that asked only probes is averaged in without renewing its figure's age (draft_cost.py). Rationed net
         of what they win, probes come more often than a figure goes stale (100 steps): renewing it, they kept a
@@ -333,9 +366,13 @@ class SpeculationPlanner:
         all where a figure was current, instead, they no longer taught what they cost: ngram at 64 chats read 0.95x
         against 0.97x none with them measured (engine_host_cost's chat text on a simulated H200 step; within the
         noise of one batch, but low in each of three against the code before)."""
-        if k > 0 and not self._opening:  # set by draft_requests, which asked
+        if k > 0:  # _opened and _asked: set by draft_requests, which asked
             # _probe_step: set by draft_requests on a probing step, cleared by settle_probe
-            self.draft_cost.observe(k, seconds, renews=self._probe_step is None, rows=len(self._asked))
+            renews, rows = self._probe_step is None, len(self._asked)
+            if self._opened:
+                self.draft_cost.observe_opening(k, seconds, renews, rows, self._opened)
+            else:
+                self.draft_cost.observe(k, seconds, renews=renews, rows=rows)
         self.draft_cost.age()
 
     def observe_overhead(self, seconds: float, speculative: bool = False, rows: int = 1) -> None:

@@ -229,3 +229,107 @@ async def test_a_slow_first_call_does_not_stop_the_asking():
     out = await run_schedule(engine, {0: [GenerationRequest("r", prompt, greedy, SpeculationParams("opening", 2))]})
     assert out["r"].tokens == reference
     assert proposer.calls >= 10  # about one call a step for 40 tokens at 3 a step (the first call measured: 1 or 2)
+
+
+def test_an_ask_that_opens_rows_teaches_what_an_opening_costs_and_its_class_what_it_costs_less_them():
+    """A row's first ask opens it on the drafter. What an ask that opens rows took beyond what the figures say such
+    an ask takes is the openings', per row opened, and what it took less them is its class's; before any figure the
+    ask is left out (a first call's one-time costs must not stop the asking)."""
+    from services.verifier.draft_cost import SMOOTHING
+
+    model = DraftCostModel()
+    model.observe_opening(2, 0.050, renews=True, rows=1, opened=1)  # nothing known: left out
+    assert model.predict(2, 1) == 0.0 and not model.openings_known
+    model.observe(2, 0.004, rows=1)
+    model.observe_opening(2, 0.024, renews=True, rows=1, opened=1)  # 20 ms beyond the class's 4
+    assert model.openings_known and model.opening_s == pytest.approx(0.020)
+    assert model.predict(2, 1) == pytest.approx(0.004)  # less the opening: what the class said
+    model.observe_opening(2, 0.104, renews=True, rows=40, opened=4)  # another class: the line through the others
+    assert model.opening_s == pytest.approx(0.020 + SMOOTHING * ((0.104 - 0.004) / 4 - 0.020))
+    assert model.predict(2, 40) == pytest.approx(0.104 - 4 * model.opening_s)  # its class: less its openings
+    before = model.opening_s
+    model.observe_opening(2, model.predict(2, 40), renews=True, rows=40, opened=1)  # an opening that cost nothing
+    assert model.opening_s == pytest.approx((1 - SMOOTHING) * before)
+    free = DraftCostModel()  # where openings cost nothing, asks above and below their figure balance out
+    free.observe(2, 0.004, rows=8)
+    for seconds in (0.0045, 0.0035) * 20:
+        free.observe_opening(2, seconds, renews=True, rows=8, opened=2)
+    assert free.opening_s < 0.0001
+
+
+def test_a_class_measured_again_fades_no_lower_than_its_lowest_measurement_which_fades_slower():
+    """Asks that rarely pay are rarely measured: faded to nothing between them, an expensive drafter's figure at 64
+    rows made the planner ask again and again at a loss. A class measured twice fades toward the lowest of its last
+    measurements (at any k), never above its own figure unfaded, and that floor fades ten times slower."""
+    from services.verifier.draft_cost import FLOOR_HALF_LIFE_STEPS, HALF_LIFE_STEPS, STALE_STEPS
+
+    model = DraftCostModel()
+    model.observe(3, 0.018, rows=64)
+    model.observe(1, 0.016, rows=64)  # a probe's k: two measurements of the class
+    for _ in range(STALE_STEPS + 4 * HALF_LIFE_STEPS):
+        model.age()
+    floor = 0.016 * 0.5 ** (4 * HALF_LIFE_STEPS / FLOOR_HALF_LIFE_STEPS)
+    assert model.predict(3, 64) == pytest.approx(floor, rel=0.05)  # not 0.018 / 16
+    assert model.predict(1, 64) == pytest.approx(floor, rel=0.05)
+    single = DraftCostModel()
+    single.observe(3, 0.018, rows=64)  # measured once (a first call's one-time costs, maybe): fades as before
+    for _ in range(STALE_STEPS + 4 * HALF_LIFE_STEPS):
+        single.age()
+    assert single.predict(3, 64) == pytest.approx(0.018 / 16, rel=0.05)
+    fresh = DraftCostModel()
+    fresh.observe(4, 0.020, rows=64)
+    fresh.observe(4, 0.018, rows=64)
+    fresh.observe(1, 0.002, rows=64)  # current figures: the floor (0.002 of k = 1) does not touch k = 4
+    assert fresh.predict(4, 64) > 0.015
+
+
+def test_the_plan_prices_the_openings_of_the_rows_an_ask_would_open():
+    """A batch of rows never asked, whose drafter takes 50 ms to open each: an ask of them is not worth a step's few
+    tokens, and the plan asks none (a probe opens them, rationed); once they are open, asks cost what asks cost."""
+    from services.verifier.speculation_planner import SpeculationPlanner
+    from tests.unit.test_plan_rows import decoding_rows
+
+    planner = SpeculationPlanner(FixedCost(), adaptive=True)  # a verify step of 4 rows: ~20-35 ms by width
+    decode = decoding_rows(planner, 4)
+    for state in decode:
+        state.speculation.acceptance.method.observe(4, 4)  # drafts are good
+    planner.draft_cost.observe(4, 0.001, rows=4)
+    planner.draft_cost.observe_opening(4, 0.001 + 4 * 0.050, renews=True, rows=4, opened=4)  # 50 ms an opening
+    assert planner.draft_cost.opening_s == pytest.approx(0.050)
+    asks = planner.draft_requests(decode, [4] * 4)
+    assert len(planner.row_figures.unopened_remaining) == 4 and not any(asks)
+    for state in decode:
+        state.speculation.asked_before = True  # opened (by probes, say)
+    planner.row_figures.changed()
+    assert planner.draft_requests(decode, [4] * 4) == [4] * 4 and not planner.row_figures.unopened_remaining
+
+
+def test_a_probe_asks_only_as_many_rows_never_asked_as_a_plain_step_pays_the_openings_of():
+    """Due rows probe together, but rows never asked are opened by the probe: 16 of them at 5 ms each against a plain
+    step of about 20 ms would take four steps' time in one. The probe asks the longest due of them that a plain
+    step's time pays for (at least one), and every due row once they are open."""
+    from services.verifier.draft_collection import ProposedDraft
+    from services.verifier.speculation_planner import SpeculationPlanner
+    from tests.unit.test_plan_rows import decoding_rows
+
+    planner = SpeculationPlanner(FixedCost(base=0.016, per_row=0.0001, per_token=0.0001), adaptive=True)
+    decode = decoding_rows(planner, 16)
+    for state in decode:
+        state.speculation.acceptance.method.observe(4, 0)  # drafts are poor: plain steps, and probes
+    planner.draft_cost.observe(1, 0.0005, rows=16)
+    planner.draft_cost.observe_opening(1, 0.0005 + 2 * 0.005, renews=True, rows=16, opened=2)  # 5 ms an opening
+    opened_by_probe = []
+    for _ in range(60):
+        never_asked = [not state.speculation.asked_before for state in decode]
+        asks = planner.draft_requests(decode, [4] * 16)
+        if any(asks):
+            opened_by_probe.append(sum(bool(ask) and new for ask, new in zip(asks, never_asked, strict=True)))
+        planner.choose_drafts(decode, [ProposedDraft([], None)] * 16)
+        planner.settle_probe(0.02)
+    assert len(opened_by_probe) >= 5 and max(opened_by_probe) <= 4 and min(opened_by_probe[:5]) >= 1  # 20 ms at most
+    for state in decode:
+        state.speculation.asked_before = True
+        state.speculation.probe.since = -100  # all due
+    planner.row_figures.changed()
+    planner.probes.credit_s = 1.0  # affordable
+    assert sum(planner.draft_requests(decode, [4] * 16)) == 16  # open: every due row in one call
