@@ -69,6 +69,7 @@ class DraftCollector:
         self.breakers: dict[str, DraftBreaker] = {}
         self._probes: set[asyncio.Task] = set()
         self._clock = clock
+        self.fallback_calls = 0  # calls (or skipped asks) whose rows ran without drafts, over every method
 
     async def collect(self, decode: Sequence[RequestState], lengths: Sequence[int]) -> list[ProposedDraft]:
         """One draft per decoding request (NO_DRAFT where its K, `lengths[i]`, is 0 or its proposer failed)."""
@@ -200,6 +201,7 @@ class DraftCollector:
         stats = self.method_stats(method)
         stats.num_fallbacks += 1
         stats.num_late_proposals += int(late)
+        self.fallback_calls += 1
         self._outages.failed(method, error)
 
     def _sanitize(self, draft: Draft, k: int, trees: bool) -> ProposedDraft:

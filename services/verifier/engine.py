@@ -388,10 +388,11 @@ class Engine:
         if not decode and not backlog.waiting:
             return
         asks = self.planner.draft_requests(decode, caps, backlog)
-        drafting_started = time.perf_counter()
+        drafting_started, fallbacks = time.perf_counter(), self.drafts.fallback_calls
         proposed = await self.drafts.collect(decode, asks)
         drafting_s = time.perf_counter() - drafting_started
-        self.planner.observe_drafting(max(asks, default=0), drafting_s)
+        answered = self.drafts.fallback_calls == fallbacks  # no proposer was late or failed
+        self.planner.observe_drafting(max(asks, default=0), drafting_s, answered)
         drafts = self.planner.choose_drafts(decode, proposed, backlog)
         # planned once the drafts are in hand: a row asked for drafts that has none leaves its room to the prompts
         decode_tokens = sum(1 + len(d.tokens) for d in drafts)

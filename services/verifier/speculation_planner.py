@@ -353,7 +353,7 @@ class SpeculationPlanner:
     def observe_forward(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape, seconds)
 
-    def observe_drafting(self, k: int, seconds: float) -> None:
+    def observe_drafting(self, k: int, seconds: float, answered: bool = True) -> None:
         """Collecting the step's drafts, at most `k` tokens each (0: none asked), took `seconds`. A step that asked a
         row for the first time teaches the figure of an opening apart (draft_cost.observe_opening): a first call
         opens the sequence on the drafter (the whole prompt, for EAGLE its target states and the head's prefill; the
@@ -365,12 +365,18 @@ class SpeculationPlanner:
         figure that a pause left high from ever going stale, and averaged it down a fifth at a time. Not measured at
         all where a figure was current, instead, they no longer taught what they cost: ngram at 64 chats read 0.95x
         against 0.97x none with them measured (engine_host_cost's chat text on a simulated H200 step; within the
-        noise of one batch, but low in each of three against the code before)."""
+        noise of one batch, but low in each of three against the code before).
+
+        `answered` False: some proposer was late or failed (its rows ran without drafts). Such a call is measured as
+        before (a missed deadline at its deadline) where it opened no row; one that opened rows is not: taken for
+        what openings cost, a hung drafter's 0.5 s deadlines priced every later opening at that, the asking stopped,
+        and the breaker never saw the misses that open it (tests/e2e's hung drafter)."""
         if k > 0:  # _opened and _asked: set by draft_requests, which asked
             # _probe_step: set by draft_requests on a probing step, cleared by settle_probe
             renews, rows = self._probe_step is None, len(self._asked)
-            if self._opened:
-                self.draft_cost.observe_opening(k, seconds, renews, rows, self._opened)
+            if self._opened:  # (a call that was late or failed says nothing of what openings cost)
+                if answered:
+                    self.draft_cost.observe_opening(k, seconds, renews, rows, self._opened)
             else:
                 self.draft_cost.observe(k, seconds, renews=renews, rows=rows)
         self.draft_cost.age()

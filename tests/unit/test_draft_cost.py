@@ -333,3 +333,24 @@ def test_a_probe_asks_only_as_many_rows_never_asked_as_a_plain_step_pays_the_ope
     planner.row_figures.changed()
     planner.probes.credit_s = 1.0  # affordable
     assert sum(planner.draft_requests(decode, [4] * 16)) == 16  # open: every due row in one call
+
+
+def test_a_late_call_that_opened_rows_teaches_nothing_of_what_openings_cost():
+    """A hung drafter's calls take their deadline. Taken for what opening its rows cost, the first priced every
+    later opening at half a second: the asking stopped, and the breaker never saw the misses that open it."""
+    from services.verifier.speculation_planner import SpeculationPlanner
+    from tests.unit.test_plan_rows import decoding_rows
+
+    planner = SpeculationPlanner(FixedCost(), adaptive=True)
+    planner.draft_cost.observe(4, 0.001, rows=4)
+    decode = decoding_rows(planner, 4)
+    for answered in (False, True):
+        for state in decode:
+            state.speculation.asked_before = False  # each round opens the rows again (new requests, say)
+        planner.row_figures.changed()
+        k = max(planner.draft_requests(decode, [4] * 4))
+        assert k > 0  # nothing known of openings: asked
+        planner.observe_drafting(k, 0.5 if not answered else planner.draft_cost.predict(k, 4) + 4 * 0.002,
+                                 answered=answered)
+        assert planner.draft_cost.openings_known == answered
+    assert planner.draft_cost.opening_s == pytest.approx(0.002)
