@@ -123,8 +123,8 @@ class DraftCostModel:
         expected = self.predict(k, rows)
         if expected <= 0:
             return
-        # not clipped at 0 an ask: where openings cost nothing, asks that took less than their figure balance those
-        # that took more (clipped, the noise alone made a figure of them); `opening` clips the average
+        # each ask's excess averaged as it is, below 0 too: where openings cost nothing, asks above their figure and
+        # asks below it cancel out (clipped at 0 each, the noise alone made a cost of them); opening_s clips the mean
         extra = (seconds - expected) / opened
         self._opening_s = extra if not self.openings_known else self._opening_s + SMOOTHING * (extra - self._opening_s)
         self.openings_known = True

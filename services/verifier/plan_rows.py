@@ -9,11 +9,10 @@ times what the same loops take timed warm), and most steps under load verify not
 they read had changed. Kept, the plan takes about 0.22 ms there (with cheaper cost predictions, step_cost.py).
 
 A row's figures change only when its acceptance is observed (a verified draft, which also moves its method's
-prior, so every row of that method), when its proposer is asked (its draft rate, and whether it was ever asked:
-an ask opens it on the drafter) or its re-probe schedule moves,
-or when its cap changes; and the batch's when its rows change. The planner counts the first three (`changed`);
-the figures are computed again when that count, the rows (compared by identity) or their caps differ from the step
-they were computed at.
+prior, so every row of that method), when its proposer is asked (its draft rate, and whether it was ever asked: an
+ask opens it on the drafter), when its re-probe schedule moves, or when its cap changes; and the batch's when its
+rows change. The planner counts the first three (`changed`); the figures are computed again when that count, the
+rows (compared by identity) or their caps differ from the step they were computed at.
 
 Among them, the steps at which the rows come due for a re-probe, in order (`due`): a plain step under load looked
 at every row's schedule to find the due ones, about 25 us at 64 rows inside the engine (a quarter of the plan).
