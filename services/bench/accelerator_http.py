@@ -1,8 +1,9 @@
 """Issue 29's HTTP rows: the whole stack on an accelerator, through the OpenAI API, captured steps against eager.
 
 Run: `python -m services.bench.accelerator_http --device cuda --dtype bfloat16 [--modes captured eager]
-[--loads 1 8 64] [--rounds R] [--lengths varied|equal]`. For each mode, the stack `specserve serve` starts (an ngram drafter with K = 4, the
-verifier, the gateway; on free ports; eager adds `--enforce-eager`) comes up, and for each load that many greedy
+[--loads 1 8 64] [--rounds R] [--lengths varied|equal]`. For each mode, the stack `specserve serve` starts (an
+ngram drafter with K = 4, the verifier, the gateway; on free ports; eager adds `--enforce-eager`) comes up, and for
+each load that many greedy
 chat prompts go to POST /v1/completions at once, first without speculation, then with ngram, both per request on
 the same stack (prefix caching off, so the second run does not find the first one's prompts cached). With
 `--rounds R` each of the load's clients sends R requests, each as its last ends: a steady load, where one closed

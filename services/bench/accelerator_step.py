@@ -143,12 +143,11 @@ class StepPhases:
     speculation with only 5-14 asks in the run, and whether that comes with the asks or stays after the first
     one says where to look.
 
-    And the decode-only steps (one forward: no prompt chunk beside) are split by whether they asked for drafts,
-    asked probes only, or asked nothing: tokens committed per ms of each kind. Why: on an H200 at 64 chats (stop
-    74) ngram asked at 104 of 370 steps, which cost 62% more than a plain step for 28% more tokens, where the CPU's
-    simulated device has the planner ask rarely; this says at a glance whether a run's asking paid. Beside them, the
-    planner's own audit of those steps (plan_audit.py): what its first plan predicted of each kind, tokens and
-    time, against what came, which says whether a loss came from tokens expected or from time unforeseen."""
+    And the planner's audit of the decode-only steps (plan_audit.py): by whether they asked for drafts, asked probes
+    only, or asked nothing, the tokens and time each kind came to against what the plan predicted. Why: on an H200
+    at 64 chats (stop 74) ngram asked at 104 of 370 steps, which cost 62% more than a plain step for 28% more tokens,
+    where the CPU's simulated device has the planner ask rarely; this says whether a run's asking paid, and whether
+    a loss came from tokens expected or from time unforeseen."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
@@ -158,38 +157,19 @@ class StepPhases:
         self.step_asked = False  # the step under way asked for drafts
         self.host_by_phase: dict[str, list[float]] = {}  # forward host seconds: "before asks", "asked", "unasked"
         self._asked: set[str] = set()  # requests asked so far
-        # decode-only steps by kind ("asked", "probed", "plain"): [steps, tokens committed, seconds]
-        self.by_kind: dict[str, list[float]] = {}
-        self._step_tokens = self._step_decoding = 0  # the step under way's tokens committed, its decoding rows
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.cuda = engine.runner.device.type == "cuda"
-        step, collect, forward, commit = engine.step, engine.drafts.collect, engine.runner.forward, engine._commit
+        step, collect, forward = engine.step, engine.drafts.collect, engine.runner.forward
         execute = engine_module.execute_isolating_faults
-        planner = engine.planner
-        self.audit = planner.audit  # the planner's predictions of its steps against what they came to
-        self._step_probed = False  # the step under way asked probes only
+        self.audit = engine.planner.audit  # the planner's predictions of its steps against what they came to
 
         async def timed_step():
             self.steps += 1
-            self.step_asked = self._step_probed = False
-            self._step_tokens = self._step_decoding = 0
-            forwards = self.forwards
-            started = time.perf_counter()
+            self.step_asked = False
             with self.timing("step"):
                 await step()
-            if self._step_decoding and self.forwards - forwards == 1:  # decode only: no prompt chunk's forward
-                kind = "plain" if not self.step_asked else "probed" if self._step_probed else "asked"
-                figures = self.by_kind.setdefault(kind, [0, 0, 0.0])
-                figures[0] += 1
-                figures[1] += self._step_tokens
-                figures[2] += time.perf_counter() - started
-
-        def counted_commit(row):
-            self._step_tokens += len(row.tokens)
-            return commit(row)
 
         async def timed_collect(decode, lengths):
-            self._step_decoding = len(decode)
             first = {s.request_id for s, k in zip(decode, lengths, strict=True) if k > 0} - self._asked
             self._asked |= first
             self.openings += bool(first)
@@ -198,7 +178,6 @@ class StepPhases:
             asked = sum(k > 0 for k in lengths)
             self.calls += asked > 0
             self.step_asked = asked > 0
-            self._step_probed = bool(planner._probing)  # set by the plan that asked, until settle_probe
             self.rows_asked += asked
             self.rows_drafted += sum(bool(draft.tokens) for draft in drafts)
             return drafts
@@ -227,7 +206,6 @@ class StepPhases:
             return timed_forward
 
         engine.step, engine.drafts.collect, engine.runner.forward = timed_step, timed_collect, timed(forward)
-        engine._commit = counted_commit
         if hasattr(engine.runner, "forward_with_tail"):  # a decode step with its verification in the graph
             with_tail = timed(engine.runner.forward_with_tail)
 
@@ -262,7 +240,6 @@ class StepPhases:
         self.calls = self.rows_asked = self.rows_drafted = self.openings = 0
         self._asked.clear()
         self.host_by_phase.clear()
-        self.by_kind.clear()
         self.audit.reset()
 
     def summary(self) -> str:
@@ -283,11 +260,7 @@ class StepPhases:
                     f"{1000 * self.seconds.get('later asks', 0.0) / max(later, 1):.2f}; ms of forward host "
                     "(medians): " + ", ".join(f"{phase} {1000 * statistics.median(seconds):.2f}"
                                               for phase, seconds in self.host_by_phase.items()))
-            asks += "; decode-only steps, tokens a ms: " + ", ".join(
-                f"{kind} {tokens / (1000 * seconds):.3g} ({steps} steps, {tokens / steps:.1f} tokens, "
-                f"{1000 * seconds / steps:.2f} ms)" for kind, (steps, tokens, seconds) in sorted(self.by_kind.items())
-                if steps)
-            asks += f"; as the planner predicted them (plan_audit.py): {self.audit.describe()}"
+            asks += f"; decode-only steps against the plan (plan_audit.py): {self.audit.describe()}"
         return (f"{self.steps} steps, {self.forwards} forwards ({self.verified_in_graph} verified in their graph); "
                 f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}{asks}")
 

@@ -50,7 +50,8 @@ from services.bench.muxed_clients import MuxedClients
 from services.bench.request_lengths import add_lengths_argument, request_tokens
 from services.common.speculative_config import SpeculativeConfig
 from services.bench.scripted_drafter import EagleLike, SimulatedAsk
-from services.bench.scripted_model import SCRIPT_PERIOD, SCRIPTS, ScriptedRunner, Script, SimulatedDevice
+from services.bench.scripted_model import (SCRIPT_PERIOD, SCRIPTS, ScriptedRunner, Script, SimulatedDevice,
+                                           add_simulated_verify_argument, simulated_device)
 from services.inprocess import local_proposers
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
@@ -187,9 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--simulated-step-ms", type=float, nargs=3, metavar=("BASE", "ROW", "TOKEN"),
                         help="sleep a device step time in each forward: BASE ms + ROW ms a row beyond the first + "
                              "TOKEN ms a token beyond one a row (the H200's captured step: 2.4 0.035 0.002)")
-    parser.add_argument("--simulated-verify-ms", type=float, nargs=2, metavar=("BASE", "ROW"), default=[0.0, 0.0],
-                        help="with --simulated-step-ms: what a step that verifies drafts costs more, BASE ms + ROW ms "
-                             "a row (0.3 0.02: the H200's, stop 74; default none)")
+    add_simulated_verify_argument(parser)
     default_ask, default_eagle = SimulatedAsk(), EagleLike()
     parser.add_argument("--simulated-ask-ms", type=float, nargs=2, metavar=("BASE", "ROW"),
                         default=[default_ask.base_ms, default_ask.row_ms],
@@ -211,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             args.state_width, args.repeating_accept) if args.method == EAGLE_SIM else None)
     if args.text == "novel" and args.vocab < 2 * SCRIPT_PERIOD + max(args.rows) * args.rounds + args.tokens:
         parser.error("--text novel needs a vocabulary larger than a request's prompt and output (raise --vocab)")
-    simulated = SimulatedDevice(*args.simulated_step_ms, *args.simulated_verify_ms) if args.simulated_step_ms else None
+    simulated = simulated_device(args) if args.simulated_step_ms else None
     for key, value in describe_hardware().items():
         print(f"{key}: {value}")
     if simulated is not None:

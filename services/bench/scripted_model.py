@@ -229,6 +229,10 @@ def add_simulated_step_argument(parser) -> None:
                         default=[default.base_ms, default.row_ms, default.token_ms],
                         help="the device step slept in each forward: BASE ms + ROW ms a row beyond the first + TOKEN "
                              "ms a token beyond one a row (default: the H200's captured SmolLM2 step)")
+    add_simulated_verify_argument(parser)
+
+
+def add_simulated_verify_argument(parser) -> None:
     parser.add_argument("--simulated-verify-ms", type=float, nargs=2, metavar=("BASE", "ROW"), default=[0.0, 0.0],
                         help="what a simulated step that verifies drafts costs more: BASE ms + ROW ms a row (0.3 0.02: "
                              "the H200's, stop 74; default none)")
