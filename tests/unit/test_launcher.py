@@ -211,9 +211,10 @@ def test_a_port_something_else_listens_on_fails_the_start_before_any_child_start
         assert launcher.run(parse("--port", "0", "--verifier-port", "0", "--drafter-port", str(busy),
                                   "--verifier-metrics-port", "0", "--drafter-metrics-port", "0",
                                   "--speculative-config", '{"method": "none"}')) == 0  # no drafter: not its port
-    (free,) = supervision.free_ports(1)
-    assert launcher.run(parse("--port", str(free), "--verifier-metrics-port", str(free), "--verifier-port", "0",
-                              "--drafter-port", "0", "--drafter-metrics-port", "0")) == 1
+    free, *others = (str(port) for port in supervision.free_ports(4))  # the others named too: a port the launcher
+    # picked for one of them could be `free` again, and the clash it reports another
+    assert launcher.run(parse("--port", free, "--verifier-metrics-port", free, "--verifier-port", others[0],
+                              "--drafter-port", others[1], "--drafter-metrics-port", others[2])) == 1
     assert "--port and --verifier-metrics-port both name port" in capsys.readouterr().err
     assert len(started) == 1
 
