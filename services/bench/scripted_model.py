@@ -119,6 +119,7 @@ class ScriptedRunner:
 
     supports_trees = False
     device = torch.device("cpu")
+    caches_hidden_states = False  # until keep_hidden_states
 
     def __init__(self, max_num_seqs: int, script: Script, max_model_len: int = 8192,
                  simulated: SimulatedDevice | None = None, state_width: int = 1) -> None:
@@ -164,6 +165,16 @@ class ScriptedRunner:
 
     def capture_graphs(self, max_width: int, tails: Sequence = ()) -> int:
         return 0
+
+    def keep_hidden_states(self) -> None:
+        """As llama_runner: the runner keeps every position's states (a device's step writes them beside the K/V
+        within its graph; here nothing is written, their values meaning nothing), so requests leave theirs here
+        (runner_kept_states.py) instead of taking them from each step."""
+        self.caches_hidden_states = True
+
+    def kept_hidden_states_of(self, ranges: Sequence[tuple[Hashable, int, int]]) -> torch.Tensor:
+        """The ranges' states on the host: written once, as a device's copy to the host writes them."""
+        return torch.zeros(sum(stop - start for _, start, stop in ranges), self._state_width)
 
     @property
     def kv_usage(self) -> KVUsage:

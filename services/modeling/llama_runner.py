@@ -330,6 +330,12 @@ class LlamaFamilyRunner:
         """[length, layers * H] served hidden states of the sequence's first `length` positions (kept ones)."""
         return self.cache.hidden_states(seq_id, length)
 
+    def kept_hidden_states_of(self, ranges: Sequence[tuple[Hashable, int, int]]) -> torch.Tensor:
+        """[sum of the ranges' lengths, layers * H] on the host: the kept states of each (sequence, start, stop)
+        range's positions, in order, gathered on the device and copied in one transfer (runner_kept_states.py:
+        a request's states stay here until its drafter reads them)."""
+        return self.cache.hidden_states_of(ranges).cpu()
+
     @property
     def kv_usage(self) -> KVUsage:
         pool = self.cache.pool

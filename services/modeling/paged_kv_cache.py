@@ -87,9 +87,15 @@ class PagedKVCache:
 
     def hidden_states(self, seq_id: Hashable, length: int) -> torch.Tensor:
         """[length, width]: the kept states of the sequence's first `length` positions."""
+        return self.hidden_states_of([(seq_id, 0, length)])
+
+    def hidden_states_of(self, ranges: Sequence[tuple[Hashable, int, int]]) -> torch.Tensor:
+        """[sum of the ranges' lengths, width]: the kept states of each (sequence, start, stop) range's positions,
+        in order, in one gather on the device."""
         if self.hidden is None:
             raise RuntimeError("hidden states are not kept (keep_hidden_states)")
-        return self.hidden[torch.tensor(self.slots(seq_id, 0, length), dtype=torch.int64, device=self.hidden.device)]
+        slots = [slot for seq_id, start, stop in ranges for slot in self.slots(seq_id, start, stop)]
+        return self.hidden[torch.tensor(slots, dtype=torch.int64, device=self.hidden.device)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -22,6 +22,7 @@ from services.verifier.draft_breaker import DraftBreaker
 from services.verifier.draft_deadline import DraftDeadline
 from services.verifier.proposer_outages import ProposerOutageLog
 from services.verifier.request_state import RequestState
+from services.verifier.runner_kept_states import catch_up
 from services.verifier.spec_stats import SpecDecodeStats
 
 
@@ -87,8 +88,10 @@ class DraftCollector:
                 breaker.skip()
                 self._fall_back(method, "not asked while its circuit breaker is open")
                 if breaker.probe_due(self._clock()):
+                    catch_up(decode[i].hidden for i, _ in members)
                     self._start_probe(method, [self._input(decode[i], k) for i, k in members])
                 return
+            catch_up(decode[i].hidden for i, _ in members)  # states the runner kept: one read for all the rows
             inputs = [self._input(decode[i], k) for i, k in members]
             proposed = await self._call(method, inputs)
             if proposed is not None:

@@ -42,7 +42,7 @@ from services.verifier import captured_verify, kv_scheduling
 from services.verifier.draft_collection import DraftCollector
 from services.verifier.engine_config import EngineConfig
 from services.verifier.hidden_state_files import write_request_states
-from services.verifier.kept_states import KeptStates
+from services.verifier.runner_kept_states import kept_states_for
 from services.verifier.outputs import FinishReason, RequestOutput, SpecDecodeCounts, TokenLogprob
 from services.verifier.prediction_proposer import PredictionProposer
 from services.verifier.random_streams import seed_to_int64
@@ -259,7 +259,8 @@ class Engine:
         if self.config.extract_hidden_states_dir is not None or (
             drafter is not None and capabilities_of(drafter).needs_hidden_states
         ):
-            state.hidden = KeptStates()  # its drafter (EAGLE) reads the target's hidden states, or they are extracted
+            # its drafter (EAGLE) reads the target's hidden states, or they are extracted
+            state.hidden = kept_states_for(self.runner, request.request_id)
         if request.sampling.prompt_logprobs is not None:
             state.prompt_logprobs = []
         elif request.sampling.max_tokens == 0:  # nothing to generate or score: done without a slot or a forward
@@ -465,6 +466,7 @@ class Engine:
         """Free the slots of finished (and aborted) requests; only called while no forward is in flight."""
         for state in [s for s in self._running if s.finished]:
             self._running.remove(state)
+            self._extract(state)  # before its slot goes: the runner may hold states it has not read
             if state.has_slot:
                 self.runner.remove_sequence(state.request_id)
                 state.has_slot = False
@@ -472,7 +474,6 @@ class Engine:
             if spec.enabled:
                 self.proposers[spec.method].release(state.request_id)
             self._states.pop(state.request_id, None)
-            self._extract(state)
 
     def _extract(self, state: RequestState) -> None:
         """extract_hidden_states: the finished request's token ids and states to its file (a write that fails

@@ -57,7 +57,10 @@ class StepStates:
 
 
 class KeptStates:
-    """A request's states [n, H], one per committed token the target has run on."""
+    """A request's states [n, H], one per committed token the target has run on, handed to it by each step that
+    commits some (runner_kept_states.py keeps them in the runner instead, where the runner can)."""
+
+    fed_by_steps = True  # each step hands the request the states it committed (step_execution.py)
 
     def __init__(self, states: torch.Tensor | None = None) -> None:
         self._rows = GrowingRows()
@@ -84,6 +87,16 @@ class KeptStates:
         self._num_pending += states.bits.shape[0]
         if copy_now or len(self._pending) >= MAX_PENDING:
             self._copy_pending()
+
+    def cleared(self) -> KeptStates:
+        """An empty one of the same kind (the request computes its states again from the start)."""
+        return KeptStates()
+
+    def attach(self) -> None:
+        """The request holds its slot in the runner again (states kept there can be read)."""
+
+    def detach(self) -> None:
+        """The request is about to give its slot in the runner back."""
 
     def view(self) -> torch.Tensor | None:
         """The rows so far as one tensor (a view of the buffer; later appends do not change it); None while empty."""

@@ -39,9 +39,11 @@ def admit(runner: ModelRunner, state: RequestState, others_running: bool) -> boo
     runner.reserve(state.request_id, target)
     state.has_slot = True
     state.num_computed = cached
+    if state.hidden is not None:
+        state.hidden.attach()
     if not state.num_output_tokens:
         state.num_cached_tokens = cached
-        if cached and state.hidden is not None:
+        if cached and state.keeps_step_states:  # (states kept in the runner are read from there when needed)
             state.hidden = KeptStates(runner.cached_hidden_states(state.request_id, cached).detach().cpu())
     return True
 
@@ -73,6 +75,8 @@ def reserve_decode(
 def release_for_recompute(runner: ModelRunner, state: RequestState) -> None:
     """Give the request's blocks back; it will compute them again from the start (chunks of its committed tokens,
     sampling nothing: prefill_target). One still in its prompt scores and keeps states again from the start."""
+    if state.hidden is not None and state.num_output_tokens:
+        state.hidden.detach()  # states the runner still holds go with the slot: read them first
     runner.remove_sequence(state.request_id)
     state.has_slot = False
     state.num_computed = 0
@@ -81,6 +85,6 @@ def release_for_recompute(runner: ModelRunner, state: RequestState) -> None:
         if state.prompt_logprobs is not None:
             state.prompt_logprobs = []
         if state.hidden is not None:
-            state.hidden = KeptStates()
+            state.hidden = state.hidden.cleared()
     logger.info("request %s preempted (KV cache full): %d tokens to recompute when it resumes",
                 state.request_id, state.prefill_target)

@@ -44,8 +44,8 @@ class RequestState:
     prompt_logprobs: list[TokenLogprob] | None = None
     # The request's grammar and logit bias (structured_output.py); None when it has neither.
     constraint: OutputConstraint | None = None
-    # The target's hidden states of committed tokens, in order, when a proposer needs them (rows [n, H] on the
-    # host); None when none does.
+    # The target's hidden states of committed tokens, in order, when a proposer needs them or they are extracted
+    # (rows [n, H] on the host, or in the runner until read: runner_kept_states.py); None otherwise.
     hidden: KeptStates | None = None
     # Whether its settings let a captured step verify it (captured_verify.settings_fit), cached on first use
     fits_verify_tail: bool | None = field(default=None, init=False, repr=False, compare=False)
@@ -77,6 +77,11 @@ class RequestState:
         """[n, H]: rows for token_ids[:n] (every committed token the target has run on), or None. A view: a step
         appends only the rows it committed, never copying the history (kept_states.py)."""
         return None if self.hidden is None else self.hidden.view()
+
+    @property
+    def keeps_step_states(self) -> bool:
+        """Each step that commits tokens of this request hands it their states (KeptStates.fed_by_steps)."""
+        return self.hidden is not None and self.hidden.fed_by_steps
 
     @property
     def num_output_tokens(self) -> int:

@@ -46,7 +46,7 @@ class SampledRow:
     num_accepted: int
     logprobs: list[TokenLogprob] | None
     # The target's hidden states of the committed tokens this step ran on ([last committed, accepted drafts]),
-    # when the request keeps them (RequestState.hidden); None otherwise.
+    # when the request keeps them from its steps (RequestState.keeps_step_states); None otherwise.
     hidden: RowStates | None = None
 
 
@@ -62,7 +62,8 @@ class StepResult:
     verify_timing: tuple[StepShape, float] | None = None
     # Prompt logprobs computed this step, per prefill chunk of a request that asked (prompt_scoring.py).
     prompt_scores: list[PromptScores] = field(default_factory=list)
-    # The target's hidden states of each prefill chunk whose request keeps them (RequestState.hidden).
+    # The target's hidden states of each prefill chunk whose request keeps them from its steps
+    # (RequestState.keeps_step_states).
     prefill_hidden: list[tuple[RequestState, torch.Tensor]] = field(default_factory=list)
 
 
@@ -124,7 +125,7 @@ def prefill_chunks(
             output = runner.forward(rows)
             logits = output.logits  # [B, max num_logits, V]
             for b, (chunk, row) in enumerate(zip(chunks, rows, strict=True)):
-                if chunk.state.hidden is not None and hidden is not None and not chunk.resumes:
+                if chunk.state.keeps_step_states and hidden is not None and not chunk.resumes:
                     hidden.append((chunk.state, to_host.queue(output.hidden_states[b, : len(chunk.tokens)])))
                 if scoring:
                     prompt = chunk.state.request.prompt_token_ids
@@ -178,7 +179,7 @@ def execute(
     lines = verify_lines(all_drafts)
     max_k = max(len(line.tokens) for line in lines)
     parts = []
-    rows_with_states = [b for b, state in enumerate(decode) if state.hidden is not None]  # their states go out
+    rows_with_states = [b for b, state in enumerate(decode) if state.keeps_step_states]  # their states go out
     states_on_host = None
     started = time.perf_counter()
     if decode:
@@ -283,7 +284,7 @@ def execute(
                 )
                 for j, t in enumerate(emitted)
             ]
-        if b < len(decode) and state.hidden is not None:  # [last committed, accepted drafts] ran through the target
+        if b < len(decode) and state.keeps_step_states:  # [last committed, accepted drafts] ran through the target
             kept_states.append((b, kept_fed))
         rows_out.append(SampledRow(state, emitted, len(line.tokens), n_acc, entries))
     if kept_states:
@@ -312,7 +313,7 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     if replayed is None:
         return None
     results, served = replayed
-    rows_with_states = [b for b, state in enumerate(decode) if state.hidden is not None]
+    rows_with_states = [b for b, state in enumerate(decode) if state.keeps_step_states]
     states_on_host = to_host.queue(rows_of(served, rows_with_states)) if rows_with_states else None
     results = to_host.queue(results[: len(decode)])
     to_host.wait()  # the step's one wait
@@ -331,7 +332,7 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
         elif n_acc < len(draft.tokens):
             runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
         kept = slice(n_acc + 1) if draft.parents is None else kept_fed
-        hidden = None if state.hidden is None else step_states.row(host_row[b], kept)
+        hidden = step_states.row(host_row[b], kept) if state.keeps_step_states else None
         out.append(SampledRow(state, emitted, num_draft, n_acc, None, hidden))
     return out
 

@@ -85,7 +85,7 @@ def decode_states(method: str, count: int) -> list[SimpleNamespace]:
     sampling = SimpleNamespace(greedy=True, temperature=0.0)
     return [SimpleNamespace(request_id=f"r{i}", committed_view=TokenHistory([1, 2, 3]).view,
                             request=SimpleNamespace(speculation=speculation, sampling=sampling),
-                            hidden_states=lambda: None)  # RequestState's: no target states kept
+                            hidden=None, hidden_states=lambda: None)  # RequestState's: no target states kept
             for i in range(count)]
 
 

@@ -11,13 +11,17 @@ from collections.abc import Hashable, Sequence
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
 from services.modeling.generic_runner import GenericRunner
+from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.llama_runner import LlamaFamilyRunner
+from services.modeling.paged_kv_cache import PagedKVCache
 from services.modeling.step_graphs import StepGraphs
 from services.verifier.engine import Engine
 from services.verifier.engine_config import EngineConfig
+from services.verifier.hidden_state_files import file_for
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from tests.engine_harness import run_schedule
 from tests.tiny_models import tiny_llama
@@ -144,3 +148,54 @@ async def test_engines_on_one_runner_serve_their_own_layers_and_never_reuse_anot
         truth = torch.cat([every[i][0] for i in layers], dim=-1)
         assert proposer.seen and all(torch.allclose(states, truth[: states.shape[0]], atol=1e-4)
                                      for _, _, states in proposer.seen)
+
+
+async def test_states_left_in_the_runner_are_read_once_at_asks_and_survive_preemption(tmp_path):
+    """The llama runner keeps every position's states beside its K/V, so requests leave theirs there
+    (runner_kept_states.py): an ask reads the rows it asks in one call, each from where it read last, a preempted
+    request reads what it had before its slot goes, and the drafter and the extracted files still get exactly the
+    target's states. A pool of 200 tokens for six requests of up to ~64 preempts some mid-decode."""
+    model = tiny_llama(seed=5)
+    rng = random.Random(4)
+    prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(20, 40))] for i in range(6)}
+    continuation = {}
+    with torch.no_grad():
+        for rid, prompt in prompts.items():
+            continuation[rid] = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                               min_new_tokens=24)[0].tolist()
+    proposer = RecordingProposer(True, continuation)
+    per_token = PagedKVCache.bytes_per_token(model.config.num_hidden_layers, model.config.num_key_value_heads,
+                                             model.config.hidden_size // model.config.num_attention_heads,
+                                             torch.float32)
+    runner = LlamaFamilyRunner(model, max_num_seqs=6, max_model_len=128, kv_cache=KVCacheConfig(200 * per_token, 4))
+    reads: list[list[tuple[Hashable, int, int]]] = []
+    read = runner.kept_hidden_states_of
+    runner.kept_hidden_states_of = lambda ranges: (reads.append(list(ranges)), read(ranges))[1]
+    calls = []
+    propose = proposer.propose
+    proposer.propose = lambda inputs: (calls.append(len(inputs)), propose(inputs))[1]
+    engine = Engine(runner, EngineConfig(max_num_batched_tokens=32, log_stats_interval_s=0, adaptive_speculation=False,
+                                         extract_hidden_states_dir=tmp_path), {"recorder": proposer})
+    requests = [GenerationRequest(rid, tuple(p), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                  SpeculationParams("recorder", 4)) for rid, p in prompts.items()]
+    results = await run_schedule(engine, {0: requests})
+    assert engine.num_preemptions > 0
+    with torch.no_grad():
+        truth = {rid: model(input_ids=torch.tensor([c]), output_hidden_states=True).hidden_states[-1][0]
+                 for rid, c in continuation.items()}
+    for rid, prompt in prompts.items():
+        assert prompt + results[rid].tokens == continuation[rid]
+        with safe_open(str(file_for(tmp_path, rid)), "pt") as f:
+            extracted = f.get_tensor("hidden_states")
+        assert torch.allclose(extracted[:, 0].float(), truth[rid][:-1], atol=2e-2, rtol=1e-2)
+    for seq_id, token_ids, states in proposer.seen:
+        assert states is not None and states.shape == (len(token_ids) - 1, 64)
+        assert torch.allclose(states, truth[seq_id][: states.shape[0]], atol=1e-4)
+    # at most one read an ask, a preemption and an extraction; each position read once, in order
+    assert len(reads) <= len(calls) + engine.num_preemptions + len(prompts)
+    read_up_to: dict[Hashable, int] = {}
+    for ranges in reads:
+        for seq_id, start, stop in ranges:
+            assert start == read_up_to.get(seq_id, 0) and stop > start
+            read_up_to[seq_id] = stop
+    assert read_up_to == {rid: len(continuation[rid]) - 1 for rid in prompts}
