@@ -23,6 +23,7 @@ from services.modeling.forward_batch import ForwardBatch, attention_masks, build
 from services.modeling.fused_linears import fuse_in_place
 from services.modeling.fused_norm import norm_for
 from services.modeling.hidden_layers import FINAL_LAYER, FINAL_ONLY, check_hidden_layers
+from services.modeling.host_copies import DeviceToHost
 from services.modeling.kernel_choice import KernelChooser, Site
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.paged_kv_cache import PagedKVCache
@@ -333,8 +334,12 @@ class LlamaFamilyRunner:
     def kept_hidden_states_of(self, ranges: Sequence[tuple[Hashable, int, int]]) -> torch.Tensor:
         """[sum of the ranges' lengths, layers * H] on the host: the kept states of each (sequence, start, stop)
         range's positions, in order, gathered on the device and copied in one transfer (runner_kept_states.py:
-        a request's states stay here until its drafter reads them)."""
-        return self.cache.hidden_states_of(ranges).cpu()
+        a request's states stay here until its drafter reads them). On CUDA into pinned memory, as the step's own
+        copies (DeviceToHost), which the driver would otherwise stage: an ask that opens 52 chats reads some 50 MB."""
+        to_host = DeviceToHost()
+        states = to_host.queue(self.cache.hidden_states_of(ranges))
+        to_host.wait()
+        return states
 
     @property
     def kv_usage(self) -> KVUsage:
