@@ -42,7 +42,7 @@ command_of() {
     case "$1" in
         tests) echo "PYTHONPATH=/tmp/site python3 -m pytest -q -p no:cacheprovider -o addopts=-ra \
 tests/unit/test_eagle_head_graphs.py tests/unit/test_captured_verify.py tests/unit/test_captured_tree_verify.py \
-tests/unit/test_step_graphs.py \
+tests/unit/test_step_graphs.py tests/unit/test_hidden_states.py \
 tests/unit/test_host_copies.py tests/unit/test_accelerator_kernels.py tests/unit/test_step_launch.py \
 -k 'cuda or launch'" ;;
         step) echo "BENCH=accelerator_step bash deploy/scripts/gpu-bench.sh --device $device --dtype $dtype \

@@ -199,3 +199,34 @@ async def test_states_left_in_the_runner_are_read_once_at_asks_and_survive_preem
             assert start == read_up_to.get(seq_id, 0) and stop > start
             read_up_to[seq_id] = stop
     assert read_up_to == {rid: len(continuation[rid]) - 1 for rid in prompts}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the states kept on the device, read pinned")
+async def test_on_cuda_drafters_read_the_targets_own_states_from_the_runners_store():
+    """On CUDA the runner writes every position's states into its store within the captured step, and an ask
+    reads its rows' unread positions from there (into pinned memory): the drafter still gets the target's own."""
+    model = tiny_llama(seed=5).to("cuda")
+    prompts = {"a": list(range(3, 40)), "b": [7, 8, 9, 10, 11], "c": list(range(50, 20, -1))}
+    continuation = {}
+    with torch.no_grad():
+        for rid, prompt in prompts.items():
+            continuation[rid] = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24,
+                                               do_sample=False, min_new_tokens=24)[0].tolist()
+    proposer = RecordingProposer(True, continuation)
+    runner = LlamaFamilyRunner(model, max_num_seqs=4, max_model_len=128,
+                               kv_cache=KVCacheConfig(memory_bytes=8 << 20, block_size=8))  # not the GPU's memory
+    engine = Engine(runner, EngineConfig(max_num_batched_tokens=16, log_stats_interval_s=0, adaptive_speculation=False),
+                    {"recorder": proposer})
+    assert runner.caches_hidden_states and runner.graphs is not None
+    requests = [GenerationRequest(rid, tuple(p), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                  SpeculationParams("recorder", 4)) for rid, p in prompts.items()]
+    results = await run_schedule(engine, {0: requests})
+    with torch.no_grad():
+        truth = {rid: model(input_ids=torch.tensor([c], device="cuda"), output_hidden_states=True)
+                 .hidden_states[-1][0].cpu() for rid, c in continuation.items()}
+    for rid, prompt in prompts.items():
+        assert prompt + results[rid].tokens == continuation[rid]
+    assert proposer.seen
+    for seq_id, token_ids, states in proposer.seen:
+        assert states is not None and states.device.type == "cpu" and states.shape == (len(token_ids) - 1, 64)
+        torch.testing.assert_close(states, truth[seq_id][: states.shape[0]], atol=1e-3, rtol=1e-3)
