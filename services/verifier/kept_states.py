@@ -60,7 +60,7 @@ class KeptStates:
     """A request's states [n, H], one per committed token the target has run on, handed to it by each step that
     commits some (runner_kept_states.py keeps them in the runner instead, where the runner can)."""
 
-    fed_by_steps = True  # each step hands the request the states it committed (step_execution.py)
+    fed_by_steps = True  # steps are its only source: each hands it the states it committed (step_execution.py)
 
     def __init__(self, states: torch.Tensor | None = None) -> None:
         self._rows = GrowingRows()
@@ -87,6 +87,11 @@ class KeptStates:
         self._num_pending += states.bits.shape[0]
         if copy_now or len(self._pending) >= MAX_PENDING:
             self._copy_pending()
+
+    def takes_step_states(self, drafting: bool) -> bool:
+        """Whether the step about to run hands the request the states of what it commits (`drafting`: its row
+        verifies a draft in it). Always, here."""
+        return True
 
     def cleared(self) -> KeptStates:
         """An empty one of the same kind (the request computes its states again from the start)."""

@@ -43,7 +43,7 @@ def admit(runner: ModelRunner, state: RequestState, others_running: bool) -> boo
         state.hidden.attach()
     if not state.num_output_tokens:
         state.num_cached_tokens = cached
-        if cached and state.keeps_step_states:  # (states kept in the runner are read from there when needed)
+        if cached and state.hidden is not None and state.hidden.fed_by_steps:  # (else read from the runner)
             state.hidden = KeptStates(runner.cached_hidden_states(state.request_id, cached).detach().cpu())
     return True
 

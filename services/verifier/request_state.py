@@ -78,10 +78,10 @@ class RequestState:
         appends only the rows it committed, never copying the history (kept_states.py)."""
         return None if self.hidden is None else self.hidden.view()
 
-    @property
-    def keeps_step_states(self) -> bool:
-        """Each step that commits tokens of this request hands it their states (KeptStates.fed_by_steps)."""
-        return self.hidden is not None and self.hidden.fed_by_steps
+    def takes_step_states(self, drafting: bool = False) -> bool:
+        """The step about to run hands this request the states of what it commits (`drafting`: its row verifies a
+        draft in it; KeptStates.takes_step_states). Asked before the step's forward."""
+        return self.hidden is not None and self.hidden.takes_step_states(drafting)
 
     @property
     def num_output_tokens(self) -> int:

@@ -49,7 +49,7 @@ def kept_states_for(runner: object, seq_id: Hashable) -> KeptStates:
 class RunnerKeptStates(KeptStates):
     """A request's states [n, H]: those read so far on the host, the rest in the runner until read."""
 
-    fed_by_steps = False  # steps hand it nothing: the forward has written them in the runner
+    fed_by_steps = False  # the forward has written them in the runner: steps need hand it nothing
 
     def __init__(self, runner: StateKeepingRunner, seq_id: Hashable) -> None:
         super().__init__()
@@ -59,6 +59,13 @@ class RunnerKeptStates(KeptStates):
 
     def __len__(self) -> int:
         return max(super().__len__(), self.runner.length(self.seq_id) if self._attached else 0)
+
+    def takes_step_states(self, drafting: bool) -> bool:
+        """Only while its row drafts, and once it has read every position before the step. Its drafter is then likely
+        asked at the next step too, and the step's own copy (queued behind the step's work) brings what that ask
+        would otherwise read with a gather and a wait of its own: a request alone, asked at every step, would pay
+        that wait at every step. A step whose row does not draft leaves the states in the runner."""
+        return drafting and self._attached and super().__len__() == self.runner.length(self.seq_id)
 
     def cleared(self) -> KeptStates:
         return RunnerKeptStates(self.runner, self.seq_id)

@@ -46,7 +46,7 @@ class SampledRow:
     num_accepted: int
     logprobs: list[TokenLogprob] | None
     # The target's hidden states of the committed tokens this step ran on ([last committed, accepted drafts]),
-    # when the request keeps them from its steps (RequestState.keeps_step_states); None otherwise.
+    # when the step hands them to the request (RequestState.takes_step_states); None otherwise.
     hidden: RowStates | None = None
 
 
@@ -62,8 +62,8 @@ class StepResult:
     verify_timing: tuple[StepShape, float] | None = None
     # Prompt logprobs computed this step, per prefill chunk of a request that asked (prompt_scoring.py).
     prompt_scores: list[PromptScores] = field(default_factory=list)
-    # The target's hidden states of each prefill chunk whose request keeps them from its steps
-    # (RequestState.keeps_step_states).
+    # The target's hidden states of each prefill chunk whose request takes them from its steps
+    # (RequestState.takes_step_states).
     prefill_hidden: list[tuple[RequestState, torch.Tensor]] = field(default_factory=list)
 
 
@@ -125,7 +125,7 @@ def prefill_chunks(
             output = runner.forward(rows)
             logits = output.logits  # [B, max num_logits, V]
             for b, (chunk, row) in enumerate(zip(chunks, rows, strict=True)):
-                if chunk.state.keeps_step_states and hidden is not None and not chunk.resumes:
+                if hidden is not None and not chunk.resumes and chunk.state.takes_step_states():
                     hidden.append((chunk.state, to_host.queue(output.hidden_states[b, : len(chunk.tokens)])))
                 if scoring:
                     prompt = chunk.state.request.prompt_token_ids
@@ -179,7 +179,9 @@ def execute(
     lines = verify_lines(all_drafts)
     max_k = max(len(line.tokens) for line in lines)
     parts = []
-    rows_with_states = [b for b, state in enumerate(decode) if state.keeps_step_states]  # their states go out
+    rows_with_states = [b for b, (state, draft) in enumerate(zip(decode, drafts, strict=True))
+                        if state.takes_step_states(bool(draft.tokens))]  # their states go out
+    host_row = {b: i for i, b in enumerate(rows_with_states)}
     states_on_host = None
     started = time.perf_counter()
     if decode:
@@ -284,11 +286,11 @@ def execute(
                 )
                 for j, t in enumerate(emitted)
             ]
-        if b < len(decode) and state.keeps_step_states:  # [last committed, accepted drafts] ran through the target
+        if b in host_row:  # [last committed, accepted drafts] ran through the target
             kept_states.append((b, kept_fed))
         rows_out.append(SampledRow(state, emitted, len(line.tokens), n_acc, entries))
     if kept_states:
-        step_states, host_row = StepStates(states_on_host), {b: i for i, b in enumerate(rows_with_states)}
+        step_states = StepStates(states_on_host)
         for b, kept_fed in kept_states:
             rows_out[b].hidden = step_states.row(host_row[b], kept_fed)  # (dataclasses.replace: 3-5 us a row)
     return rows_out
@@ -308,12 +310,13 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     rows = [RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens),
                      parents=None if d.parents is None else fed_parents(d.parents))
             for s, d in zip(decode, drafts, strict=True)]
+    rows_with_states = [b for b, (state, draft) in enumerate(zip(decode, drafts, strict=True))
+                        if state.takes_step_states(bool(draft.tokens))]  # (asked before the forward)
     tail = captured_verify.tail_for(decode, drafts)
     replayed = forward_with_tail(rows, tail, launched)
     if replayed is None:
         return None
     results, served = replayed
-    rows_with_states = [b for b, state in enumerate(decode) if state.keeps_step_states]
     states_on_host = to_host.queue(rows_of(served, rows_with_states)) if rows_with_states else None
     results = to_host.queue(results[: len(decode)])
     to_host.wait()  # the step's one wait
@@ -332,7 +335,7 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
         elif n_acc < len(draft.tokens):
             runner.truncate(state.request_id, len(state.token_ids) + n_acc)  # drop rejected drafts' K/V
         kept = slice(n_acc + 1) if draft.parents is None else kept_fed
-        hidden = step_states.row(host_row[b], kept) if state.keeps_step_states else None
+        hidden = step_states.row(host_row[b], kept) if b in host_row else None
         out.append(SampledRow(state, emitted, num_draft, n_acc, None, hidden))
     return out
 

@@ -35,11 +35,13 @@ class RecordingProposer:
     method = "recorder"
 
     def __init__(self, needs: bool, continuation: dict[Hashable, list[int]], seed: int = 0,
-                 layers: tuple[int, ...] = (-1,)) -> None:
+                 layers: tuple[int, ...] = (-1,), no_draft: float = 0.0) -> None:
+        """no_draft: the share of asks answered with no draft."""
         self.capabilities = ProposerCapabilities(needs_hidden_states=needs, hidden_layers=layers)
         self.continuation = continuation
         self.seen: list[tuple[Hashable, list[int], torch.Tensor | None]] = []  # token_ids is live: copied
         self.rng = random.Random(seed)
+        self.no_draft = no_draft
 
     async def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
         self.seen += [(item.seq_id, list(item.token_ids), item.hidden_states) for item in inputs]
@@ -47,7 +49,8 @@ class RecordingProposer:
         for item in inputs:
             truth = self.continuation[item.seq_id][len(item.token_ids):][: item.num_speculative_tokens]
             cut = self.rng.randint(0, len(truth))
-            drafts.append(Draft(truth[:cut] + [self.rng.randrange(96) for _ in range(len(truth) - cut)]))
+            drafts.append(Draft([]) if self.no_draft and self.rng.random() < self.no_draft else
+                          Draft(truth[:cut] + [self.rng.randrange(96) for _ in range(len(truth) - cut)]))
         return drafts
 
     def release(self, seq_id: Hashable) -> None:
@@ -152,9 +155,10 @@ async def test_engines_on_one_runner_serve_their_own_layers_and_never_reuse_anot
 
 async def test_states_left_in_the_runner_are_read_once_at_asks_and_survive_preemption(tmp_path):
     """The llama runner keeps every position's states beside its K/V, so requests leave theirs there
-    (runner_kept_states.py): an ask reads the rows it asks in one call, each from where it read last, a preempted
-    request reads what it had before its slot goes, and the drafter and the extracted files still get exactly the
-    target's states. A pool of 200 tokens for six requests of up to ~64 preempts some mid-decode."""
+    (runner_kept_states.py): an ask reads the rows it asks in one call, each from where it has states (a step
+    that verified a row's draft handed it that step's), a preempted request reads what it had before its slot
+    goes, and the drafter and the extracted files still get exactly the target's states. A pool of 200 tokens for
+    six requests of up to ~64 preempts some mid-decode."""
     model = tiny_llama(seed=5)
     rng = random.Random(4)
     prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(20, 40))] for i in range(6)}
@@ -163,7 +167,7 @@ async def test_states_left_in_the_runner_are_read_once_at_asks_and_survive_preem
         for rid, prompt in prompts.items():
             continuation[rid] = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                                min_new_tokens=24)[0].tolist()
-    proposer = RecordingProposer(True, continuation)
+    proposer = RecordingProposer(True, continuation, no_draft=0.4)  # a step without a draft leaves its states
     per_token = PagedKVCache.bytes_per_token(model.config.num_hidden_layers, model.config.num_key_value_heads,
                                              model.config.hidden_size // model.config.num_attention_heads,
                                              torch.float32)
@@ -191,14 +195,13 @@ async def test_states_left_in_the_runner_are_read_once_at_asks_and_survive_preem
     for seq_id, token_ids, states in proposer.seen:
         assert states is not None and states.shape == (len(token_ids) - 1, 64)
         assert torch.allclose(states, truth[seq_id][: states.shape[0]], atol=1e-4)
-    # at most one read an ask, a preemption and an extraction; each position read once, in order
-    assert len(reads) <= len(calls) + engine.num_preemptions + len(prompts)
+    # at most one read an ask, a preemption and an extraction; no position read twice
+    assert reads and len(reads) <= len(calls) + engine.num_preemptions + len(prompts)
     read_up_to: dict[Hashable, int] = {}
     for ranges in reads:
         for seq_id, start, stop in ranges:
-            assert start == read_up_to.get(seq_id, 0) and stop > start
+            assert start >= read_up_to.get(seq_id, 0) and stop > start
             read_up_to[seq_id] = stop
-    assert read_up_to == {rid: len(continuation[rid]) - 1 for rid in prompts}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the states kept on the device, read pinned")

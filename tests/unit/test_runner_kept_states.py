@@ -9,7 +9,7 @@ from collections.abc import Hashable, Sequence
 import pytest
 import torch
 
-from services.verifier.kept_states import KeptStates
+from services.verifier.kept_states import KeptStates, StepStates
 from services.verifier.runner_kept_states import RunnerKeptStates, catch_up, kept_states_for
 
 WIDTH = 3
@@ -86,3 +86,23 @@ def test_runners_that_keep_no_states_keep_them_on_the_host_from_each_step(runner
     states = kept_states_for(runner, "a")
     assert type(states) is KeptStates and states.fed_by_steps
     assert not RunnerKeptStates(StoringRunner(), "a").fed_by_steps
+
+
+def test_a_drafting_row_that_has_read_everything_takes_the_steps_states_and_reads_only_past_them():
+    """A row that verifies a draft is likely asked again at the next step: its step hands it the states (queued
+    behind the step's work) instead of a read of its own at that ask. Only once it has read every position before
+    the step (the step's rows follow on), and only while it holds its slot."""
+    runner = StoringRunner()
+    states = attached(runner, "a", 4)
+    assert not states.takes_step_states(drafting=True)  # positions 0..3 unread: the ask reads them with the rest
+    assert not states.takes_step_states(drafting=False)
+    positions_of(states.view())
+    assert states.takes_step_states(drafting=True) and not states.takes_step_states(drafting=False)
+    step = StepStates(torch.tensor([[4.0] * WIDTH, [5.0] * WIDTH, [9.0] * WIDTH], dtype=torch.bfloat16)[None])
+    states.append(step.row(0, slice(0, 2)))  # the step fed 4, 5 (and a rejected draft), kept two
+    runner.lengths["a"] = 8  # three more steps that drafted nothing: left in the runner
+    assert positions_of(states.view()) == list(range(8))
+    assert runner.reads == [[("a", 0, 4)], [("a", 6, 8)]]
+    states.detach()
+    assert not states.takes_step_states(drafting=True)
+    assert KeptStates().takes_step_states(drafting=False)  # a step is its only source
