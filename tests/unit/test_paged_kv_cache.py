@@ -217,3 +217,24 @@ def test_the_pool_is_resident_from_the_start():
     sink = 2 * 4 * 2 * 16 * 64 * 4  # the one block past the pool's that a padded batch writes its padding to
     assert pool.keys.nbytes + pool.values.nbytes == 256 * 2**20 + sink
     assert grown >= 0.95 * 256 * 2**20, grown
+
+
+def test_kept_states_are_read_from_each_ranges_slots_in_order():
+    """hidden_states_of: the positions of several sequences' ranges (slot_array, worked out in numpy) gathered in
+    one read, in order, across block boundaries and blocks out of order in the pool."""
+    kv = cache(num_blocks=16)
+    kv.keep_hidden_states(3, torch.float32)
+    kv.add("a")
+    kv.add("b")
+    for turn in range(3):  # the two sequences take their blocks in turn: neither's are contiguous
+        for seq, base in (("a", 100), ("b", 200)):
+            start = kv.length(seq)
+            feed(kv, seq, list(range(start, start + 5)))
+            slots = kv.slots(seq, start, start + 5)
+            kv.hidden[slots] = torch.tensor([base + p for p in range(start, start + 5)], dtype=torch.float32)[:, None]
+    for seq in ("a", "b"):
+        for start, stop in ((0, 15), (3, 9), (7, 7), (12, 15)):
+            assert kv.slot_array(seq, start, stop).tolist() == kv.slots(seq, start, stop)
+    read = kv.hidden_states_of([("b", 2, 6), ("a", 0, 0), ("a", 3, 13)])
+    assert read[:, 0].tolist() == [202, 203, 204, 205, *range(103, 113)] and read.shape == (14, 3)
+    assert kv.hidden_states("a", 4)[:, 2].tolist() == [100, 101, 102, 103]
