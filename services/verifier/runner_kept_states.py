@@ -7,8 +7,9 @@ KeptStates has every step hand each such row the states it committed. At 64 rows
 copy to the host, a view and an append a row, and each request's copy of its views every 128 steps. It is paid at
 every step, though under load the planner asks EAGLE at a few steps in a hundred. A runner that keeps every
 position's states for its prefix cache (llama_runner.keep_hidden_states) already holds them on the device. With it,
-a step does nothing for them, and an ask reads, for the rows it asks, the positions each has not read yet, in one
-gather and one copy (catch_up).
+a step hands states only to the rows that verify a draft in it (`takes_step_states`: likely asked again at the next
+step), and an ask reads, for the rows it asks, the positions each has not read yet, in one gather and one copy
+(catch_up).
 
 On the host a request holds the states it has read; the runner holds the rest, positions [read, length), where
 length is the sequence's length in the runner: every committed token the target has run on, as KeptStates counts.
