@@ -32,6 +32,7 @@ from services.modeling.step_graphs import GraphSettings, GraphTail, StepGraphs
 from services.modeling.weight_release import release_mapped
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PINNED_READ_MAX_BYTES = 64 << 20  # the largest read of kept states into pinned memory (kept_hidden_states_of)
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -335,9 +336,15 @@ class LlamaFamilyRunner:
         """[sum of the ranges' lengths, layers * H] on the host: the kept states of each (sequence, start, stop)
         range's positions, in order, gathered on the device and copied in one transfer (runner_kept_states.py:
         a request's states stay here until its drafter reads them). On CUDA into pinned memory, as the step's own
-        copies (DeviceToHost), which the driver would otherwise stage: an ask that opens 52 chats reads some 50 MB."""
+        copies (DeviceToHost), which the driver would otherwise stage; but a read larger than PINNED_READ_MAX_BYTES
+        goes to pageable memory: torch's caching host allocator keeps each pinned block it allocates for reuse until
+        told to empty its cache, and an ask that opens 64 chats of 2,000 tokens reads some 440 MB of EAGLE-3's
+        states."""
+        states = self.cache.hidden_states_of(ranges)
+        if states.numel() * states.element_size() > PINNED_READ_MAX_BYTES:
+            return states.cpu()
         to_host = DeviceToHost()
-        states = to_host.queue(self.cache.hidden_states_of(ranges))
+        states = to_host.queue(states)
         to_host.wait()
         return states
 

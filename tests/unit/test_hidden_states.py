@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from services.common.proposer import Draft, DraftInput, ProposerCapabilities
+from services.modeling import llama_runner
 from services.modeling.generic_runner import GenericRunner
 from services.modeling.kv_budget import KVCacheConfig
 from services.modeling.llama_runner import LlamaFamilyRunner
@@ -205,9 +206,12 @@ async def test_states_left_in_the_runner_are_read_once_at_asks_and_survive_preem
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the states kept on the device, read pinned")
-async def test_on_cuda_drafters_read_the_targets_own_states_from_the_runners_store():
+@pytest.mark.parametrize("pinned_max", [llama_runner.PINNED_READ_MAX_BYTES, 0], ids=["pinned", "pageable"])
+async def test_on_cuda_drafters_read_the_targets_own_states_from_the_runners_store(pinned_max, monkeypatch):
     """On CUDA the runner writes every position's states into its store within the captured step, and an ask
-    reads its rows' unread positions from there (into pinned memory): the drafter still gets the target's own."""
+    reads its rows' unread positions from there (into pinned memory, or pageable past PINNED_READ_MAX_BYTES):
+    the drafter still gets the target's own."""
+    monkeypatch.setattr(llama_runner, "PINNED_READ_MAX_BYTES", pinned_max)
     model = tiny_llama(seed=5).to("cuda")
     prompts = {"a": list(range(3, 40)), "b": [7, 8, 9, 10, 11], "c": list(range(50, 20, -1))}
     continuation = {}
