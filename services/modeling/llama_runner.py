@@ -328,10 +328,6 @@ class LlamaFamilyRunner:
     def caches_hidden_states(self) -> bool:
         return self.cache.hidden is not None
 
-    def cached_hidden_states(self, seq_id: Hashable, length: int) -> torch.Tensor:
-        """[length, layers * H] served hidden states of the sequence's first `length` positions (kept ones)."""
-        return self.cache.hidden_states(seq_id, length)
-
     def kept_hidden_states_of(self, ranges: Sequence[tuple[Hashable, int, int]]) -> torch.Tensor:
         """[sum of the ranges' lengths, layers * H] on the host: the kept states of each (sequence, start, stop)
         range's positions, in order, gathered on the device and copied in one transfer (runner_kept_states.py:

@@ -85,10 +85,6 @@ class PagedKVCache:
         self.pool.forget_all()
         self.hidden = None
 
-    def hidden_states(self, seq_id: Hashable, length: int) -> torch.Tensor:
-        """[length, width]: the kept states of the sequence's first `length` positions."""
-        return self.hidden_states_of([(seq_id, 0, length)])
-
     def hidden_states_of(self, ranges: Sequence[tuple[Hashable, int, int]]) -> torch.Tensor:
         """[sum of the ranges' lengths, width]: the kept states of each (sequence, start, stop) range's positions,
         in order, in one gather on the device."""

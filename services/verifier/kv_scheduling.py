@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 
 from services.modeling.block_pool import KVCacheFullError
 from services.modeling.runner import ModelRunner
-from services.verifier.kept_states import KeptStates
 from services.verifier.request_state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -27,7 +26,7 @@ def admit(runner: ModelRunner, state: RequestState, others_running: bool) -> boo
     """Start the request's sequence, from its longest cached prefix, with blocks for all of its prefill; False,
     holding nothing, when the pool lacks them. A request that scores its prompt computes every position, so it
     takes no cached prefix; one that keeps the target's hidden states takes one where the runner keeps the states
-    of cached positions (their states start its own)."""
+    of cached positions (their states start its own, read from the runner when needed: runner_kept_states.py)."""
     target = state.prefill_target
     reuse = state.prompt_logprobs is None and (state.hidden is None or getattr(runner, "caches_hidden_states", False))
     cached = runner.add_sequence(state.request_id, state.token_ids[:target] if reuse else ())
@@ -43,8 +42,6 @@ def admit(runner: ModelRunner, state: RequestState, others_running: bool) -> boo
         state.hidden.attach()
     if not state.num_output_tokens:
         state.num_cached_tokens = cached
-        if cached and state.hidden is not None and state.hidden.fed_by_steps:  # (else read from the runner)
-            state.hidden = KeptStates(runner.cached_hidden_states(state.request_id, cached).detach().cpu())
     return True
 
 

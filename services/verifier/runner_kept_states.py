@@ -29,7 +29,8 @@ from services.verifier.kept_states import KeptStates
 
 
 class StateKeepingRunner(Protocol):
-    """What of a runner (llama_runner.LlamaFamilyRunner) a request's states kept there need."""
+    """What of a runner (llama_runner.LlamaFamilyRunner) a request's states kept there need: a runner whose
+    `caches_hidden_states` is true has both."""
 
     def length(self, seq_id: Hashable) -> int: ...
 
@@ -38,8 +39,9 @@ class StateKeepingRunner(Protocol):
 
 
 def keeps_states(runner: object) -> bool:
-    """The runner keeps every position's states itself (`caches_hidden_states`) and can hand them out in ranges."""
-    return bool(getattr(runner, "caches_hidden_states", False)) and hasattr(runner, "kept_hidden_states_of")
+    """The runner keeps every position's states itself (`caches_hidden_states`: beside their K/V, for its prefix
+    cache) and hands them out in ranges (StateKeepingRunner)."""
+    return bool(getattr(runner, "caches_hidden_states", False))
 
 
 def kept_states_for(runner: object, seq_id: Hashable) -> KeptStates:

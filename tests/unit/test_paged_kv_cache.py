@@ -237,4 +237,4 @@ def test_kept_states_are_read_from_each_ranges_slots_in_order():
             assert kv.slot_array(seq, start, stop).tolist() == kv.slots(seq, start, stop)
     read = kv.hidden_states_of([("b", 2, 6), ("a", 0, 0), ("a", 3, 13)])
     assert read[:, 0].tolist() == [202, 203, 204, 205, *range(103, 113)] and read.shape == (14, 3)
-    assert kv.hidden_states("a", 4)[:, 2].tolist() == [100, 101, 102, 103]
+    assert kv.hidden_states_of([("a", 0, 4)])[:, 2].tolist() == [100, 101, 102, 103]
