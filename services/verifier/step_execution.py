@@ -179,8 +179,7 @@ def execute(
     lines = verify_lines(all_drafts)
     max_k = max(len(line.tokens) for line in lines)
     parts = []
-    rows_with_states = [b for b, (state, draft) in enumerate(zip(decode, drafts, strict=True))
-                        if state.takes_step_states(bool(draft.tokens))]  # their states go out
+    rows_with_states = rows_taking_states(decode, drafts)  # their states go out
     host_row = {b: i for i, b in enumerate(rows_with_states)}
     states_on_host = None
     started = time.perf_counter()
@@ -310,8 +309,7 @@ def verified_in_graph(runner: ModelRunner, decode: Sequence[RequestState], draft
     rows = [RowInput(s.request_id, [s.token_ids[-1], *d.tokens], num_logits=1 + len(d.tokens),
                      parents=None if d.parents is None else fed_parents(d.parents))
             for s, d in zip(decode, drafts, strict=True)]
-    rows_with_states = [b for b, (state, draft) in enumerate(zip(decode, drafts, strict=True))
-                        if state.takes_step_states(bool(draft.tokens))]  # (asked before the forward)
+    rows_with_states = rows_taking_states(decode, drafts)
     tail = captured_verify.tail_for(decode, drafts)
     replayed = forward_with_tail(rows, tail, launched)
     if replayed is None:
@@ -385,6 +383,13 @@ def _walk_q_trees(q_trees: Sequence[int], lines: Sequence, drafts: Sequence[Prop
         r = line_through(lines, b, outcome.path)
         walked.append((r, [drafts[b].tokens[i] for i in outcome.path] + [outcome.token], outcome.logprobs))
     return walked
+
+
+def rows_taking_states(decode: Sequence[RequestState], drafts: Sequence[ProposedDraft]) -> list[int]:
+    """The decode rows (indices) the step hands the states of what they commit (RequestState.takes_step_states:
+    asked before the forward, which moves the runner's lengths)."""
+    return [b for b, (state, draft) in enumerate(zip(decode, drafts, strict=True))
+            if state.takes_step_states(bool(draft.tokens))]
 
 
 def rows_of(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
