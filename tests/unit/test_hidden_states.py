@@ -173,12 +173,19 @@ async def test_states_left_in_the_runner_are_read_once_at_asks_and_survive_preem
                                              model.config.hidden_size // model.config.num_attention_heads,
                                              torch.float32)
     runner = LlamaFamilyRunner(model, max_num_seqs=6, max_model_len=128, kv_cache=KVCacheConfig(200 * per_token, 4))
-    reads: list[list[tuple[Hashable, int, int]]] = []
-    read = runner.kept_hidden_states_of
-    runner.kept_hidden_states_of = lambda ranges: (reads.append(list(ranges)), read(ranges))[1]
-    calls = []
-    propose = proposer.propose
-    proposer.propose = lambda inputs: (calls.append(len(inputs)), propose(inputs))[1]
+    reads: list[list[tuple[Hashable, int, int]]] = []  # each read of the runner's kept states: its ranges
+    calls = []  # each drafting call: its rows
+    read, propose = runner.kept_hidden_states_of, proposer.propose
+
+    def counted_read(ranges):
+        reads.append(list(ranges))
+        return read(ranges)
+
+    def counted_propose(inputs):
+        calls.append(len(inputs))
+        return propose(inputs)
+
+    runner.kept_hidden_states_of, proposer.propose = counted_read, counted_propose
     engine = Engine(runner, EngineConfig(max_num_batched_tokens=32, log_stats_interval_s=0, adaptive_speculation=False,
                                          extract_hidden_states_dir=tmp_path), {"recorder": proposer})
     requests = [GenerationRequest(rid, tuple(p), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
