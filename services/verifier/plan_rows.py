@@ -60,6 +60,11 @@ class PlanRows:
         """A row's acceptance or draft rate has changed since the last plan."""
         self._version += 1
 
+    @property
+    def version(self) -> int:
+        """Bumped by each `changed`: equal versions, unchanged figures for the same rows and caps."""
+        return self._version
+
     def read(self, decode: Sequence[RequestState], caps: Sequence[int],
              survival: Callable[[RequestState, int], Sequence[float]]) -> None:
         """The figures of `decode` at `caps` (`survival(state, cap)`: a row's survival by position), computed
@@ -83,6 +88,10 @@ class PlanRows:
         self.unopened_remaining = [decode[i].request.sampling.max_tokens - decode[i].num_output_tokens
                                    for i in self._due_rows if not decode[i].speculation.asked_before]
         self._computed_at = (self._version, list(decode), caps)
+
+    def any_due(self, step: int) -> bool:
+        """Whether some row of the last read is due for a re-probe at `step` (as `due`, without listing them)."""
+        return bool(self._due_steps) and self._due_steps[0] <= step
 
     def due(self, step: int) -> list[int]:
         """The rows (indices) that may draft and are due for a re-probe at the planner's `step`, as of the last read

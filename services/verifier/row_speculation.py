@@ -60,6 +60,10 @@ class ProbeBudget:
         self.credit_s = min(self.credit_s + PROBE_TIME_SHARE * step_s, 2 * probe_s)
         return self.credit_s >= probe_s
 
+    def would_afford(self, step_s: float, probe_s: float) -> bool:
+        """What `earn(step_s, probe_s)` would answer, without earning."""
+        return min(self.credit_s + PROBE_TIME_SHARE * step_s, 2 * probe_s) >= probe_s
+
     def spend(self, seconds: float) -> None:
         self.credit_s -= seconds
 

@@ -20,6 +20,9 @@ for; this plan also pays for the drafting itself (draft_cost.py: a draft model's
 more than the verify step, and a step that asks for nothing does not call the drafter). After drafting, with the drafts in hand: only rows that got a draft
 contribute gain, so the width is chosen again and drafts are cut to it.
 
+Under load most plans choose width 1 and probe nothing; such a plan stands for the next few steps while nothing it
+weighed changed (quiet_plan.py), so that those steps skip planning.
+
 A step's draft tokens and its prompt chunks share max_num_batched_tokens: where prompts wait and that budget
 binds, each draft token fed pushes a prompt token to a later step, and both plans price it (_displacement,
 step_planning.PrefillBacklog); the engine plans the chunks once the drafts are in hand.
@@ -55,6 +58,7 @@ from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
 from services.verifier.plan_audit import PlanAudit
 from services.verifier.plan_rows import PlanRows, column_gains
+from services.verifier.quiet_plan import QuietPlan
 from services.verifier.request_state import RequestState
 from services.verifier.row_speculation import (
     PROBE_CHARGE_STEPS,
@@ -145,6 +149,7 @@ class SpeculationPlanner:
         self.speculative_extra = CostByRows(OVERHEAD_SMOOTHING)
         self.draft_cost = DraftCostModel()
         self.row_figures = PlanRows()  # what the first plan reads of its rows, kept while unchanged (plan_rows.py)
+        self._quiet: QuietPlan | None = None  # the last plan, while it was plain and may stand (quiet_plan.py)
         self.audit = PlanAudit()  # what the first plans predicted against what their steps realized (plan_audit.py)
         self.probes = ProbeBudget()
         self._probe_column_s = 0.0  # this step's predicted cost of a probe column
@@ -177,6 +182,14 @@ class SpeculationPlanner:
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
         figures = self.row_figures
+        quiet = self._quiet
+        if quiet is not None and quiet.stands(decode, caps, figures.version, figures.any_due(self.steps)
+                                              and self.probes.would_afford(quiet.plain_s, quiet.probe_s)):
+            self.probes.earn(quiet.plain_s, quiet.probe_s)
+            self.asking -= ASKING_SMOOTHING * self.asking
+            self.audit.planned("plain", len(decode), len(decode), quiet.plain_s)
+            return [0] * len(decode)
+        self._quiet = None
         figures.read(decode, caps, self._planned_gains)
         rows, span = len(decode), _span(decode)
         overhead_s = self.overhead_s(rows)
@@ -240,6 +253,7 @@ class SpeculationPlanner:
                                plain_s + probe_call_s + self._probe_column_s, plain_s)
         else:
             self.audit.planned("plain", rows, rows, plain_s, plain_s)
+            self._quiet = QuietPlan.of(decode, caps, figures.version, plain_s, max(0.0, probe_s))
         return asks
 
     def _probe_rows(self, decode: Sequence[RequestState], due: list[int], plain_s: float) -> list[int]:
