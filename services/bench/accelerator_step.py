@@ -148,7 +148,8 @@ class StepPhases:
     at 64 chats (stop 74) ngram asked at 104 of 370 steps, which cost 62% more than a plain step for 28% more tokens,
     where the CPU's simulated device has the planner ask rarely; this says whether a run's asking paid, and whether
     a loss came from tokens expected or from time unforeseen. Beside it, how many times a load stopped asking for
-    a while because its asking steps realized less than its plain ones (ask_guard.py)."""
+    a while because its asking steps realized less than its plain ones, and by bucket of rows how the asking steps'
+    rate compared with the plain steps' lately, each against its own predicted plain step (ask_guard.py)."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
@@ -265,7 +266,8 @@ class StepPhases:
                     "(medians): " + ", ".join(f"{phase} {1000 * statistics.median(seconds):.2f}"
                                               for phase, seconds in self.host_by_phase.items()))
             asks += (f"; decode-only steps against the plan (plan_audit.py): {self.audit.describe()}; loads that "
-                     f"stopped asking (ask_guard.py): {self.guard.pauses - self.pauses_before}")
+                     f"stopped asking (ask_guard.py): {self.guard.pauses - self.pauses_before}, "
+                     f"{self.guard.describe()}")
         return (f"{self.steps} steps, {self.forwards} forwards ({self.verified_in_graph} verified in their graph); "
                 f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}{asks}")
 

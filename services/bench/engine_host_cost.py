@@ -144,7 +144,8 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
             "follows_script": all(script.continues(script.prompt(offset), out) for offset, out in outputs),
             "repeating_request_s": median_latency(latencies, [o for o, _ in outputs if script.repeats(o)]),
             "other_request_s": median_latency(latencies, [o for o, _ in outputs if not script.repeats(o)]),
-            "plans": engine.planner.audit.describe(), "guard_pauses": engine.planner.ask_guard.pauses - pauses}
+            "plans": engine.planner.audit.describe(), "guard_pauses": engine.planner.ask_guard.pauses - pauses,
+            "guard": engine.planner.ask_guard.describe()}
 
 
 def median_latency(latencies: dict[int, float], offsets: Sequence[int]) -> float:
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       + ("" if figures["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"), flush=True)
                 if speculate:
                     print(f"{'':>3}   decode-only steps as planned (plan_audit.py): {figures['plans']}; loads that "
-                          f"stopped asking (ask_guard.py): {figures['guard_pauses']}", flush=True)
+                          f"stopped asking (ask_guard.py): {figures['guard_pauses']}; {figures['guard']}", flush=True)
             if args.text == "mixed":  # a request's latency by kind: the batch's rate is the chats' pace
                 for kind, key in (("repeating", "repeating_request_s"), ("chat", "other_request_s")):
                     print(f"{rows:>3} rows, mixed text: {kind} requests {1000 * latency[True][key]:.0f} ms each "

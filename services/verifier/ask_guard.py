@@ -74,6 +74,14 @@ class AskGuard:
         bucket.asked.clear()
         return True
 
+    def describe(self) -> str:
+        """Per bucket of rows with steps of both kinds in its windows: the asking steps' rate against the plain
+        steps' (above 1: asking paid there lately), and the pauses so far."""
+        parts = [f"{1 << (b - 1)}-{(1 << b) - 1} rows {_rate(bucket.asked) / _rate(bucket.plain):.2f}x "
+                 f"({len(bucket.asked)} asking, {len(bucket.plain)} plain)"
+                 for b, bucket in sorted(self._buckets.items()) if bucket.asked and bucket.plain]
+        return f"asking against plain by rows: {', '.join(parts) or 'none yet'}; pauses {self.pauses}"
+
     def observe(self, rows: int, asked: bool, tokens: int, seconds: float, plain_s: float, step: int) -> None:
         """A decode-only step of `rows` rows (a plan that asked for drafts, or none) committed `tokens` in `seconds`,
         where a plain step was predicted at `plain_s`."""

@@ -21,6 +21,7 @@ def test_asking_that_realizes_less_stops_for_a_while_then_is_measured_afresh():
         assert guard.allows(64, step), i  # no verdict before the window is full
         guard.observe(64, True, 82, 0.0081, 0.005, step)
     assert guard.pauses == 1
+    assert guard.describe() == "asking against plain by rows: 64-127 rows 0.79x (48 asking, 48 plain); pauses 1"
     assert not guard.allows(64, step + 1) and not guard.allows(100, step + PAUSE_STEPS)  # 64-127 rows: one bucket
     assert guard.allows(60, step + 1) and guard.allows(8, step + 1)  # other loads are their own
     assert guard.allows(64, step + PAUSE_STEPS + 1)  # over: asked again, its old asking steps forgotten
