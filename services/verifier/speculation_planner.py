@@ -316,12 +316,14 @@ class SpeculationPlanner:
         return [_cut(d, g, width - 1) for d, g in zip(drafts, gains, strict=True)]
 
     def settle_probe(self, step_s: float, measured: bool = True) -> None:
-        """The step just taken lasted `step_s`. If it probed, its probes are charged what the step cost beyond the
-        step predicted without them, in place of the call and column predicted when they were granted: a probe
-        also pays a speculative step's bookkeeping, and its rows' first call opens them on the drafter. At 64 rows
-        over gRPC a probe cost 4-7 ms where 2-2.5 was predicted, and probes took 1.0-2.1% of step time where 1% was
-        allowed; settled at their cost, 0.6-1.4% (engine_host_cost's chat text on a simulated H200 step; above 1%
-        where requests keep arriving: their steps prefill too, and are charged as predicted).
+        """The step just taken lasted `step_s`: the audit records it, and a step of the plan's (asking or plain,
+        its drafter on time) is handed to the ask guard (ask_guard.py). If it probed, its probes are charged what
+        the step cost beyond the step predicted without them, in place of the call and column predicted when they
+        were granted: a probe also pays a speculative step's bookkeeping, and its rows' first call opens them on the
+        drafter. At 64 rows over gRPC a probe cost 4-7 ms where 2-2.5 was predicted, and probes took 1.0-2.1% of
+        step time where 1% was allowed; settled at their cost, 0.6-1.4% (engine_host_cost's chat text on a
+        simulated H200 step; above 1% where requests keep arriving: their steps prefill too, and are charged as
+        predicted).
         `measured` False (a step that also prefilled, which the prediction leaves out): the predicted charge
         stands.
 
