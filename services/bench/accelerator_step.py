@@ -147,9 +147,7 @@ class StepPhases:
     only, or asked nothing, the tokens and time each kind came to against what the plan predicted. Why: on an H200
     at 64 chats (stop 74) ngram asked at 104 of 370 steps, which cost 62% more than a plain step for 28% more tokens,
     where the CPU's simulated device has the planner ask rarely; this says whether a run's asking paid, and whether
-    a loss came from tokens expected or from time unforeseen. Beside it, how many times a load stopped asking for
-    a while because its asking steps realized less than its plain ones, and by bucket of rows how the asking steps'
-    rate compared with the plain steps' lately, each against its own predicted plain step (ask_guard.py)."""
+    a loss came from tokens expected or from time unforeseen."""
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = {}
@@ -164,8 +162,6 @@ class StepPhases:
         step, collect, forward = engine.step, engine.drafts.collect, engine.runner.forward
         execute = engine_module.execute_isolating_faults
         self.audit = engine.planner.audit  # the planner's predictions of its steps against what they came to
-        self.guard = engine.planner.ask_guard  # and its check by what asking realized (ask_guard.py)
-        self.pauses_before = self.guard.pauses
 
         async def timed_step():
             self.steps += 1
@@ -245,7 +241,6 @@ class StepPhases:
         self._asked.clear()
         self.host_by_phase.clear()
         self.audit.reset()
-        self.pauses_before = self.guard.pauses
 
     def summary(self) -> str:
         """ms per step of each phase, over the steps since reset()."""
@@ -265,9 +260,7 @@ class StepPhases:
                     f"{1000 * self.seconds.get('later asks', 0.0) / max(later, 1):.2f}; ms of forward host "
                     "(medians): " + ", ".join(f"{phase} {1000 * statistics.median(seconds):.2f}"
                                               for phase, seconds in self.host_by_phase.items()))
-            asks += (f"; decode-only steps against the plan (plan_audit.py): {self.audit.describe()}; loads that "
-                     f"stopped asking (ask_guard.py): {self.guard.pauses - self.pauses_before}, "
-                     f"{self.guard.describe()}")
+            asks += f"; decode-only steps against the plan (plan_audit.py): {self.audit.describe()}"
         return (f"{self.steps} steps, {self.forwards} forwards ({self.verified_in_graph} verified in their graph); "
                 f"ms a step: {per_step.get('step', 0.0):.2f} = {parts}, loop {loop:.2f}{asks}")
 

@@ -121,7 +121,6 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
         captured = runner.captured_forwards
         before = copy.deepcopy(engine.stats_by_method.get(method)) or SpecDecodeStats()
         engine.planner.audit.reset()
-        pauses = engine.planner.ask_guard.pauses
 
         async def client(i: int) -> list[tuple[int, list[int]]]:
             return [(offset, await one(f"run-{offset}", offset)) for offset in range(i, rows * rounds, rows)]
@@ -144,8 +143,7 @@ async def run_case(rows: int, speculate: bool, tokens: int, vocab: int, adaptive
             "follows_script": all(script.continues(script.prompt(offset), out) for offset, out in outputs),
             "repeating_request_s": median_latency(latencies, [o for o, _ in outputs if script.repeats(o)]),
             "other_request_s": median_latency(latencies, [o for o, _ in outputs if not script.repeats(o)]),
-            "plans": engine.planner.audit.describe(), "guard_pauses": engine.planner.ask_guard.pauses - pauses,
-            "guard": engine.planner.ask_guard.describe()}
+            "plans": engine.planner.audit.describe()}
 
 
 def median_latency(latencies: dict[int, float], offsets: Sequence[int]) -> float:
@@ -244,8 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{figures['host_ms_per_forward']:.2f} ms of host work a forward"
                       + ("" if figures["follows_script"] else " (OUTPUT DIFFERS FROM THE SCRIPT)"), flush=True)
                 if speculate:
-                    print(f"{'':>3}   decode-only steps as planned (plan_audit.py): {figures['plans']}; loads that "
-                          f"stopped asking (ask_guard.py): {figures['guard_pauses']}; {figures['guard']}", flush=True)
+                    print(f"{'':>3}   decode-only steps as planned (plan_audit.py): {figures['plans']}", flush=True)
             if args.text == "mixed":  # a request's latency by kind: the batch's rate is the chats' pace
                 for kind, key in (("repeating", "repeating_request_s"), ("chat", "other_request_s")):
                     print(f"{rows:>3} rows, mixed text: {kind} requests {1000 * latency[True][key]:.0f} ms each "

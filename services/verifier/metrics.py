@@ -78,13 +78,6 @@ class EngineCollector(Collector):
         for method, value in generated.items():
             tokens.add_metric([self.model_name, method], value)
         yield tokens
-        pauses = CounterMetricFamily(
-            f"{PREFIX}_speculation_pauses", "Times a load (a bucket of running requests) stopped asking for drafts "
-            "for a while because its steps that asked realized fewer tokens for their time than its plain steps "
-            "(ask_guard.py).", labels=["model_name"],
-        )
-        pauses.add_metric([self.model_name], self.engine.planner.ask_guard.pauses)
-        yield pauses
         yield from self._breaker_metrics(by_method)
         yield from self._slot_gauges()
         yield from self._vllm_spec_decode(by_method)

@@ -12,7 +12,7 @@ estimates were high.
 
 Kinds: "asked" (the plan chose a width above 1), "probed" (a plain width with probes asked), "plain" (neither).
 Only decode-only steps count (a step that also prefilled takes longer than any plan of its decode rows says).
-The bench prints it (accelerator_step, engine_host_cost); the ask guard (ask_guard.py) weighs the steps it counts."""
+A diagnostic: the bench prints it (accelerator_step, engine_host_cost); nothing acts on it."""
 
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ class PendingStep:
     rows: int
     predicted_tokens: float
     predicted_s: float
-    plain_s: float  # a plain step of its rows, as predicted (what the ask guard weighs its time against)
     accepted: int = 0  # draft tokens the step's rows had accepted (each row commits one more)
 
 
@@ -55,31 +54,26 @@ class PlanAudit:
         self.kinds: dict[str, KindTotals] = {}
         self._pending: PendingStep | None = None
 
-    def planned(self, kind: str, rows: int, predicted_tokens: float, predicted_s: float,
-                plain_s: float | None = None) -> None:
-        """The first plan of the step under way: of `kind`, for `rows` decoding rows; `plain_s` what a plain step
-        of them was predicted to take (None: `predicted_s`)."""
-        self._pending = PendingStep(kind, rows, predicted_tokens, predicted_s,
-                                    predicted_s if plain_s is None else plain_s)
+    def planned(self, kind: str, rows: int, predicted_tokens: float, predicted_s: float) -> None:
+        """The first plan of the step under way: of `kind`, for `rows` decoding rows."""
+        self._pending = PendingStep(kind, rows, predicted_tokens, predicted_s)
 
     def accepted(self, tokens: int) -> None:
         """A row of the step under way had `tokens` draft tokens accepted."""
         if self._pending is not None:
             self._pending.accepted += tokens
 
-    def settled(self, step_s: float, measured: bool) -> PendingStep | None:
-        """The step under way took `step_s`; `measured` False: it also prefilled, and is not counted. Returns the
-        step counted (None: none)."""
+    def settled(self, step_s: float, measured: bool) -> None:
+        """The step under way took `step_s`; `measured` False: it also prefilled, and is not counted."""
         step, self._pending = self._pending, None
         if step is None or not measured or step.predicted_s <= 0:  # (no prediction before the cost model's fit)
-            return None
+            return
         totals = self.kinds.setdefault(step.kind, KindTotals())
         totals.steps += 1
         totals.predicted_tokens += step.predicted_tokens
         totals.realized_tokens += step.rows + step.accepted
         totals.predicted_s += step.predicted_s
         totals.realized_s += step_s
-        return step
 
     def reset(self) -> None:
         self.kinds.clear()

@@ -52,7 +52,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from services.verifier.acceptance import AcceptanceEstimate, MethodAcceptance
-from services.verifier.ask_guard import AskGuard
 from services.verifier.cost_by_rows import CostByRows
 from services.verifier.draft_collection import ProposedDraft
 from services.verifier.draft_cost import DraftCostModel
@@ -156,8 +155,6 @@ class SpeculationPlanner:
         self._probe_step: ProbeStep | None = None  # this step's probes, until settle_probe
         self._opened = 0  # the rows this step asks for the first time (draft_cost.observe_opening)
         self.asking = 0.0  # the share of steps lately whose plan asked for drafts (ASKING_SMOOTHING: _openings_s)
-        self.ask_guard = AskGuard()  # asking stopped for a while where asking steps realized less (ask_guard.py)
-        self._answered = True  # no proposer of this step's call was late or failed (observe_drafting)
         self._asked: list[int] = []  # the rows (indices) this step asked for drafts, until choose_drafts
         self._probing: list[RowSpeculation] = []  # ... of them the probes
         self.steps = 0  # steps planned so far: the clock of the rows' re-probes (row_speculation.ProbeSchedule)
@@ -178,7 +175,6 @@ class SpeculationPlanner:
         for row in self._probing:  # a step that failed before settle_probe leaves its probes' flags set
             row.probing = False
         self._asked, self._probing = [], []
-        self._answered = True
         if not self.adaptive or not decode or not any(caps):  # no row may draft: nothing to weigh
             return list(caps)
         figures = self.row_figures
@@ -207,8 +203,6 @@ class SpeculationPlanner:
         width = best_width_of_columns(rows, figures.columns, forward_s, overhead_s, draft_s, wide_overhead_s,
                                       self._displacement(caps, narrow + overhead_s, backlog))
         plain_s = narrow + overhead_s  # what a plain step is expected to take
-        if width > 1 and not self.ask_guard.allows(rows, self.steps):
-            width = 1
         self._probe_column_s = max(0.0, forward_s[1] - narrow)
         token_s = plain_s / rows  # a token's share of a plain step: what a probe's win saves
         due: list[int] = []  # the rows a probe would ask
@@ -246,13 +240,12 @@ class SpeculationPlanner:
         self.asking += ASKING_SMOOTHING * ((width > 1) - self.asking)
         if width > 1:  # (a step whose prompts wait is not audited: its prefill is not in the plan)
             wide_s = forward_s[width - 1] + (overhead_s if wide_overhead_s is None else wide_overhead_s)
-            self.audit.planned("asked", rows, rows + sum(figures.columns[: width - 1]), wide_s + draft_s(width - 1),
-                               plain_s)
+            self.audit.planned("asked", rows, rows + sum(figures.columns[: width - 1]), wide_s + draft_s(width - 1))
         elif self._probing:
             self.audit.planned("probed", rows, rows + sum(figures.first_wins[i] for i in self._asked),
-                               plain_s + probe_call_s + self._probe_column_s, plain_s)
+                               plain_s + probe_call_s + self._probe_column_s)
         else:
-            self.audit.planned("plain", rows, rows, plain_s, plain_s)
+            self.audit.planned("plain", rows, rows, plain_s)
             self._quiet = QuietPlan.of(decode, caps, figures.version, plain_s, max(0.0, probe_s))
         return asks
 
@@ -316,14 +309,12 @@ class SpeculationPlanner:
         return [_cut(d, g, width - 1) for d, g in zip(drafts, gains, strict=True)]
 
     def settle_probe(self, step_s: float, measured: bool = True) -> None:
-        """The step just taken lasted `step_s`: the audit records it, and a step of the plan's (asking or plain,
-        its drafter on time) is handed to the ask guard (ask_guard.py). If it probed, its probes are charged what
-        the step cost beyond the step predicted without them, in place of the call and column predicted when they
-        were granted: a probe also pays a speculative step's bookkeeping, and its rows' first call opens them on the
-        drafter. At 64 rows over gRPC a probe cost 4-7 ms where 2-2.5 was predicted, and probes took 1.0-2.1% of
-        step time where 1% was allowed; settled at their cost, 0.6-1.4% (engine_host_cost's chat text on a
-        simulated H200 step; above 1% where requests keep arriving: their steps prefill too, and are charged as
-        predicted).
+        """The step just taken lasted `step_s`. If it probed, its probes are charged what the step cost beyond the
+        step predicted without them, in place of the call and column predicted when they were granted: a probe
+        also pays a speculative step's bookkeeping, and its rows' first call opens them on the drafter. At 64 rows
+        over gRPC a probe cost 4-7 ms where 2-2.5 was predicted, and probes took 1.0-2.1% of step time where 1% was
+        allowed; settled at their cost, 0.6-1.4% (engine_host_cost's chat text on a simulated H200 step; above 1%
+        where requests keep arriving: their steps prefill too, and are charged as predicted).
         `measured` False (a step that also prefilled, which the prediction leaves out): the predicted charge
         stands.
 
@@ -345,10 +336,7 @@ class SpeculationPlanner:
                 row.probing = False
                 self.row_figures.changed()  # its schedule moved
         self._probing = []
-        step = self.audit.settled(step_s, measured)
-        if step is not None and step.kind != "probed" and self._answered:  # (probes are rationed apart)
-            self.ask_guard.observe(step.rows, step.kind == "asked", step.rows + step.accepted, step_s, step.plain_s,
-                                   self.steps)
+        self.audit.settled(step_s, measured)
         if self._probe_step is None:
             return
         probe, self._probe_step = self._probe_step, None
@@ -397,7 +385,6 @@ class SpeculationPlanner:
         before (a missed deadline at its deadline) where it opened no row; one that opened rows is not: taken for
         what openings cost, a hung drafter's 0.5 s deadlines priced every later opening at that, the asking stopped,
         and the breaker never saw the misses that open it (tests/e2e's hung drafter)."""
-        self._answered = answered
         if k > 0:  # _opened and _asked: set by draft_requests, which asked
             # _probe_step: set by draft_requests on a probing step, cleared by settle_probe
             renews, rows = self._probe_step is None, len(self._asked)
