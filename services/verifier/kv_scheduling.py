@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from services.modeling.block_pool import KVCacheFullError
 from services.modeling.runner import ModelRunner
 from services.verifier.request_state import RequestState
+from services.verifier.runner_kept_states import keeps_states
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def admit(runner: ModelRunner, state: RequestState, others_running: bool) -> boo
     takes no cached prefix; one that keeps the target's hidden states takes one where the runner keeps the states
     of cached positions (their states start its own, read from the runner when needed: runner_kept_states.py)."""
     target = state.prefill_target
-    reuse = state.prompt_logprobs is None and (state.hidden is None or getattr(runner, "caches_hidden_states", False))
+    reuse = state.prompt_logprobs is None and (state.hidden is None or keeps_states(runner))
     cached = runner.add_sequence(state.request_id, state.token_ids[:target] if reuse else ())
     needed = runner.kv_blocks_needed(state.request_id, target)
     reserve = int(WATERMARK * runner.kv_usage.total_blocks) if others_running else 0

@@ -57,12 +57,16 @@ class ProbeBudget:
 
     def earn(self, step_s: float, probe_s: float) -> bool:
         """Credit for one step; True if a probe costing `probe_s` is affordable now."""
-        self.credit_s = min(self.credit_s + PROBE_TIME_SHARE * step_s, 2 * probe_s)
+        self.credit_s = self._earned(step_s, probe_s)
         return self.credit_s >= probe_s
 
     def would_afford(self, step_s: float, probe_s: float) -> bool:
         """What `earn(step_s, probe_s)` would answer, without earning."""
-        return min(self.credit_s + PROBE_TIME_SHARE * step_s, 2 * probe_s) >= probe_s
+        return self._earned(step_s, probe_s) >= probe_s
+
+    def _earned(self, step_s: float, probe_s: float) -> float:
+        """The credit after one more step's share, kept within two probes' cost."""
+        return min(self.credit_s + PROBE_TIME_SHARE * step_s, 2 * probe_s)
 
     def spend(self, seconds: float) -> None:
         self.credit_s -= seconds

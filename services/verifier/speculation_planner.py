@@ -182,7 +182,7 @@ class SpeculationPlanner:
         if quiet is not None and quiet.stands(decode, caps, figures.version, figures.any_due(self.steps)
                                               and self.probes.would_afford(quiet.plain_s, quiet.probe_s)):
             self.probes.earn(quiet.plain_s, quiet.probe_s)
-            self.asking -= ASKING_SMOOTHING * self.asking
+            self._observe_asking(False)
             self.audit.planned("plain", len(decode), len(decode), quiet.plain_s)
             return [0] * len(decode)
         self._quiet = None
@@ -237,7 +237,7 @@ class SpeculationPlanner:
         if self._probing:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
             self._probe_step = ProbeStep(plain_s, probe_call_s, token_s)
-        self.asking += ASKING_SMOOTHING * ((width > 1) - self.asking)
+        self._observe_asking(width > 1)
         if width > 1:  # (a step whose prompts wait is not audited: its prefill is not in the plan)
             wide_s = forward_s[width - 1] + (overhead_s if wide_overhead_s is None else wide_overhead_s)
             self.audit.planned("asked", rows, rows + sum(figures.columns[: width - 1]), wide_s + draft_s(width - 1))
@@ -248,6 +248,10 @@ class SpeculationPlanner:
             self.audit.planned("plain", rows, rows, plain_s)
             self._quiet = QuietPlan.of(decode, caps, figures.version, plain_s, max(0.0, probe_s))
         return asks
+
+    def _observe_asking(self, asked: bool) -> None:
+        """This step's plan asked for drafts or not: the share of steps that asked lately (_openings_s)."""
+        self.asking += ASKING_SMOOTHING * (asked - self.asking)
 
     def _probe_rows(self, decode: Sequence[RequestState], due: list[int], plain_s: float) -> list[int]:
         """Of the rows `due` for a re-probe (longest due first), the most that one probe asks (in order): as many as
