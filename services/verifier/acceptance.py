@@ -33,14 +33,32 @@ def shrunk(accepted: float, observed: float, prior: float, prior_weight: float) 
     return (accepted + prior * prior_weight) / (observed + prior_weight)
 
 
+RESCALE_BELOW = 1e-30  # PositionCounts folds its running scale into the counts once it falls below this
+
+
 @dataclass
 class PositionCounts:
-    """Exponentially forgotten accept/observe counts per draft position (index 0 is position 1)."""
+    """Exponentially forgotten accept/observe counts per draft position (index 0 is position 1).
+
+    Forgetting is lazy: the counts are held divided by a running `_scale` (the decay to the power of the
+    observations so far), so an observation multiplies one number and adds 1 / scale to the positions it judged,
+    instead of decaying every position's two counts (2.3 -> 1.3 us an observation, a row's and its method's
+    together, 2-core EPYC). Once the scale falls below RESCALE_BELOW it is folded into the counts, long before the
+    held values could lose precision (they stay within a factor 1e30 of the counts they stand for)."""
 
     decay: float
-    accepted: list[float] = field(default_factory=list)
-    observed: list[float] = field(default_factory=list)
+    _accepted: list[float] = field(default_factory=list)  # each position's count divided by _scale
+    _observed: list[float] = field(default_factory=list)
+    _scale: float = 1.0
     version: int = 0  # observations so far that changed the counts (what a cached estimate was computed at)
+
+    @property
+    def accepted(self) -> list[float]:
+        return [count * self._scale for count in self._accepted]
+
+    @property
+    def observed(self) -> list[float]:
+        return [count * self._scale for count in self._observed]
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """A verified draft of `num_draft` tokens of which the first `num_accepted` were accepted."""
@@ -48,28 +66,32 @@ class PositionCounts:
         if seen <= 0:
             return
         self.version += 1
-        self._grow(seen)
-        for j in range(len(self.observed)):
-            self.accepted[j] *= self.decay
-            self.observed[j] *= self.decay
+        missing = seen - len(self._observed)
+        if missing > 0:
+            self._accepted += [0.0] * missing
+            self._observed += [0.0] * missing
+        self._scale *= self.decay
+        if self._scale < RESCALE_BELOW:
+            self._accepted = self.accepted
+            self._observed = self.observed
+            self._scale = 1.0
+        one = 1.0 / self._scale  # a count of 1 as held
+        accepted, observed = self._accepted, self._observed
         for j in range(seen):
-            self.observed[j] += 1.0
-            self.accepted[j] += 1.0 if j < num_accepted else 0.0
+            observed[j] += one
+        for j in range(min(num_accepted, seen)):
+            accepted[j] += one
 
     def at(self, position: int) -> tuple[float, float]:
         """The (accepted, observed) counts of `position` (1-based); 0 where never observed."""
         j = position - 1
-        return (self.accepted[j], self.observed[j]) if j < len(self.observed) else (0.0, 0.0)
+        if j < len(self._observed):
+            return self._accepted[j] * self._scale, self._observed[j] * self._scale
+        return 0.0, 0.0
 
     def rate(self, position: int, prior: float, prior_weight: float) -> float:
         """Conditional acceptance of `position` (1-based), shrunk toward `prior` by `prior_weight` observations."""
         return shrunk(*self.at(position), prior, prior_weight)
-
-    def _grow(self, size: int) -> None:
-        missing = size - len(self.observed)
-        if missing > 0:
-            self.accepted += [0.0] * missing
-            self.observed += [0.0] * missing
 
 
 @dataclass
@@ -152,8 +174,8 @@ class AcceptanceEstimate:
     method: MethodAcceptance
     counts: PositionCounts = field(default_factory=lambda: PositionCounts(REQUEST_DECAY))
     own: OwnShare = field(default_factory=OwnShare)  # this request's part of the method's counts
-    # (version of this request's counts, the method's epoch, positions) -> survival, as computed last
-    _cached: tuple[tuple[int, int, int], tuple[float, ...]] | None = field(default=None, repr=False, compare=False)
+    # (version of this request's counts, the method's epoch) -> survival, as computed last (its longest read)
+    _cached: tuple[tuple[int, int], tuple[float, ...]] | None = field(default=None, repr=False, compare=False)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """Record a verified draft here and in the method's prior."""
@@ -177,11 +199,15 @@ class AcceptanceEstimate:
 
         Computed again only when this request's counts changed or its method's epoch moved (MethodAcceptance): the
         planner reads every row's survival twice a step, about 2.5 us a row on a 2-core EPYC, and in steps that
-        verify nothing (most, on new text under load) nothing changes. A tuple, so the cached figures are handed
-        out without a copy and no caller can alter them."""
-        key = (self.counts.version, self.method.epoch, num_positions)
-        if self._cached is not None and self._cached[0] == key:
-            return self._cached[1]
+        verify nothing (most, on new text under load) nothing changes. A position's survival does not depend on
+        how many are read, so a shorter read is a prefix of the cached one: the first plan reads each row at its
+        cap and the second at its draft's length, and a cache of one length missed every other read (402 of
+        1,308 misses at 8 rows, ngram). A tuple, so the cached figures are handed out without a copy (or as a
+        slice) and no caller can alter them."""
+        key = (self.counts.version, self.method.epoch)
+        cached = self._cached
+        if cached is not None and cached[0] == key and len(cached[1]) >= num_positions:
+            return cached[1] if len(cached[1]) == num_positions else cached[1][:num_positions]
         out, running = [], 1.0
         prior = self.method.first_position_rate(self.own)
         for position in range(1, num_positions + 1):

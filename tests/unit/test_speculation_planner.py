@@ -4,6 +4,7 @@ re-probing (the engine-level tests are in test_engine_greedy.py and test_adaptiv
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,30 @@ def test_an_observation_teaches_the_accepted_run_and_the_first_rejection_only():
     counts.observe(num_draft=2, num_accepted=2)  # all accepted: no rejection to record
     assert counts.observed == [2.0, 2.0, 1.0]
     assert counts.accepted == [2.0, 2.0, 0.0]
+
+
+def test_forgotten_counts_equal_decaying_every_position_at_each_observation_across_rescales():
+    """The counts are held under a running scale (PositionCounts): they must read as decaying every position at
+    every observation would, also after the scale has been folded into them (0.5 ** 100 < RESCALE_BELOW)."""
+    lazy, rng = PositionCounts(decay=0.5), random.Random(5)
+    accepted, observed = [], []
+    for _ in range(300):
+        num_draft = rng.randint(0, 6)
+        num_accepted = rng.randint(0, num_draft)
+        lazy.observe(num_draft, num_accepted)
+        seen = min(num_accepted + 1, num_draft)
+        if seen <= 0:
+            continue
+        accepted += [0.0] * (seen - len(accepted))
+        observed += [0.0] * (seen - len(observed))
+        accepted, observed = [a * 0.5 for a in accepted], [o * 0.5 for o in observed]
+        for j in range(seen):
+            observed[j] += 1.0
+            accepted[j] += 1.0 if j < num_accepted else 0.0
+        for position in range(1, len(observed) + 2):
+            want = (accepted[position - 1], observed[position - 1]) if position <= len(observed) else (0.0, 0.0)
+            assert lazy.at(position) == pytest.approx(want, rel=1e-12, abs=1e-300)
+    assert lazy.observed == pytest.approx(observed, rel=1e-12) and lazy.accepted == pytest.approx(accepted, rel=1e-12)
 
 
 def test_survival_is_the_product_of_conditionals_and_learns_per_request():
@@ -178,12 +203,30 @@ def test_a_request_is_pulled_toward_its_methods_record_over_the_other_requests()
     assert method.first_position_rate() > expected  # the whole record has this request's accepted drafts too
 
 
+def test_a_shorter_survival_read_is_a_prefix_of_the_longest_one_and_a_longer_read_extends_it():
+    """The planner reads each row at its cap, then at its draft's length: both from one computation."""
+    method = MethodAcceptance()
+    mine = AcceptanceEstimate(method)
+    mine.observe(4, 2)
+    computed = []
+    rate = mine.counts.rate
+    mine.counts.rate = lambda *args: computed.append(args[0]) or rate(*args)
+    longest = mine.survival(4)
+    assert computed == [1, 2, 3, 4]
+    assert mine.survival(1) == longest[:1] and mine.survival(3) == longest[:3] and mine.survival(4) is longest
+    assert computed == [1, 2, 3, 4]
+    longer = mine.survival(6)
+    assert longer[:4] == longest and len(longer) == 6 and computed[4:] == [1, 2, 3, 4, 5, 6]
+    assert mine.survival(5) == longer[:5] and len(computed) == 10
+
+
 def test_a_survival_is_computed_again_whenever_its_counts_or_its_methods_change():
     method = MethodAcceptance()
     mine, other = AcceptanceEstimate(method), AcceptanceEstimate(method)
     first = mine.survival(4)
     assert mine.survival(4) == first and mine.survival(2) == first[:2]
     assert isinstance(first, tuple)  # handed out uncopied, so no caller may alter what is cached
+    assert mine.survival(4) is first  # the shorter read was served from the longer one, which stays cached
     other.observe(4, 0)  # another request of the method: this one's position 1 follows the method's figure
     after_other = mine.survival(4)
     assert after_other[0] < first[0]
