@@ -75,6 +75,8 @@ class DraftCollector:
     async def collect(self, decode: Sequence[RequestState], lengths: Sequence[int]) -> list[ProposedDraft]:
         """One draft per decoding request (NO_DRAFT where its K, `lengths[i]`, is 0 or its proposer failed)."""
         drafts = [NO_DRAFT] * len(decode)
+        if not any(lengths):  # most steps under load ask nothing: one pass in C, not a loop over the rows
+            return drafts
         groups: dict[str, list[tuple[int, int]]] = {}
         for index, (state, k) in enumerate(zip(decode, lengths, strict=True)):
             if k > 0:
