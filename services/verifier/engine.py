@@ -366,10 +366,6 @@ class Engine:
         property built on each read (2.7 us for EAGLE's here), and every row's cap was read twice a step."""
         return {method: capabilities_of(drafter).max_speculative_tokens for method, drafter in self.proposers.items()}
 
-    def _speculation_cap(self, state: RequestState, limits: dict[str | None, int]) -> int:
-        """`limits`: _drafter_limits of this step (a method without a proposer has none)."""
-        return speculation_cap(state, self.runner.max_model_len, limits.get(state.request.speculation.method, 0))
-
     async def step(self) -> None:
         """One engine step over every running request."""
         await self._prepare()
@@ -377,7 +373,8 @@ class Engine:
         self._reap()
         self._admit()
         limits = self._drafter_limits()
-        caps_by_id = {s.request_id: self._speculation_cap(s, limits) for s in self._running}  # once a row a step
+        max_model_len = self.runner.max_model_len
+        caps_by_id = {s.request_id: speculation_cap(s, max_model_len, limits) for s in self._running}  # once a step
         kv_scheduling.reserve_decode(
             self.runner, self._running, lambda s: len(s.token_ids) + caps_by_id[s.request_id], self._preempt
         )

@@ -55,10 +55,17 @@ class RequestState:
     # over `request` (a property chain cost about three times an attribute read).
     request_id: str = field(init=False, repr=False, compare=False)
     num_prompt_tokens: int = field(init=False, repr=False, compare=False)
+    # What bounds its drafts (step_planning.speculation_cap, read for every row at every step): its K, 0 when it
+    # does not speculate, and the length its token_ids may reach by max_tokens (prompt + max_tokens).
+    speculative_tokens: int = field(init=False, repr=False, compare=False)
+    output_end: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.request_id = self.request.request_id
         self.num_prompt_tokens = len(self.request.prompt_token_ids)
+        speculation = self.request.speculation
+        self.speculative_tokens = speculation.num_speculative_tokens if speculation.enabled else 0
+        self.output_end = self.num_prompt_tokens + self.request.sampling.max_tokens
 
     def committed_view(self) -> TokenView:
         """token_ids as a read-only snapshot that `np.asarray` reads without a copy (token_history.py), for

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from services.verifier.request_state import RequestState
-from services.verifier.sampling_params import GenerationRequest, SamplingParams
-from services.verifier.step_planning import PrefillBacklog, plan_prefill
+from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
+from services.verifier.step_planning import PrefillBacklog, plan_prefill, speculation_cap
 
 
 def state(request_id: str, prompt_len: int, computed: int = 0) -> RequestState:
@@ -113,3 +113,21 @@ async def test_a_row_asked_for_drafts_that_has_none_leaves_its_room_to_prompts()
     await engine.step()
     (long,) = [s for s in engine._running if s.request_id == "long"]
     assert long.num_computed == 63
+
+
+def test_a_rows_cap_is_its_k_within_its_drafters_limit_its_output_budget_and_the_context():
+    def speculating(k: int, max_tokens: int, method: str = "ngram", output: int = 0) -> RequestState:
+        request = GenerationRequest("r", (1, 2, 3), SamplingParams(max_tokens=max_tokens), SpeculationParams(method, k))
+        return RequestState(request, seed=0, token_ids=[1, 2, 3] + [7] * output, outputs=asyncio.Queue())
+
+    unlimited = {"ngram": 0}
+    assert speculation_cap(speculating(5, 100), 1000, unlimited) == 5
+    assert speculation_cap(speculating(5, 100), 1000, {"ngram": 3}) == 3  # the drafter's declared limit
+    assert speculation_cap(speculating(5, 100), 1000, {}) == 5  # a method without a proposer: no limit
+    assert speculation_cap(speculating(5, 10, output=7), 1000, unlimited) == 2  # 3 tokens left: 2 drafts + 1
+    assert speculation_cap(speculating(5, 10, output=9), 1000, unlimited) == 0
+    assert speculation_cap(speculating(5, 100, output=4), 10, unlimited) == 2  # 7 positions used of 10
+    assert speculation_cap(speculating(5, 100, output=6), 9, unlimited) == 0
+    assert speculation_cap(speculating(5, 100, method="none"), 1000, unlimited) == 0
+    assert speculation_cap(speculating(0, 100), 1000, unlimited) == 0
+    assert speculation_cap(state("plain", 3), 1000, unlimited) == 0
