@@ -22,6 +22,7 @@ or multiply it, temperature divides it, filters keep it out).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ COMPILED_GRAMMARS_KEPT = 128  # the same schema sent again skips llguidance's (u
 _BITS = torch.arange(32, dtype=torch.int32)
 
 # OutputGrammar.kind -> llguidance's grammar_from format
-_FORMATS = {"json_schema": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_FORMATS = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}  # choice: choice_grammar
 ANY_JSON_OBJECT = '{"type": "object"}'
 
 
@@ -83,7 +84,10 @@ class GrammarCompiler:
             return cached
         kind, text = (("json_schema", ANY_JSON_OBJECT) if spec.kind == "json_object" else (spec.kind, spec.text))
         try:
-            grammar = self._llguidance.grammar_from(_FORMATS[kind], text)
+            if kind == "choice":
+                grammar = self._llguidance.LLMatcher.grammar_from_lark(choice_grammar(text))
+            else:
+                grammar = self._llguidance.grammar_from(_FORMATS[kind], text)
         except (ValueError, TypeError) as error:  # e.g. a choice list that is not a JSON list of strings
             raise ValueError(f"structured_output ({spec.kind}) is invalid: {error}") from None
         problem = self._llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
@@ -99,6 +103,19 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"structured_output ({spec.kind}) is invalid: {matcher.get_error()}")
         return matcher
+
+
+def choice_grammar(text: str) -> str:
+    """A choice list (a JSON list of strings) as a Lark grammar whose start is one terminal, the choices its
+    alternatives. llguidance's own choice grammar makes each choice an alternative of the start rule, and its
+    Earley parser holds at most 2,000 items in a row: a list of 2,000 choices or more compiled, was admitted, and
+    then failed its request at the first token ("Current row has 2001 items"). As one terminal the choices are one
+    lexeme, matched by the lexer, at any number: the same masks (compared at every step of random walks through
+    lists with prefixes, quotes, newlines and non-ASCII text), the literals quoted as llguidance quotes them."""
+    choices = json.loads(text)
+    if not isinstance(choices, list) or not choices or not all(isinstance(choice, str) for choice in choices):
+        raise ValueError("a choice list is a non-empty JSON list of strings")
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(choice) for choice in choices)
 
 
 def grammar_compiler_for(hf_tokenizer: Any, vocab_size: int) -> GrammarCompiler | None:

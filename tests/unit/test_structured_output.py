@@ -12,6 +12,7 @@ regular expression over letters is a real grammar for llguidance and the exact d
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Hashable, Sequence
 
@@ -221,3 +222,22 @@ async def test_an_engine_without_a_compiler_refuses_grammars(target):
     engine = engine_for(target, None)
     with pytest.raises(ValueError, match="unavailable"):
         engine.add_request(GenerationRequest("x", PROMPT, SamplingParams(structured_output=OutputGrammar("json_object"))))
+
+
+async def test_a_choice_among_thousands_is_followed_with_and_without_speculation(target, grammars):
+    """2,500 choices: llguidance's own choice grammar holds each as an item of its parser's first row, at most 2,000,
+    and failed the request at its first token; as one terminal (structured_output.choice_grammar) any number
+    is followed. Greedy output is one of them, the same with speculation."""
+    letters = CHARS[:10]
+    words = sorted({a + b + c + d for a in letters for b in letters for c in letters for d in letters})[::4][:2500]
+    assert len(words) == 2500
+    grammar = OutputGrammar("choice", json.dumps(words))
+    params = SamplingParams(max_tokens=10, temperature=0.0, structured_output=grammar)
+    outputs = {}
+    for method in ("none", "ngram"):
+        spec = SpeculationParams() if method == "none" else SpeculationParams(method, 4)
+        results = await run_schedule(engine_for(target, grammars, {"ngram": NgramProposer()}),
+                                     {0: [GenerationRequest("choice", PROMPT, params, spec)]})
+        assert results["choice"].finish_reason.name == "STOP" and text(results["choice"].tokens) in words
+        outputs[method] = results["choice"].tokens
+    assert outputs["none"] == outputs["ngram"]
