@@ -509,7 +509,7 @@ class Engine:
         token_ids, stop_ids = state.token_ids, sampling.stop_token_ids
         eos = () if sampling.ignore_eos else self.eos_token_ids
         # max_tokens or max_model_len, as a length of token_ids
-        length_limit = min(state.num_prompt_tokens + sampling.max_tokens, self.runner.max_model_len)
+        length_limit = min(state.output_end, self.runner.max_model_len)
         for token in row.tokens:
             emitted.append(token)
             token_ids.append(token)
@@ -522,7 +522,7 @@ class Engine:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 break
-        method = state.request.speculation.method if state.request.speculation.enabled else "none"
+        method = state.request.speculation.method if state.speculative_tokens else "none"
         self.generated_tokens[method] = self.generated_tokens.get(method, 0) + len(emitted)
         if state.output_counts is not None:
             state.output_counts.index_add_(
