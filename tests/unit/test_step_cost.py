@@ -120,3 +120,39 @@ def test_the_shapes_most_steps_run_weigh_most_in_the_fit():
     model.fit()
     for span in (140, 200, 260):
         assert abs(model.predict(StepShape(64, 1, span)) - 0.0055) < 0.05 * 0.0055
+
+
+def test_a_refit_reads_every_shapes_current_median_and_weight_as_a_fit_from_scratch_would():
+    """The fit keeps each shape's features, median and weight between fits and works out again only the medians of
+    shapes observed since: its coefficients must be those of a fit built from all the samples at once."""
+    import random
+    import statistics
+
+    import numpy as np
+
+    from services.verifier.step_cost import ALL_TERMS, REFIT_EVERY, WEIGHT_HALF_LIFE, non_negative_least_squares
+
+    rng = random.Random(3)
+    model = StepCostModel()
+    history: dict[tuple[int, int, int], list[tuple[int, float]]] = {}  # key -> (observation index, seconds)
+    for n in range(40 * REFIT_EVERY + 5):
+        shape = StepShape(rng.choice([1, 2, 8, 64]), rng.choice([1, 1, 2, 5]), rng.randrange(64, 2048))
+        seconds = 0.002 + 3e-5 * shape.rows + 1e-4 * shape.tokens + rng.random() * 1e-4
+        model.observe(shape, seconds)
+        history.setdefault((shape.rows, shape.width, shape.span // 64), []).append((n, seconds))
+    model.fit()
+    keys = list(history)
+    x = np.array([model._shapes[key].features() for key in keys])
+    y = np.array([statistics.median([s for _, s in history[key][-9:]]) for key in keys])
+
+    def weight(seen: list[tuple[int, float]]) -> float:
+        count, last = 0.0, 0
+        for at, _ in seen:
+            count = count * 0.5 ** ((at - last) / WEIGHT_HALF_LIFE) + 1.0
+            last = at
+        return count * 0.5 ** ((model.num_observations - last) / WEIGHT_HALF_LIFE)
+
+    expected = np.zeros(len(ALL_TERMS))
+    terms = list(model._terms)
+    expected[terms] = non_negative_least_squares(x[:, terms], y, np.array([weight(history[key]) for key in keys]))
+    assert np.allclose(model._coefficients, expected, rtol=1e-9, atol=1e-15)
