@@ -328,6 +328,9 @@ class Engine:
         spec = request.speculation
         if spec.prediction and spec.method != PREDICTION:
             raise ValueError(f"a prediction is drafted from by method {PREDICTION!r}, not {spec.method or 'none'!r}")
+        if spec.method == PREDICTION and spec.num_speculative_tokens > 0 and not spec.prediction:
+            raise ValueError(f"speculative method {PREDICTION!r} drafts from the request's predicted output, and it "
+                             "has none (OpenAI's `prediction`: {\"type\": \"content\", \"content\": ...})")
         if any(not 0 <= token < vocab for token in spec.prediction):
             raise ValueError(f"prediction token ids must be in [0, {vocab})")
         if spec.enabled and spec.method not in self.proposers:

@@ -144,6 +144,7 @@ async def test_a_prediction_the_request_cannot_use_is_refused_at_admission():
         "method 'prediction', not 'ngram'": SpeculationParams("ngram", 3, prediction=(1, 2)),
         "method 'prediction', not 'none'": SpeculationParams(None, 0, prediction=(1, 2)),
         f"prediction token ids must be in [0, {VOCAB})": SpeculationParams(PREDICTION, 3, prediction=(1, VOCAB)),
+        "drafts from the request's predicted output, and it has none": SpeculationParams(PREDICTION, 3),
     }
     for said, spec in cases.items():
         with pytest.raises(ValueError, match=re.escape(said)):
