@@ -163,3 +163,37 @@ async def test_a_steady_load_sends_each_prompt_once_a_client_at_a_time_and_keeps
     # --lengths varied: each its own length, the first tokens of the same greedy answers
     assert [len(out) for out in varied] == [request_tokens(i, 6, varied=True) for i in range(7)] != [6] * 7
     assert all(out == full[: len(out)] for out, full in zip(varied, together, strict=True))
+
+
+async def test_step_phases_split_the_loop_into_its_parts_and_the_outputs_are_unchanged():
+    """accelerator_step's StepPhases times the loop's parts (the plans, the commit, the cost model) beside the
+    phases it had; wrapped, the engine's outputs are those of an engine not wrapped."""
+    from services.bench.accelerator_step import StepPhases, generate_all
+    from services.drafter.methods.ngram import NgramProposer
+    from services.modeling.llama_runner import LlamaFamilyRunner
+    from services.verifier.engine import Engine
+    from services.verifier.engine_config import EngineConfig
+    from services.verifier.sampling_params import SpeculationParams
+
+    rng = random.Random(2)
+    prompts = [repetitive_prompt(rng, 24) for _ in range(3)]
+    outputs = []
+    for wrapped in (False, True):
+        engine = Engine(LlamaFamilyRunner(tiny_llama(seed=4), max_num_seqs=4, max_model_len=256),
+                        EngineConfig(log_stats_interval_s=0), {"ngram": NgramProposer()})
+        phases = StepPhases(engine) if wrapped else None
+        async with engine:
+            if phases is not None:
+                with phases:
+                    _, out = await generate_all(engine, prompts, 12, SpeculationParams("ngram", 3))
+            else:
+                _, out = await generate_all(engine, prompts, 12, SpeculationParams("ngram", 3))
+        outputs.append(out)
+    assert outputs[0] == outputs[1]
+    summary = phases.summary()
+    found = re.search(r"loop (-?[\d.]+) \(plan ([\d.]+), second plan ([\d.]+), commit ([\d.]+), cost model ([\d.]+), "
+                      r"rest (-?[\d.]+)\)", summary)
+    assert found, summary
+    loop, *parts, rest = map(float, found.groups())
+    assert all(part >= 0 for part in parts) and parts[2] > 0  # every step committed rows
+    assert math.isclose(sum(parts) + rest, loop, abs_tol=0.02)
