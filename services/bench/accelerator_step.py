@@ -46,7 +46,9 @@ from services.modeling.loading import LoadedModel, load_model
 from services.modeling.registry import DEFAULT_MODEL
 from services.modeling.runner_factory import create_runner
 from services.modeling.step_graphs import GraphSettings
+from services.verifier import draft_collection as collection_module
 from services.verifier import engine as engine_module
+from services.verifier.runner_kept_states import RunnerKeptStates
 from services.verifier.sampling_params import GenerationRequest, SamplingParams, SpeculationParams
 from services.verifier.spec_stats import SpecDecodeStats
 
@@ -140,7 +142,10 @@ class StepPhases:
     ngram against 0.98 without (stop 74), more than this machine's simulation of that step shows, and which part
     grows there is what to cut next. Events are read after the run, so timing adds no sync. Drafting calls that ask a request for the first time are also timed apart ("openings": the
     drafter takes in the whole prompt, for EAGLE the head's prefill), so that an ask's cost after many steps
-    unasked shows apart from a request's first. And the forward's host part is split three ways, as medians:
+    unasked shows apart from a request's first; within the asks, the verifier's own reads of the asked rows' kept
+    target states from the runner (catch_up) are timed apart with the positions they read, since an opening's
+    cost is that read (the whole history of a row) plus the drafter's part, and the planner learns the two only as
+    one figure (draft_cost.observe_opening). And the forward's host part is split three ways, as medians:
     before the run's first ask, after it in steps that asked, and after it in steps that did not. Why: on an H200
     the EAGLE-3 rows of the code edit (stop 65) spent 1.3-2.2 ms more a forward on the host than without
     speculation with only 5-14 asks in the run, and whether that comes with the asks or stays after the first
@@ -227,13 +232,28 @@ class StepPhases:
 
             engine.runner.forward_with_tail = counted_with_tail
         self._execute, self._timed_execute = execute, timed_execute
+        # the verifier's own part of an ask: reading the asked rows' kept states from the runner (catch_up), timed
+        # apart with the positions it read, so that an opening's cost splits into the verifier's read and the call
+        self.catch_up_positions = 0
+        catch_up = self._catch_up = collection_module.catch_up
+
+        def timed_catch_up(kept):
+            kept = list(kept)
+            unread = [states.unread() for states in kept if isinstance(states, RunnerKeptStates)]
+            self.catch_up_positions += sum(stop - start for _, start, stop in filter(None, unread))
+            with self.timing("catch-up"):
+                catch_up(kept)
+
+        self._timed_catch_up = timed_catch_up
 
     def __enter__(self) -> StepPhases:
         engine_module.execute_isolating_faults = self._timed_execute  # the engine looks it up at each step
+        collection_module.catch_up = self._timed_catch_up  # as the collector does
         return self
 
     def __exit__(self, *exc) -> None:
         engine_module.execute_isolating_faults = self._execute
+        collection_module.catch_up = self._catch_up
 
     def _timed_call(self, call, phase: str):
         def timed_call(*args, **kwargs):
@@ -256,7 +276,7 @@ class StepPhases:
         self.seconds.clear()
         self.events.clear()
         self.steps = self.forwards = self.verified_in_graph = 0
-        self.calls = self.rows_asked = self.rows_drafted = self.openings = 0
+        self.calls = self.rows_asked = self.rows_drafted = self.openings = self.catch_up_positions = 0
         self._asked.clear()
         self.host_by_phase.clear()
         self.audit.reset()
@@ -276,7 +296,9 @@ class StepPhases:
             asks = (f"; {self.calls} steps asked drafts of {self.rows_asked} rows, {self.rows_drafted} had one; "
                     f"ms an ask: {self.openings} openings "
                     f"{1000 * self.seconds.get('openings', 0.0) / max(self.openings, 1):.2f}, {later} later "
-                    f"{1000 * self.seconds.get('later asks', 0.0) / max(later, 1):.2f}; ms of forward host "
+                    f"{1000 * self.seconds.get('later asks', 0.0) / max(later, 1):.2f} (the verifier's reads of kept "
+                    f"states within them: {1000 * self.seconds.get('catch-up', 0.0):.1f} ms in all, "
+                    f"{self.catch_up_positions} positions); ms of forward host "
                     "(medians): " + ", ".join(f"{phase} {1000 * statistics.median(seconds):.2f}"
                                               for phase, seconds in self.host_by_phase.items()))
             asks += f"; decode-only steps against the plan (plan_audit.py): {self.audit.describe()}"

@@ -3,6 +3,7 @@ speculative output equals speculation off. Token ids go in directly, so no token
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import random
@@ -197,3 +198,37 @@ async def test_step_phases_split_the_loop_into_its_parts_and_the_outputs_are_unc
     loop, *parts, rest = map(float, found.groups())
     assert all(part >= 0 for part in parts) and parts[2] > 0  # every step committed rows
     assert math.isclose(sum(parts) + rest, loop, abs_tol=0.02)
+
+
+async def test_step_phases_time_the_verifiers_reads_of_kept_states_apart_with_the_positions_read():
+    """An EAGLE-like drafter reads the target's states: the asks' reads of them from the runner are timed apart,
+    and the positions counted are those the runner was asked for."""
+    from services.bench.accelerator_step import StepPhases, generate_all
+    from services.modeling.llama_runner import LlamaFamilyRunner
+    from services.verifier.engine import Engine
+    from services.verifier.engine_config import EngineConfig
+    from services.verifier.sampling_params import SpeculationParams
+    from tests.unit.test_hidden_states import RecordingProposer
+
+    rng = random.Random(3)
+    prompts = [repetitive_prompt(rng, 20 + 4 * i) for i in range(3)]
+    proposer = RecordingProposer(True, {}, no_draft=1.0)  # asked, it answers no draft (continuation unused)
+    proposer.continuation = collections.defaultdict(list)
+    runner = LlamaFamilyRunner(tiny_llama(seed=4), max_num_seqs=4, max_model_len=256)
+    read_positions = []
+    read = runner.kept_hidden_states_of
+
+    def counted(ranges):
+        read_positions.append(sum(stop - start for _, start, stop in ranges))
+        return read(ranges)
+
+    runner.kept_hidden_states_of = counted
+    engine = Engine(runner, EngineConfig(log_stats_interval_s=0, adaptive_speculation=False),
+                    {"recorder": proposer})
+    phases = StepPhases(engine)
+    async with engine:
+        with phases:
+            await generate_all(engine, prompts, 8, SpeculationParams("recorder", 2))
+    found = re.search(r"kept states within them: ([\d.]+) ms in all, (\d+) positions", phases.summary())
+    assert found and read_positions, phases.summary()
+    assert int(found.group(2)) == sum(read_positions) > sum(map(len, prompts)) - len(prompts)
