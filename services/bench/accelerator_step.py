@@ -37,7 +37,7 @@ import torch
 from services.bench.hardware import describe_hardware
 from services.bench.request_lengths import add_lengths_argument, request_tokens
 from services.bench.prompts import chat_token_ids, code_edit_message
-from services.bench.step_profile import PROMPT, profile_runner
+from services.bench.step_profile import PROMPT, Timers, profile_runner
 from services.common.drafter_methods import SERVE_PREFERENCE, first_runnable
 from services.common.speculative_config import SpeculativeConfig
 from services.eagle.chat_prompts import chat_prompt_messages
@@ -220,7 +220,7 @@ class StepPhases:
                                    (engine.planner, "choose_drafts", "second plan"),
                                    (engine, "_commit", "commit"),
                                    (engine.planner, "observe_forward", "cost model")):
-            setattr(owner, name, self._timed_call(getattr(owner, name), phase))
+            setattr(owner, name, Timers(self.seconds).wrap(phase, getattr(owner, name)))
         if hasattr(engine.runner, "forward_with_tail"):  # a decode step with its verification in the graph
             with_tail = timed(engine.runner.forward_with_tail)
 
@@ -254,15 +254,6 @@ class StepPhases:
     def __exit__(self, *exc) -> None:
         engine_module.execute_isolating_faults = self._execute
         collection_module.catch_up = self._catch_up
-
-    def _timed_call(self, call, phase: str):
-        def timed_call(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
-        return timed_call
 
     @contextlib.contextmanager
     def timing(self, name: str):
