@@ -10,7 +10,8 @@ from services.verifier.acceptance import AcceptanceEstimate, DraftRate
 PROBE_INTERVAL = 8  # steps without a verified draft before a row is re-probed
 PROBE_INTERVAL_MAX = 128
 PROBE_TIME_SHARE = 0.01  # at most this share of step time pays for probe columns
-PROBE_CHARGE_STEPS = 4  # at most this many plain steps' time is charged for one probing step's excess
+PROBE_CHARGE_STEPS = 4  # at most this many plain steps' time (and one more a row it opened) is charged for one
+# probing step's excess
 
 
 @dataclass
@@ -81,6 +82,7 @@ class ProbeStep:
     charged_s: float
     token_s: float
     won_tokens: int = 0
+    opened: int = 0  # rows it asked for the first time (each opened on the drafter: charged apart, settle_probe)
 
 
 @dataclass

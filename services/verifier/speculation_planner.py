@@ -236,7 +236,7 @@ class SpeculationPlanner:
         self._opened = opened
         if self._probing:
             self.probes.spend(probe_call_s)  # paid whatever comes back; the column only if a draft does
-            self._probe_step = ProbeStep(plain_s, probe_call_s, token_s)
+            self._probe_step = ProbeStep(plain_s, probe_call_s, token_s, opened=opened)
         self._observe_asking(width > 1)
         if width > 1:  # (a step whose prompts wait is not audited: its prefill is not in the plan)
             wide_s = forward_s[width - 1] + (overhead_s if wide_overhead_s is None else wide_overhead_s)
@@ -329,11 +329,18 @@ class SpeculationPlanner:
         never asked again (eagle-sim at 1 request, 1 ms asks). At 64 rows a token is worth a 64th of a step, and
         the ration holds as before.
 
-        A step is charged at most PROBE_CHARGE_STEPS plain steps' time: what a probe itself costs (a call, a column,
-        its rows' opening: 28 ms at 64 EAGLE rows on an H200 against a 7 ms step) is within that, and a step that took
-        longer met something the probe did not cause and will not meet again (a graph captured inside the call, a
-        pause). Charged in full, one such step silenced probing for good: on an H200 the EAGLE-3 trees were asked for
-        nothing in 1,200 steps after a warm-up whose asks had graphs captured inside them (stop 65)."""
+        A step is charged at most PROBE_CHARGE_STEPS plain steps' time, and one more for each row it opened: what a
+        probe itself costs (a call, a column) is within that, and a step that took longer met something the probe did
+        not cause and will not meet again (a graph captured inside the call, a pause). Charged in full, one such step
+        silenced probing for good: on an H200 the EAGLE-3 trees were asked for nothing in 1,200 steps after a warm-up
+        whose asks had graphs captured inside them (stop 65). But opening rows is no such accident: every new
+        request needs it, and it grows with the rows (the whole history of each; an H200's EAGLE-3 opened 52 chats in
+        14-29 ms, this machine's eagle-sim 64 rows in 117-139 ms against a 6 ms step). Capped at four steps, a probe
+        that opened a batch's new rows was charged a fraction of its cost, and at 64 rows such probes took 4-8% of a
+        short run where 1% is allowed (engine_host_cost's chat text, eagle-sim, simulated H200 step, 4 rounds: 4-6
+        calls a run). Charged a step more a row opened: 1 call in three runs of four, 7 in the fourth (a probe
+        whose step also prefilled is charged as predicted), and 7,900 -> 8,011 tok/s (means of four runs, one
+        process alternating; ngram, whose openings cost little, the same)."""
         for row in self._probing:  # probes that came back without a draft (the others were observed)
             if row.probing:
                 row.probe.unanswered(self.steps)
@@ -345,7 +352,7 @@ class SpeculationPlanner:
             return
         probe, self._probe_step = self._probe_step, None
         if measured:  # what it really cost in place of what it was charged
-            excess_s = min(max(0.0, step_s - probe.expected_s), PROBE_CHARGE_STEPS * probe.expected_s)
+            excess_s = min(max(0.0, step_s - probe.expected_s), (PROBE_CHARGE_STEPS + probe.opened) * probe.expected_s)
             self.probes.spend(excess_s - probe.charged_s)
         self.probes.spend(-probe.won_tokens * probe.token_s)
 

@@ -354,3 +354,36 @@ def test_a_late_call_that_opened_rows_teaches_nothing_of_what_openings_cost():
                                  answered=answered)
         assert planner.draft_cost.openings_known == answered
     assert planner.draft_cost.opening_s == pytest.approx(0.002)
+
+
+def test_a_probe_that_opened_rows_is_charged_a_step_more_for_each_it_opened():
+    """A probing step that took far longer than planned is charged at most PROBE_CHARGE_STEPS plain steps (a
+    one-off stall must not silence probing), and one more for each row it opened: opening new rows is no
+    accident, every new request needs it, and capped at four steps an EAGLE-like probe that opened 64 rows was
+    charged a fraction of its cost."""
+    from services.verifier.draft_collection import ProposedDraft
+    from services.verifier.row_speculation import PROBE_CHARGE_STEPS
+    from services.verifier.speculation_planner import SpeculationPlanner
+    from tests.unit.test_plan_rows import decoding_rows
+
+    charged = {}
+    for opened_before in (False, True):
+        planner = SpeculationPlanner(FixedCost(base=0.016, per_row=0.0001, per_token=0.0001), adaptive=True)
+        decode = decoding_rows(planner, 16)
+        for state in decode:
+            state.speculation.acceptance.method.observe(4, 0)  # drafts are poor: plain steps, and probes
+            state.speculation.asked_before = opened_before
+            state.speculation.probe.since = -100  # all due
+        planner.draft_cost.observe(1, 0.0005, rows=16)  # a call's figure; nothing known of openings: all probe
+        planner.row_figures.changed()
+        planner.probes.credit_s = 1.0
+        asks = planner.draft_requests(decode, [4] * 16)
+        assert sum(asks) == 16
+        probe = planner._probe_step
+        assert probe.opened == (0 if opened_before else 16)
+        credit = planner.probes.credit_s + probe.charged_s  # before the probe was charged anything
+        planner.choose_drafts(decode, [ProposedDraft([], None)] * 16)
+        planner.settle_probe(probe.expected_s * 100)  # a hundred plain steps' time
+        charged[opened_before] = (credit - planner.probes.credit_s) / probe.expected_s
+    assert charged[True] == pytest.approx(PROBE_CHARGE_STEPS)
+    assert charged[False] == pytest.approx(PROBE_CHARGE_STEPS + 16)
