@@ -140,12 +140,13 @@ class StepPhases:
     the commit of the rows and the cost model's update, the rest (admission, caps, KV reservation, the planner's
     other bookkeeping, the loop's turns) as one. Why: on an H200 at 64 chats the loop took 1.50 ms a step with
     ngram against 0.98 without (stop 74), more than this machine's simulation of that step shows, and which part
-    grows there is what to cut next. Events are read after the run, so timing adds no sync. Drafting calls that ask a request for the first time are also timed apart ("openings": the
-    drafter takes in the whole prompt, for EAGLE the head's prefill), so that an ask's cost after many steps
-    unasked shows apart from a request's first; within the asks, the verifier's own reads of the asked rows' kept
-    target states from the runner (catch_up) are timed apart with the positions they read, since an opening's
-    cost is that read (the whole history of a row) plus the drafter's part, and the planner learns the two only as
-    one figure (draft_cost.observe_opening). And the forward's host part is split three ways, as medians:
+    grows there is what to cut next. Events are read after the run, so timing adds no sync. Drafting calls that
+    ask a request for the first time are also timed apart ("openings": the drafter takes in the whole prompt, for
+    EAGLE the head's prefill), so that an ask's cost after many steps unasked shows apart from a request's first;
+    within the asks, the verifier's own reads of the asked rows' kept target states from the runner (catch_up) are
+    timed apart with the positions they read, since an opening's cost is that read (the whole history of a row)
+    plus the drafter's part, and the planner learns the two only as one figure (draft_cost.observe_opening). And
+    the forward's host part is split three ways, as medians:
     before the run's first ask, after it in steps that asked, and after it in steps that did not. Why: on an H200
     the EAGLE-3 rows of the code edit (stop 65) spent 1.3-2.2 ms more a forward on the host than without
     speculation with only 5-14 asks in the run, and whether that comes with the asks or stays after the first

@@ -10,8 +10,7 @@ from services.verifier.acceptance import AcceptanceEstimate, DraftRate
 PROBE_INTERVAL = 8  # steps without a verified draft before a row is re-probed
 PROBE_INTERVAL_MAX = 128
 PROBE_TIME_SHARE = 0.01  # at most this share of step time pays for probe columns
-PROBE_CHARGE_STEPS = 4  # at most this many plain steps' time (and one more a row it opened) is charged for one
-# probing step's excess
+PROBE_CHARGE_STEPS = 4  # a probing step's excess is charged at most this many plain steps, + 1 a row it opened
 
 
 @dataclass

@@ -141,7 +141,7 @@ class StepCostModel:
         self._medians: list[float] = []
         self._counts: list[float] = []
         self._seen_at: list[int] = []
-        self._changed: set[int] = set()
+        self._changed: set[tuple[int, int, int]] = set()
         self._coefficients: tuple[float, ...] | None = None
         self._terms: tuple[int, ...] = BASE_TERMS
         self._terms_chosen_at = 0  # shapes known when the terms were last chosen
@@ -180,7 +180,7 @@ class StepCostModel:
         i = self._index[key]
         self._counts[i] = self._weight(i) + 1.0
         self._seen_at[i] = self.num_observations
-        self._changed.add(i)
+        self._changed.add(key)
         self.num_observations += 1
         self._pending += 1
         if self._pending >= REFIT_EVERY or (self._coefficients is None and len(self._samples) >= MIN_SHAPES):
@@ -209,9 +209,8 @@ class StepCostModel:
         shapes = len(self._medians)
         if shapes < MIN_SHAPES:
             return
-        keys = list(self._samples)
-        for i in self._changed:
-            self._medians[i] = statistics.median(self._samples[keys[i]])
+        for key in self._changed:
+            self._medians[self._index[key]] = statistics.median(self._samples[key])
         self._changed.clear()
         x, y = self._features.view(), np.array(self._medians)
         if shapes >= TERMS_REGROWTH * self._terms_chosen_at:  # at first 0: shapes >= MIN_SHAPES > 0
